@@ -1,0 +1,45 @@
+/* cuda_stub.c — the CUDA entry points of a CPU-only build: each says clearly that CUDA was not
+ * built, so a GPU tensor never reaches a CPU kernel by accident. */
+#include "ac/cuda.h"
+
+#ifndef AC_WITH_CUDA
+
+#define NOT_BUILT()                                                                      \
+  AC_FAIL_HINT(AC_ERR_UNSUPPORTED,                                                       \
+               "reinstall with nvcc on PATH (or CUDA_HOME set) and ACCELERATE_C_NO_CUDA unset", \
+               "accelerate_c was built without CUDA")
+
+int ac_cuda_built(void) { return 0; }
+
+ac_result_t ac_cuda_device_count(int *count) {
+  if (!count) return AC_FAIL(AC_ERR_INVALID_ARG, "count is NULL");
+  *count = 0;
+  return AC_OK;
+}
+
+ac_result_t ac_cuda_stats(ac_dtype_t dt, const void *data, size_t n, float *dev_out, void *stream) {
+  (void)dt, (void)data, (void)n, (void)dev_out, (void)stream;
+  return NOT_BUILT();
+}
+
+ac_result_t ac_cuda_scale(ac_dtype_t dt, void *data, size_t n, float factor, const float *dev_factor,
+                          void *stream) {
+  (void)dt, (void)data, (void)n, (void)factor, (void)dev_factor, (void)stream;
+  return NOT_BUILT();
+}
+
+ac_result_t ac_cuda_unscale_check(ac_dtype_t dt, void *data, size_t n, const float *dev_inv_scale,
+                                  float *dev_found_inf, float *dev_sumsq, void *stream) {
+  (void)dt, (void)data, (void)n, (void)dev_inv_scale, (void)dev_found_inf, (void)dev_sumsq, (void)stream;
+  return NOT_BUILT();
+}
+
+ac_result_t ac_cuda_cast(ac_dtype_t src_dt, const void *src, ac_dtype_t dst_dt, void *dst, size_t n,
+                         void *stream) {
+  (void)src_dt, (void)src, (void)dst_dt, (void)dst, (void)n, (void)stream;
+  return NOT_BUILT();
+}
+
+#else
+typedef int ac_cuda_stub_unused_t; /* ISO C forbids an empty translation unit */
+#endif

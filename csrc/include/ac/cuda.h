@@ -1,0 +1,46 @@
+/* cuda.h — CUDA kernels over flat device buffers (built only when nvcc was found; otherwise
+ * every call returns AC_ERR_UNSUPPORTED, except ac_cuda_device_count which reports 0).
+ *
+ * Results stay on the device: outputs are device pointers, so a training step needs no
+ * device->host synchronisation until it must decide whether to skip the optimizer step.
+ * `stream` is a cudaStream_t (NULL = legacy default stream); all work is asynchronous on it.
+ * GPU reductions use atomics, so sums of squares are not bitwise reproducible run to run. */
+#ifndef AC_CUDA_H
+#define AC_CUDA_H
+
+#include "ac/kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 if this build contains the CUDA kernels. */
+int ac_cuda_built(void);
+
+/* Number of usable CUDA devices; 0 (and AC_OK) when there is no driver or no GPU. */
+ac_result_t ac_cuda_device_count(int *count);
+
+/* Accumulates statistics of a device buffer into dev_out (3 floats, device memory, zeroed by
+ * the caller before the first buffer): dev_out[0] += sum of squares, dev_out[1] =
+ * max(dev_out[1], max |x|, NaN ignored), dev_out[2] = 1 if any element is NaN or +-Inf. */
+ac_result_t ac_cuda_stats(ac_dtype_t dt, const void *data, size_t n, float *dev_out, void *stream);
+
+/* data[i] *= factor * (dev_factor ? *dev_factor : 1), in place. dev_factor lets a factor that
+ * was computed on the device (a clip coefficient) be applied without a host round trip. */
+ac_result_t ac_cuda_scale(ac_dtype_t dt, void *data, size_t n, float factor, const float *dev_factor,
+                          void *stream);
+
+/* GradScaler's unscale: data[i] *= *dev_inv_scale; *dev_found_inf = 1 if any result is NaN or
+ * +-Inf (never reset to 0 here). Also accumulates the sum of squares of the results into
+ * *dev_sumsq when dev_sumsq is not NULL, so a following clip needs no extra pass. */
+ac_result_t ac_cuda_unscale_check(ac_dtype_t dt, void *data, size_t n, const float *dev_inv_scale,
+                                  float *dev_found_inf, float *dev_sumsq, void *stream);
+
+/* dst[i] = (dst_dt) src[i] on the device. */
+ac_result_t ac_cuda_cast(ac_dtype_t src_dt, const void *src, ac_dtype_t dst_dt, void *dst, size_t n,
+                         void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* AC_CUDA_H */

@@ -1,0 +1,62 @@
+/* kernels.h — CPU kernels over flat buffers of fp32 / fp16 / bf16: the gradient post-processing
+ * (unscale, non-finite check, norms, clipping) and dtype casts.
+ *
+ * All functions work on `n` contiguous elements, are safe to call from any thread, split
+ * large buffers across the pool (ac_pool_*), and are deterministic for a given buffer and
+ * instruction set: partial results are combined in a fixed chunk order whatever the thread
+ * count. Arithmetic is done in fp32 (as torch's opmath does for 16-bit types) and rounded to
+ * nearest-even on store; sums of squares are accumulated in double. None is collective. */
+#ifndef AC_KERNELS_H
+#define AC_KERNELS_H
+
+#include "ac/ac.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { AC_F32 = 0, AC_F16 = 1, AC_BF16 = 2 } ac_dtype_t;
+#define AC_NUM_DTYPES 3
+
+/* Bytes per element (4 or 2); 0 for a value outside the enum. */
+size_t ac_dtype_size(ac_dtype_t dt);
+/* "float32", "float16", "bfloat16", or "invalid". */
+const char *ac_dtype_name(ac_dtype_t dt);
+
+/* Statistics of a buffer, in one read-only pass.
+ * sumsq: sum of x*x in double (NaN/Inf propagate as IEEE says); maxabs: largest |x|, NaN
+ * ignored, Inf included; nonfinite: 1 if any element is NaN or +-Inf. */
+typedef struct {
+  double sumsq;
+  float maxabs;
+  int nonfinite;
+} ac_stats_t;
+
+/* data[i] = data[i] * factor, in place. */
+ac_result_t ac_scale(ac_dtype_t dt, void *data, size_t n, float factor);
+
+/* Fills *out with the statistics of data[0..n). Empty buffers give {0, 0, 0}. */
+ac_result_t ac_stats(ac_dtype_t dt, const void *data, size_t n, ac_stats_t *out);
+
+/* *found = 1 if any element is NaN or +-Inf, else 0. */
+ac_result_t ac_nonfinite(ac_dtype_t dt, const void *data, size_t n, int *found);
+
+/* Fused: data[i] *= factor in place, and *out = statistics of the scaled values (the
+ * non-finite flag sees overflow caused by the scaling itself). One read and one write. */
+ac_result_t ac_scale_stats(ac_dtype_t dt, void *data, size_t n, float factor, ac_stats_t *out);
+
+/* dst[i] = (dst_dt) src[i]. Same dtype is a copy. Buffers must not overlap, except when
+ * src == dst with the same dtype (a no-op). */
+ac_result_t ac_cast(ac_dtype_t src_dt, const void *src, ac_dtype_t dst_dt, void *dst, size_t n);
+
+/* Instruction set used by the kernels: "avx2" (x86-64 with AVX2+FMA+F16C) or "scalar".
+ * ac_kernels_set_isa lets tests run both paths; asking for "avx2" on a CPU without it
+ * returns AC_ERR_UNSUPPORTED. The environment variable AC_KERNELS_ISA=scalar forces the
+ * portable path at start-up. */
+const char *ac_kernels_isa(void);
+ac_result_t ac_kernels_set_isa(const char *name);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* AC_KERNELS_H */

@@ -1,0 +1,310 @@
+/* dlpack_in.c — the DLPack consumer (versioned and legacy capsules) and the Buffer type that
+ * keeps a consumed tensor alive so per-step calls skip the capsule exchange entirely. */
+#include "pyac.h"
+
+#include <string.h>
+
+typedef struct {
+  PyObject_HEAD
+  pyac_view view;
+} BufferObject;
+
+/* PyErr_Fetch is deprecated from 3.12 and its replacement is missing before: hide the split. */
+static PyObject *take_exception(void) {
+#if PY_VERSION_HEX >= 0x030C0000
+  return PyErr_GetRaisedException();
+#else
+  PyObject *t, *v, *tb;
+  PyErr_Fetch(&t, &v, &tb);
+  PyErr_NormalizeException(&t, &v, &tb);
+  if (tb && v) PyException_SetTraceback(v, tb);
+  Py_XDECREF(t);
+  Py_XDECREF(tb);
+  return v;
+#endif
+}
+static void restore_exception(PyObject *exc) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyErr_SetRaisedException(exc);
+#else
+  PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+#endif
+}
+
+static const char *dtype_desc(DLDataType t, char *buf, size_t len) {
+  const char *kind = t.code == kDLInt ? "int" : t.code == kDLUInt ? "uint" : t.code == kDLFloat ? "float"
+                   : t.code == kDLBfloat ? "bfloat" : t.code == kDLComplex ? "complex"
+                   : t.code == kDLBool ? "bool" : "opaque";
+  snprintf(buf, len, "%s%u%s", kind, (unsigned)t.bits, t.lanes != 1 ? "xN" : "");
+  return buf;
+}
+
+static void release_managed(void *owner, int versioned) {
+  if (!owner) return;
+  if (versioned) {
+    DLManagedTensorVersioned *m = owner;
+    if (m->deleter) m->deleter(m);
+  } else {
+    DLManagedTensor *m = owner;
+    if (m->deleter) m->deleter(m);
+  }
+}
+
+void pyac_view_release(pyac_view *v) {
+  release_managed(v->owner, v->versioned);
+  v->owner = NULL;
+}
+
+/* Validates one DLTensor into *v (no ownership change). */
+static int check_tensor(const DLTensor *t, int where, const char *arg, pyac_view *v) {
+  char buf[32];
+  int dev = t->device.device_type;
+  if (where == PYAC_ON_CPU && dev != kDLCPU && dev != kDLCUDAHost) {
+    PyErr_Format(PyExc_TypeError,
+                 "%s: expected a CPU tensor, got DLPack device type %d%s", arg, dev,
+                 dev == kDLCUDA ? " (CUDA): use the cuda_* kernels" : "");
+    return -1;
+  }
+  if (where == PYAC_ON_CUDA && dev != kDLCUDA && dev != kDLCUDAManaged) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a CUDA tensor, got DLPack device type %d", arg, dev);
+    return -1;
+  }
+  if (t->dtype.lanes != 1) {
+    PyErr_Format(PyExc_TypeError, "%s: vector dtypes are not supported (%s)", arg,
+                 dtype_desc(t->dtype, buf, sizeof buf));
+    return -1;
+  }
+  if (t->dtype.code == kDLFloat && t->dtype.bits == 32) v->dt = AC_F32;
+  else if (t->dtype.code == kDLFloat && t->dtype.bits == 16) v->dt = AC_F16;
+  else if (t->dtype.code == kDLBfloat && t->dtype.bits == 16) v->dt = AC_BF16;
+  else {
+    PyErr_Format(PyExc_TypeError, "%s: dtype %s is not supported; expected float32, float16 or bfloat16",
+                 arg, dtype_desc(t->dtype, buf, sizeof buf));
+    return -1;
+  }
+  if (t->ndim < 0) {
+    PyErr_Format(PyExc_ValueError, "%s: negative ndim %d", arg, (int)t->ndim);
+    return -1;
+  }
+  size_t n = 1;
+  for (int32_t d = 0; d < t->ndim; d++) {
+    if (t->shape[d] < 0) {
+      PyErr_Format(PyExc_ValueError, "%s: negative extent %lld in dim %d", arg, (long long)t->shape[d], (int)d);
+      return -1;
+    }
+    if (t->shape[d] != 0 && n > SIZE_MAX / (size_t)t->shape[d]) {
+      PyErr_Format(PyExc_ValueError, "%s: element count overflows", arg);
+      return -1;
+    }
+    n *= (size_t)t->shape[d];
+  }
+  if (t->strides && n > 1) {
+    int64_t expect = 1;
+    for (int32_t d = t->ndim - 1; d >= 0; d--) {
+      if (t->shape[d] != 1 && t->strides[d] != expect) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: tensor is not contiguous (dim %d has stride %lld, expected %lld); call .contiguous() first",
+                     arg, (int)d, (long long)t->strides[d], (long long)expect);
+        return -1;
+      }
+      expect *= t->shape[d];
+    }
+  }
+  v->data = n ? (char *)t->data + t->byte_offset : NULL;
+  v->n = n;
+  v->device = t->device;
+  return 0;
+}
+
+/* Consumes a capsule: validate first (a rejected capsule stays usable and is freed by its own
+ * destructor), then rename it "used_..." and take ownership, as the DLPack spec requires. */
+static int view_from_capsule(PyObject *cap, int access, int where, const char *arg, pyac_view *v) {
+  if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+    if (!m) return -1;
+    if (m->version.major != AC_DLPACK_MAJOR) {
+      PyErr_Format(PyExc_BufferError, "%s: DLPack major version %u is not supported (this build reads %d.x)",
+                   arg, (unsigned)m->version.major, AC_DLPACK_MAJOR);
+      return -1;
+    }
+    if (access == PYAC_WRITE && (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY)) {
+      PyErr_Format(PyExc_ValueError, "%s: the producer exported read-only memory, but this kernel writes in place", arg);
+      return -1;
+    }
+    if (access == PYAC_WRITE && (m->flags & DLPACK_FLAG_BITMASK_IS_COPIED)) {
+      PyErr_Format(PyExc_ValueError, "%s: the producer exported a copy, so an in-place result would be lost", arg);
+      return -1;
+    }
+    if (check_tensor(&m->dl_tensor, where, arg, v) < 0) return -1;
+    if (PyCapsule_SetName(cap, "used_dltensor_versioned") < 0) return -1;
+    v->owner = m;
+    v->versioned = 1;
+    return 0;
+  }
+  if (PyCapsule_IsValid(cap, "dltensor")) {
+    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+    if (!m) return -1;
+    if (check_tensor(&m->dl_tensor, where, arg, v) < 0) return -1;
+    if (PyCapsule_SetName(cap, "used_dltensor") < 0) return -1;
+    v->owner = m;
+    v->versioned = 0;
+    return 0;
+  }
+  const char *name = PyCapsule_GetName(cap);
+  PyErr_Clear();
+  if (name && strncmp(name, "used_", 5) == 0)
+    PyErr_Format(PyExc_ValueError, "%s: this DLPack capsule was already consumed; export the tensor again", arg);
+  else
+    PyErr_Format(PyExc_TypeError, "%s: capsule '%s' is not a DLPack tensor", arg, name ? name : "(unnamed)");
+  return -1;
+}
+
+int pyac_view_from(PyObject *module, PyObject *obj, int access, int where, const char *arg, pyac_view *v) {
+  pyac_state *st = pyac_get_state(module);
+  memset(v, 0, sizeof *v);
+  if (PyObject_TypeCheck(obj, st->buffer_type)) {
+    /* Buffers are validated once at creation; the view is borrowed. */
+    const pyac_view *b = &((BufferObject *)obj)->view;
+    if (where == PYAC_ON_CPU && b->device.device_type != kDLCPU && b->device.device_type != kDLCUDAHost) {
+      PyErr_Format(PyExc_TypeError, "%s: Buffer is on a CUDA device: use the cuda_* kernels", arg);
+      return -1;
+    }
+    if (where == PYAC_ON_CUDA && b->device.device_type != kDLCUDA && b->device.device_type != kDLCUDAManaged) {
+      PyErr_Format(PyExc_TypeError, "%s: Buffer is not on a CUDA device", arg);
+      return -1;
+    }
+    *v = *b;
+    v->owner = NULL;
+    return 0;
+  }
+  if (PyCapsule_CheckExact(obj)) return view_from_capsule(obj, access, where, arg, v);
+
+  PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
+  if (!meth) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "%s: expected a tensor (an object with __dlpack__), got %s", arg,
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  PyObject *cap = NULL;
+  PyObject *kw = Py_BuildValue("{s:(ii)}", "max_version", AC_DLPACK_MAJOR, 0);
+  if (kw) {
+    PyObject *empty = PyTuple_New(0);
+    if (empty) cap = PyObject_Call(meth, empty, kw);
+    Py_XDECREF(empty);
+    Py_DECREF(kw);
+  }
+  if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) {
+    /* an older producer that does not know max_version: ask for a legacy capsule */
+    PyErr_Clear();
+    cap = PyObject_CallNoArgs(meth);
+  }
+  Py_DECREF(meth);
+  if (!cap) {
+    if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+      PyObject *exc = take_exception();
+      PyErr_Format(PyExc_TypeError, "%s: cannot export the tensor through DLPack: %S "
+                   "(tensors that require grad must be detached first)", arg, exc);
+      Py_DECREF(exc);
+    }
+    return -1;
+  }
+  if (!PyCapsule_CheckExact(cap)) {
+    PyErr_Format(PyExc_TypeError, "%s: __dlpack__ returned %s, not a capsule", arg, Py_TYPE(cap)->tp_name);
+    Py_DECREF(cap);
+    return -1;
+  }
+  int rc = view_from_capsule(cap, access, where, arg, v);
+  Py_DECREF(cap);
+  return rc;
+}
+
+/* ---- Buffer: a consumed tensor kept alive, validated once ---------------------------------- */
+
+static PyObject *buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"tensor", NULL};
+  PyObject *obj;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Buffer", kwlist, &obj)) return NULL;
+  PyObject *module = PyType_GetModule(type);
+  if (!module) return NULL;
+  if (PyObject_TypeCheck(obj, type)) {
+    /* two Buffers would share one owner and both release it */
+    PyErr_SetString(PyExc_TypeError, "tensor: already a Buffer");
+    return NULL;
+  }
+  pyac_view v;
+  /* A Buffer may be on either device; accept both by probing CPU first. */
+  if (pyac_view_from(module, obj, PYAC_WRITE, PYAC_ON_CPU, "tensor", &v) < 0) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) return NULL;
+    PyObject *cpu_err = take_exception();
+    if (pyac_view_from(module, obj, PYAC_WRITE, PYAC_ON_CUDA, "tensor", &v) < 0) {
+      PyErr_Clear();
+      restore_exception(cpu_err);
+      return NULL;
+    }
+    Py_DECREF(cpu_err);
+  }
+  BufferObject *self = (BufferObject *)type->tp_alloc(type, 0);
+  if (!self) {
+    pyac_view_release(&v);
+    return NULL;
+  }
+  self->view = v;
+  return (PyObject *)self;
+}
+
+static void buffer_dealloc(PyObject *op) {
+  BufferObject *self = (BufferObject *)op;
+  PyTypeObject *tp = Py_TYPE(op);
+  pyac_view_release(&self->view);
+  tp->tp_free(op);
+  Py_DECREF(tp);
+}
+
+static PyObject *buffer_get_numel(PyObject *op, void *c) {
+  (void)c;
+  return PyLong_FromSize_t(((BufferObject *)op)->view.n);
+}
+static PyObject *buffer_get_nbytes(PyObject *op, void *c) {
+  (void)c;
+  BufferObject *self = (BufferObject *)op;
+  return PyLong_FromSize_t(self->view.n * ac_dtype_size(self->view.dt));
+}
+static PyObject *buffer_get_dtype(PyObject *op, void *c) {
+  (void)c;
+  return PyUnicode_FromString(ac_dtype_name(((BufferObject *)op)->view.dt));
+}
+static PyObject *buffer_get_device(PyObject *op, void *c) {
+  (void)c;
+  BufferObject *self = (BufferObject *)op;
+  return Py_BuildValue("(ii)", (int)self->view.device.device_type, (int)self->view.device.device_id);
+}
+static PyObject *buffer_get_data_ptr(PyObject *op, void *c) {
+  (void)c;
+  return PyLong_FromVoidPtr(((BufferObject *)op)->view.data);
+}
+
+static PyGetSetDef buffer_getset[] = {
+    {"numel", buffer_get_numel, NULL, "number of elements", NULL},
+    {"nbytes", buffer_get_nbytes, NULL, "size in bytes", NULL},
+    {"dtype", buffer_get_dtype, NULL, "'float32', 'float16' or 'bfloat16'", NULL},
+    {"device", buffer_get_device, NULL, "(DLPack device type, device id)", NULL},
+    {"data_ptr", buffer_get_data_ptr, NULL, "address of the first element", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot buffer_slots[] = {
+    {Py_tp_new, buffer_new},
+    {Py_tp_dealloc, buffer_dealloc},
+    {Py_tp_getset, buffer_getset},
+    {Py_tp_doc, "Buffer(tensor): a contiguous float tensor consumed once through DLPack and kept "
+                "alive, so kernels called on it every step skip the capsule exchange."},
+    {0, NULL},
+};
+
+PyType_Spec pyac_buffer_spec = {
+    .name = "accelerate_c._C.Buffer",
+    .basicsize = sizeof(BufferObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = buffer_slots,
+};

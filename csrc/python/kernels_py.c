@@ -1,0 +1,262 @@
+/* kernels_py.c — Python entry points of the kernels: convert arguments, release the GIL around
+ * the work, map results. No algorithm lives here. */
+#include "pyac.h"
+
+#include "ac/cuda.h"
+#include "ac/pool.h"
+
+static int nargs_ok(const char *fn, Py_ssize_t nargs, Py_ssize_t want) {
+  if (nargs == want) return 1;
+  PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd given)", fn, want, nargs);
+  return 0;
+}
+
+static int get_float(PyObject *o, const char *arg, float *out) {
+  double d = PyFloat_AsDouble(o);
+  if (d == -1.0 && PyErr_Occurred()) {
+    PyErr_Format(PyExc_TypeError, "%s must be a number, got %s", arg, Py_TYPE(o)->tp_name);
+    return -1;
+  }
+  *out = (float)d;
+  return 0;
+}
+
+static PyObject *stats_tuple(const ac_stats_t *s) {
+  return Py_BuildValue("(ddO)", s->sumsq, (double)s->maxabs, s->nonfinite ? Py_True : Py_False);
+}
+
+static PyObject *py_scale_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  float f;
+  pyac_view v;
+  if (!nargs_ok("scale_", n, 2) || get_float(a[1], "factor", &f) < 0) return NULL;
+  if (pyac_view_from(m, a[0], PYAC_WRITE, PYAC_ON_CPU, "tensor", &v) < 0) return NULL;
+  ac_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = ac_scale(v.dt, v.data, v.n, f);
+  Py_END_ALLOW_THREADS pyac_view_release(&v);
+  if (r != AC_OK) return pyac_raise(m, r);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_stats(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  pyac_view v;
+  ac_stats_t s;
+  if (!nargs_ok("stats", n, 1)) return NULL;
+  if (pyac_view_from(m, a[0], PYAC_READ, PYAC_ON_CPU, "tensor", &v) < 0) return NULL;
+  ac_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = ac_stats(v.dt, v.data, v.n, &s);
+  Py_END_ALLOW_THREADS pyac_view_release(&v);
+  if (r != AC_OK) return pyac_raise(m, r);
+  return stats_tuple(&s);
+}
+
+static PyObject *py_nonfinite(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  pyac_view v;
+  int found = 0;
+  if (!nargs_ok("nonfinite", n, 1)) return NULL;
+  if (pyac_view_from(m, a[0], PYAC_READ, PYAC_ON_CPU, "tensor", &v) < 0) return NULL;
+  ac_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = ac_nonfinite(v.dt, v.data, v.n, &found);
+  Py_END_ALLOW_THREADS pyac_view_release(&v);
+  if (r != AC_OK) return pyac_raise(m, r);
+  return PyBool_FromLong(found);
+}
+
+static PyObject *py_scale_stats_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  float f;
+  pyac_view v;
+  ac_stats_t s;
+  if (!nargs_ok("scale_stats_", n, 2) || get_float(a[1], "factor", &f) < 0) return NULL;
+  if (pyac_view_from(m, a[0], PYAC_WRITE, PYAC_ON_CPU, "tensor", &v) < 0) return NULL;
+  ac_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = ac_scale_stats(v.dt, v.data, v.n, f, &s);
+  Py_END_ALLOW_THREADS pyac_view_release(&v);
+  if (r != AC_OK) return pyac_raise(m, r);
+  return stats_tuple(&s);
+}
+
+/* Fetches dst and src views; checks equal element counts. */
+static int cast_views(PyObject *m, PyObject *const *a, int where, pyac_view *dst, pyac_view *src) {
+  if (pyac_view_from(m, a[0], PYAC_WRITE, where, "dst", dst) < 0) return -1;
+  if (pyac_view_from(m, a[1], PYAC_READ, where, "src", src) < 0) {
+    pyac_view_release(dst);
+    return -1;
+  }
+  if (dst->n != src->n) {
+    PyErr_Format(PyExc_ValueError, "cast_: dst has %zu elements but src has %zu", dst->n, src->n);
+    pyac_view_release(dst);
+    pyac_view_release(src);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *py_cast_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  pyac_view d, s;
+  if (!nargs_ok("cast_", n, 2) || cast_views(m, a, PYAC_ON_CPU, &d, &s) < 0) return NULL;
+  ac_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = ac_cast(s.dt, s.data, d.dt, d.data, d.n);
+  Py_END_ALLOW_THREADS pyac_view_release(&d);
+  pyac_view_release(&s);
+  if (r != AC_OK) return pyac_raise(m, r);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_set_num_threads(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  if (!nargs_ok("set_num_threads", n, 1)) return NULL;
+  long k = PyLong_AsLong(a[0]);
+  if (k == -1 && PyErr_Occurred()) return NULL;
+  if (k < 1 || k > 1 << 20) {
+    PyErr_Format(PyExc_ValueError, "set_num_threads: n must be >= 1, got %ld", k);
+    return NULL;
+  }
+  ac_result_t r = ac_pool_set_threads((int)k);
+  if (r != AC_OK) return pyac_raise(m, r);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_get_num_threads(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  (void)m, (void)a;
+  if (!nargs_ok("get_num_threads", n, 0)) return NULL;
+  return PyLong_FromLong(ac_pool_get_threads());
+}
+
+static PyObject *py_kernel_isa(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  (void)m, (void)a;
+  if (!nargs_ok("kernel_isa", n, 0)) return NULL;
+  return PyUnicode_FromString(ac_kernels_isa());
+}
+
+static PyObject *py_set_kernel_isa(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  if (!nargs_ok("set_kernel_isa", n, 1)) return NULL;
+  const char *name = PyUnicode_AsUTF8(a[0]);
+  if (!name) return NULL;
+  ac_result_t r = ac_kernels_set_isa(name);
+  if (r != AC_OK) return pyac_raise(m, r);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_cuda_device_count(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  (void)a;
+  int c = 0;
+  if (!nargs_ok("cuda_device_count", n, 0)) return NULL;
+  ac_result_t r = ac_cuda_device_count(&c);
+  if (r != AC_OK) return pyac_raise(m, r);
+  return PyLong_FromLong(c);
+}
+
+/* ---- CUDA: results stay in device tensors; `stream` is a cudaStream_t as an int ---------- */
+
+static int get_stream(PyObject *o, void **out) {
+  *out = PyLong_AsVoidPtr(o);
+  if (!*out && PyErr_Occurred()) {
+    PyErr_Format(PyExc_TypeError, "stream must be an int (torch.cuda.Stream.cuda_stream), got %s",
+                 Py_TYPE(o)->tp_name);
+    return -1;
+  }
+  return 0;
+}
+
+/* A small float32 device tensor used as an output/input scalar slot. */
+static int device_f32(PyObject *m, PyObject *o, int access, size_t min_n, const char *arg, pyac_view *v) {
+  if (pyac_view_from(m, o, access, PYAC_ON_CUDA, arg, v) < 0) return -1;
+  if (v->dt != AC_F32 || v->n < min_n) {
+    PyErr_Format(PyExc_TypeError, "%s must be a float32 CUDA tensor of at least %zu elements", arg, min_n);
+    pyac_view_release(v);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *py_cuda_stats_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  pyac_view v, out;
+  void *stream;
+  if (!nargs_ok("cuda_stats_", n, 3) || get_stream(a[2], &stream) < 0) return NULL;
+  if (pyac_view_from(m, a[0], PYAC_READ, PYAC_ON_CUDA, "tensor", &v) < 0) return NULL;
+  if (device_f32(m, a[1], PYAC_WRITE, 3, "out", &out) < 0) {
+    pyac_view_release(&v);
+    return NULL;
+  }
+  ac_result_t r = ac_cuda_stats(v.dt, v.data, v.n, out.data, stream);
+  pyac_view_release(&v);
+  pyac_view_release(&out);
+  if (r != AC_OK) return pyac_raise(m, r);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_cuda_scale_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  pyac_view v, df = {0};
+  float f;
+  void *stream;
+  if (!nargs_ok("cuda_scale_", n, 4) || get_float(a[1], "factor", &f) < 0 || get_stream(a[3], &stream) < 0)
+    return NULL;
+  if (pyac_view_from(m, a[0], PYAC_WRITE, PYAC_ON_CUDA, "tensor", &v) < 0) return NULL;
+  if (a[2] != Py_None && device_f32(m, a[2], PYAC_READ, 1, "dev_factor", &df) < 0) {
+    pyac_view_release(&v);
+    return NULL;
+  }
+  ac_result_t r = ac_cuda_scale(v.dt, v.data, v.n, f, df.data, stream);
+  pyac_view_release(&v);
+  pyac_view_release(&df);
+  if (r != AC_OK) return pyac_raise(m, r);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_cuda_unscale_check_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  pyac_view v, inv, found, sq = {0};
+  void *stream;
+  if (!nargs_ok("cuda_unscale_check_", n, 5) || get_stream(a[4], &stream) < 0) return NULL;
+  if (pyac_view_from(m, a[0], PYAC_WRITE, PYAC_ON_CUDA, "tensor", &v) < 0) return NULL;
+  if (device_f32(m, a[1], PYAC_READ, 1, "inv_scale", &inv) < 0) goto fail_v;
+  if (device_f32(m, a[2], PYAC_WRITE, 1, "found_inf", &found) < 0) goto fail_inv;
+  if (a[3] != Py_None && device_f32(m, a[3], PYAC_WRITE, 1, "sumsq", &sq) < 0) goto fail_found;
+  ac_result_t r = ac_cuda_unscale_check(v.dt, v.data, v.n, inv.data, found.data, sq.data, stream);
+  pyac_view_release(&sq);
+  pyac_view_release(&found);
+  pyac_view_release(&inv);
+  pyac_view_release(&v);
+  if (r != AC_OK) return pyac_raise(m, r);
+  Py_RETURN_NONE;
+fail_found:
+  pyac_view_release(&found);
+fail_inv:
+  pyac_view_release(&inv);
+fail_v:
+  pyac_view_release(&v);
+  return NULL;
+}
+
+static PyObject *py_cuda_cast_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  pyac_view d, s;
+  void *stream;
+  if (!nargs_ok("cuda_cast_", n, 3) || get_stream(a[2], &stream) < 0) return NULL;
+  if (cast_views(m, a, PYAC_ON_CUDA, &d, &s) < 0) return NULL;
+  ac_result_t r = ac_cuda_cast(s.dt, s.data, d.dt, d.data, d.n, stream);
+  pyac_view_release(&d);
+  pyac_view_release(&s);
+  if (r != AC_OK) return pyac_raise(m, r);
+  Py_RETURN_NONE;
+}
+
+#define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
+
+PyMethodDef pyac_kernel_methods[] = {
+    FAST("scale_", py_scale_, "scale_(tensor, factor): tensor *= factor in place (CPU)."),
+    FAST("stats", py_stats, "stats(tensor) -> (sum_of_squares, max_abs, has_nonfinite) (CPU)."),
+    FAST("nonfinite", py_nonfinite, "nonfinite(tensor) -> True if any element is NaN or +-Inf (CPU)."),
+    FAST("scale_stats_", py_scale_stats_,
+         "scale_stats_(tensor, factor) -> stats of tensor after tensor *= factor, in one pass (CPU)."),
+    FAST("cast_", py_cast_, "cast_(dst, src): dst[:] = src converted to dst's dtype (CPU)."),
+    FAST("set_num_threads", py_set_num_threads, "set_num_threads(n): threads used by the CPU kernels."),
+    FAST("get_num_threads", py_get_num_threads, "get_num_threads() -> threads used by the CPU kernels."),
+    FAST("kernel_isa", py_kernel_isa, "kernel_isa() -> 'avx2' or 'scalar'."),
+    FAST("set_kernel_isa", py_set_kernel_isa, "set_kernel_isa(name): force 'avx2' or 'scalar' (tests)."),
+    FAST("cuda_device_count", py_cuda_device_count, "cuda_device_count() -> usable CUDA devices (0 if none)."),
+    FAST("cuda_stats_", py_cuda_stats_,
+         "cuda_stats_(tensor, out, stream): out[0] += sumsq, out[1] = max(out[1], maxabs), out[2] = 1 if non-finite."),
+    FAST("cuda_scale_", py_cuda_scale_,
+         "cuda_scale_(tensor, factor, dev_factor_or_None, stream): tensor *= factor * dev_factor."),
+    FAST("cuda_unscale_check_", py_cuda_unscale_check_,
+         "cuda_unscale_check_(tensor, inv_scale, found_inf, sumsq_or_None, stream): GradScaler's unscale."),
+    FAST("cuda_cast_", py_cuda_cast_, "cuda_cast_(dst, src, stream): dtype conversion on the device."),
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,72 @@
+/* module.c — the accelerate_c._C module: multi-phase init, module state, the one error mapper. */
+#include "pyac.h"
+
+#include "ac/cuda.h"
+
+PyObject *pyac_raise(PyObject *module, ac_result_t r) {
+  pyac_state *st = pyac_get_state(module);
+  const char *msg = ac_last_error();
+  PyObject *exc_args = Py_BuildValue("(s)", msg && *msg ? msg : ac_result_string(r));
+  if (!exc_args) return NULL;
+  PyObject *exc = PyObject_Call(st->core_error, exc_args, NULL);
+  Py_DECREF(exc_args);
+  if (!exc) return NULL;
+  PyObject *code = PyUnicode_FromString(ac_result_string(r));
+  if (code) {
+    /* e.code lets callers branch on the kind of failure without parsing the text */
+    PyObject_SetAttrString(exc, "code", code);
+    Py_DECREF(code);
+  }
+  PyErr_SetObject(st->core_error, exc);
+  Py_DECREF(exc);
+  ac_clear_error();
+  return NULL;
+}
+
+static int module_exec(PyObject *m) {
+  pyac_state *st = pyac_get_state(m);
+  st->core_error = PyErr_NewExceptionWithDoc(
+      "accelerate_c.CoreError", "An error reported by the accelerate_c C core; `code` names its kind.",
+      PyExc_RuntimeError, NULL);
+  if (!st->core_error || PyModule_AddObjectRef(m, "CoreError", st->core_error) < 0) return -1;
+  st->buffer_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &pyac_buffer_spec, NULL);
+  if (!st->buffer_type || PyModule_AddObjectRef(m, "Buffer", (PyObject *)st->buffer_type) < 0) return -1;
+  if (PyModule_AddObjectRef(m, "has_cuda", ac_cuda_built() ? Py_True : Py_False) < 0) return -1;
+  if (PyModule_AddStringConstant(m, "dlpack_version", "1.0") < 0) return -1;
+  return 0;
+}
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg) {
+  pyac_state *st = pyac_get_state(m);
+  Py_VISIT(st->core_error);
+  Py_VISIT(st->buffer_type);
+  return 0;
+}
+
+static int module_clear(PyObject *m) {
+  pyac_state *st = pyac_get_state(m);
+  Py_CLEAR(st->core_error);
+  Py_CLEAR(st->buffer_type);
+  return 0;
+}
+
+static void module_free(void *m) { module_clear((PyObject *)m); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "accelerate_c._C",
+    .m_doc = "accelerate_c's C core: gradient kernels, loss scaling, buckets, sharding, checkpoint I/O.",
+    .m_size = sizeof(pyac_state),
+    .m_methods = pyac_kernel_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&module_def); }

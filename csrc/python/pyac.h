@@ -1,0 +1,52 @@
+/* pyac.h (private) — what the files of the extension module share: module state, the error
+ * mapper, and the DLPack consumer that turns Python objects into raw buffer views. */
+#ifndef PYAC_H
+#define PYAC_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "ac/ac.h"
+#include "ac/dlpack.h"
+#include "ac/kernels.h"
+
+typedef struct {
+  PyObject *core_error;    /* accelerate_c.CoreError (subclass of RuntimeError) */
+  PyTypeObject *buffer_type; /* accelerate_c._C.Buffer */
+} pyac_state;
+
+static inline pyac_state *pyac_get_state(PyObject *module) {
+  return (pyac_state *)PyModule_GetState(module);
+}
+
+/* Raises CoreError carrying the core's last-error message for result `r`; returns NULL so
+ * callers can `return pyac_raise(mod, r);`. The one place where ac_result_t becomes Python. */
+PyObject *pyac_raise(PyObject *module, ac_result_t r);
+
+/* A borrowed view of a contiguous float buffer, obtained from a Buffer or a DLPack producer. */
+typedef struct {
+  void *data;
+  size_t n;
+  ac_dtype_t dt;
+  DLDevice device;
+  void *owner;   /* managed tensor to release after use; NULL when borrowed from a Buffer */
+  int versioned; /* which deleter signature `owner` has */
+} pyac_view;
+
+enum { PYAC_READ = 0, PYAC_WRITE = 1 };
+enum { PYAC_ON_CPU = 0, PYAC_ON_CUDA = 1 };
+
+/* Fills *v from `obj`: an accelerate_c._C.Buffer, a DLPack capsule ("dltensor" or
+ * "dltensor_versioned", consumed and renamed "used_..."), or any object with __dlpack__ (asked
+ * for a versioned capsule first, the legacy one if it refuses `max_version`). Checks device,
+ * dtype (float32/float16/bfloat16), contiguity and, for WRITE, that the memory is writable and
+ * not a copy. `arg` names the argument in error messages. Returns 0, or -1 with an exception.
+ * On success the caller must call pyac_view_release. */
+int pyac_view_from(PyObject *module, PyObject *obj, int access, int where, const char *arg, pyac_view *v);
+void pyac_view_release(pyac_view *v);
+
+/* Buffer type spec and the kernel function table (defined in their own files). */
+extern PyType_Spec pyac_buffer_spec;
+extern PyMethodDef pyac_kernel_methods[];
+
+#endif
