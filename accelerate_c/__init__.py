@@ -1,7 +1,25 @@
 """accelerate_c: Hugging Face accelerate's Accelerator, with a C core."""
 from . import _C
 from ._C import CoreError
+from .accelerator import Accelerator
+from .data_loader import skip_first_batches
+from .state import AcceleratorState, GradientState, PartialState
+from .utils import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProjectConfiguration,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["CoreError", "__version__"]
+__all__ = [
+    "Accelerator", "AcceleratorState", "AutocastKwargs", "CoreError", "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs", "DistributedType", "GradientAccumulationPlugin", "GradientState",
+    "GradScalerKwargs", "InitProcessGroupKwargs", "PartialState", "ProjectConfiguration", "skip_first_batches",
+    "__version__",
+]

@@ -31,6 +31,11 @@ static int module_exec(PyObject *m) {
   if (!st->core_error || PyModule_AddObjectRef(m, "CoreError", st->core_error) < 0) return -1;
   st->buffer_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &pyac_buffer_spec, NULL);
   if (!st->buffer_type || PyModule_AddObjectRef(m, "Buffer", (PyObject *)st->buffer_type) < 0) return -1;
+  PyObject *scaler = PyType_FromModuleAndSpec(m, &pyac_scaler_spec, NULL);
+  if (!scaler) return -1;
+  int rc = PyModule_AddObjectRef(m, "LossScaler", scaler);
+  Py_DECREF(scaler);
+  if (rc < 0) return -1;
   if (PyModule_AddObjectRef(m, "has_cuda", ac_cuda_built() ? Py_True : Py_False) < 0) return -1;
   if (PyModule_AddStringConstant(m, "dlpack_version", "1.0") < 0) return -1;
   return 0;

@@ -47,6 +47,7 @@ void pyac_view_release(pyac_view *v);
 
 /* Buffer type spec and the kernel function table (defined in their own files). */
 extern PyType_Spec pyac_buffer_spec;
+extern PyType_Spec pyac_scaler_spec;
 extern PyMethodDef pyac_kernel_methods[];
 
 #endif

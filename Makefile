@@ -1,0 +1,42 @@
+# make test  — set up .venv (pinned torch, tools), build the package, run the C and Python tests
+# make demo  — set up, then train the small example model (the main job)
+# make bench — set up, then run the benchmarks
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+TORCH   := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: all venv install test test-c test-py demo bench clean
+
+all: test
+
+$(VENV)/.deps: requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check $(TORCH)
+	$(PIP) install -q --disable-pip-version-check -r requirements-dev.txt
+	touch $@
+
+venv: $(VENV)/.deps
+
+# Always rebuilds (cheap when nothing changed): the extension must match the sources.
+install: venv
+	$(PIP) install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+
+test-c:
+	bash tests/c/run.sh
+
+test-py: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+test: install test-c test-py
+
+demo: install
+	$(PY) examples/train_gpt.py
+
+bench: install
+	$(PY) benchmarks/bench_kernels.py
+
+clean:
+	rm -rf build tests/c/bin accelerate_c/_C*.so *.egg-info

@@ -1,0 +1,561 @@
+"""The Accelerator: accelerate 1.15's public API, with gradient work done by the C core."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+from types import MethodType
+
+import torch
+
+from .autocast import AutocastForward, autocast_context
+from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
+from .grads import GradManager
+from .optimizer import AcceleratedOptimizer
+from .scaler import LossScaler
+from .scheduler import AcceleratedScheduler
+from .state import AcceleratorState, GradientState
+from .utils.dataclasses import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    PrecisionType,
+    ProjectConfiguration,
+    parse_choice_from_env,
+    parse_flag_from_env,
+)
+from .utils.operations import convert_outputs_to_fp32, pad_tensor, recursively_apply
+
+_split_batches = object()  # sentinel: tells "not passed" from False, as accelerate does
+
+_HANDLERS = (AutocastKwargs, GradScalerKwargs, DistributedDataParallelKwargs, InitProcessGroupKwargs)
+
+
+def _not_supported(name: str, value, when: str = "yet"):
+    raise NotImplementedError(f"Accelerator({name}={value!r}): not supported {when} by accelerate_c; "
+                              f"leave {name} at its default")
+
+
+class Accelerator:
+    """Creates the training state and wraps models, optimizers, schedulers and data loaders.
+
+    Parameters and their order are accelerate 1.15's, so positional and keyword calls bind the
+    same. Parameters for features accelerate_c has not built yet raise NotImplementedError
+    when given a non-default value, rather than being ignored."""
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool = _split_batches,
+        mixed_precision: PrecisionType | str | None = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        deepspeed_plugin=None,
+        fsdp_plugin=None,
+        torch_tp_plugin=None,
+        megatron_lm_plugin=None,
+        rng_types: list | None = None,
+        log_with=None,
+        project_dir: str | os.PathLike | None = None,
+        project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: list | None = None,
+        dynamo_backend=None,
+        dynamo_plugin=None,
+        deepspeed_plugins=None,
+        parallelism_config=None,
+    ):
+        for name, value in (("deepspeed_plugin", deepspeed_plugin), ("fsdp_plugin", fsdp_plugin),
+                            ("torch_tp_plugin", torch_tp_plugin), ("megatron_lm_plugin", megatron_lm_plugin),
+                            ("log_with", log_with), ("dynamo_plugin", dynamo_plugin),
+                            ("deepspeed_plugins", deepspeed_plugins), ("parallelism_config", parallelism_config)):
+            if value is not None:
+                _not_supported(name, value)
+        if dynamo_backend is not None and str(dynamo_backend).lower() != "no":
+            _not_supported("dynamo_backend", dynamo_backend)
+        for env in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+            if parse_flag_from_env(env):
+                raise NotImplementedError(f"{env}=true: DeepSpeed/FSDP sharding is not supported yet by accelerate_c")
+
+        # project
+        self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
+        if project_dir is not None and self.project_configuration.project_dir is None:
+            self.project_configuration.set_directories(project_dir)
+
+        # mixed precision: argument, then environment, then "no"
+        if mixed_precision is None:
+            mixed_precision = parse_choice_from_env("ACCELERATE_MIXED_PRECISION", "no")
+        mixed_precision = str(mixed_precision.value if isinstance(mixed_precision, PrecisionType) else mixed_precision)
+        if mixed_precision not in PrecisionType.list():
+            raise ValueError(f"Unknown mixed_precision mode: {mixed_precision!r}. Choose between "
+                             f"{PrecisionType.list()}")
+        if mixed_precision == "fp8":
+            raise NotImplementedError("mixed_precision='fp8' is not supported by accelerate_c; use 'bf16' or 'fp16'")
+
+        # kwargs handlers: one of each kind
+        self.autocast_handler = None
+        self.scaler_handler = None
+        self.ddp_handler = None
+        self.init_handler = None
+        seen = set()
+        for handler in kwargs_handlers or []:
+            if not isinstance(handler, KwargsHandler) or not isinstance(handler, _HANDLERS):
+                raise NotImplementedError(f"kwargs handler {type(handler).__name__} is not supported yet by "
+                                          f"accelerate_c (supported: {[h.__name__ for h in _HANDLERS]})")
+            if type(handler) in seen:
+                raise ValueError(f"You can only pass one {type(handler).__name__} in `kwargs_handlers`.")
+            seen.add(type(handler))
+            if isinstance(handler, AutocastKwargs):
+                self.autocast_handler = handler
+            elif isinstance(handler, GradScalerKwargs):
+                self.scaler_handler = handler
+            elif isinstance(handler, DistributedDataParallelKwargs):
+                self.ddp_handler = handler
+            else:
+                self.init_handler = handler
+
+        cpu = bool(cpu) or parse_flag_from_env("ACCELERATE_USE_CPU")
+        self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, _from_accelerator=True)
+
+        # gradient accumulation: argument or plugin, never both
+        if gradient_accumulation_plugin is not None:
+            if gradient_accumulation_steps != 1:
+                raise ValueError("You can only pass one of `gradient_accumulation_steps` and "
+                                 "`gradient_accumulation_plugin`: put num_steps in the plugin.")
+        else:
+            if gradient_accumulation_steps == 1:
+                raw = parse_choice_from_env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+                try:
+                    gradient_accumulation_steps = int(raw)
+                except ValueError:
+                    raise ValueError(f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={raw!r} is not an integer") from None
+            gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=gradient_accumulation_steps)
+        steps = gradient_accumulation_plugin.num_steps
+        if steps is None:
+            gradient_accumulation_plugin.num_steps = steps = 1
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {steps!r}")
+        self.gradient_state = GradientState(gradient_accumulation_plugin=gradient_accumulation_plugin)
+
+        # data loaders
+        if dataloader_config is None:
+            dataloader_config = DataLoaderConfiguration()
+        if split_batches is not _split_batches:
+            dataloader_config.split_batches = bool(split_batches)
+        if dataloader_config.dispatch_batches:
+            raise NotImplementedError("DataLoaderConfiguration(dispatch_batches=True) is not supported yet by "
+                                      "accelerate_c")
+        if dataloader_config.use_stateful_dataloader:
+            raise NotImplementedError("DataLoaderConfiguration(use_stateful_dataloader=True) is not supported "
+                                      "yet by accelerate_c")
+        self.dataloader_config = dataloader_config
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.rng_types = rng_types if rng_types is not None else ["generator"]
+
+        # mixed precision machinery. A deliberate difference from accelerate 1.15, which trains
+        # in fp32 when asked for fp16 on a CPU: we run fp16 autocast and loss scaling there too.
+        self.native_amp = mixed_precision in ("fp16", "bf16")
+        if mixed_precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError("mixed_precision='bf16' needs a GPU with bfloat16 support")
+        self.scaler = None
+        if mixed_precision == "fp16":
+            kw = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
+            scaler = LossScaler(**kw)
+            self.scaler = scaler if scaler.is_enabled() else None
+
+        self.step = 0
+        self._grads = GradManager()
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._custom_objects = []
+        self.flag_tensor = None
+
+    # ---- properties ---------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.use_distributed
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.state.mixed_precision
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool):
+        self.gradient_state.sync_gradients = value
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int):
+        self.gradient_state.plugin_kwargs["num_steps"] = steps
+        self.gradient_state._num_steps = steps
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def project_dir(self):
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self):
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    # ---- prepare --------------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        """Prepares models, optimizers, data loaders and schedulers; returns them in order.
+        Objects of other types come back unchanged."""
+        if device_placement is None:
+            device_placement = [None] * len(args)
+        elif len(device_placement) != len(args):
+            raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
+        out = list(args)
+        # models first, so their gradient buffers exist before optimizers are wrapped;
+        # schedulers last, since they need the wrapped optimizers
+        for kinds in ((torch.nn.Module,), (torch.optim.Optimizer, torch.utils.data.DataLoader),
+                      (torch.optim.lr_scheduler.LRScheduler,)):
+            for i, (obj, dp) in enumerate(zip(args, device_placement)):
+                if isinstance(obj, kinds) and not isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler)):
+                    out[i] = self._prepare_one(obj, dp)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _prepare_one(self, obj, device_placement):
+        if isinstance(obj, torch.nn.Module):
+            return self.prepare_model(obj, device_placement=device_placement)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self.prepare_optimizer(obj, device_placement=device_placement)
+        if isinstance(obj, torch.utils.data.DataLoader):
+            return self.prepare_data_loader(obj, device_placement=device_placement)
+        return self.prepare_scheduler(obj)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False):
+        """Moves the model to the device, wraps its forward in autocast (fp32 outputs) under
+        mixed precision and gives its trainable parameters flat gradient buffers."""
+        if device_placement is None:
+            device_placement = self.device_placement
+        if any(m is model for m in self._models):
+            return model
+        self._models.append(model)
+        if device_placement and not getattr(model, "hf_device_map", None):
+            model.to(self.device)
+        if self.native_amp and not hasattr(model, "_original_forward"):
+            model._original_forward = model.forward
+            kw = self.autocast_handler.to_kwargs() if self.autocast_handler is not None else None
+            fwd = model.forward
+            if hasattr(fwd, "__func__"):
+                wrapped = AutocastForward(fwd.__func__, self.mixed_precision, self.device.type, kw)
+                model.forward = MethodType(convert_outputs_to_fp32(wrapped), model)
+            else:
+                model.forward = convert_outputs_to_fp32(
+                    AutocastForward(fwd, self.mixed_precision, self.device.type, kw))
+        if not evaluation_mode:
+            self._grads.add_model(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        if device_placement is None:
+            device_placement = self.device_placement
+        for opt in self._optimizers:
+            if opt.optimizer is optimizer:
+                return opt
+        wrapped = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler,
+                                       grads=self._grads)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler):
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
+        optimizer = self._optimizers
+        for opt in self._optimizers:
+            if getattr(scheduler, "optimizer", None) is opt.optimizer:
+                optimizer = opt
+                break
+        wrapped = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                       split_batches=self.split_batches)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if isinstance(data_loader, DataLoaderShard):
+            return data_loader
+        if device_placement is None:
+            device_placement = self.device_placement
+        cfg = self.dataloader_config
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=self.num_processes, process_index=self.process_index,
+            split_batches=cfg.split_batches, put_on_device=device_placement, rng_types=list(self.rng_types),
+            dispatch_batches=cfg.dispatch_batches, even_batches=cfg.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=cfg.use_seedable_sampler,
+            data_seed=cfg.data_seed, non_blocking=cfg.non_blocking and bool(data_loader.pin_memory),
+            use_stateful_dataloader=cfg.use_stateful_dataloader)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        return skip_first_batches(dataloader, num_batches=num_batches)
+
+    # ---- the step -----------------------------------------------------------------------
+    def backward(self, loss, **kwargs):
+        """loss / gradient_accumulation_steps (and x the loss scale under fp16), then backward."""
+        loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    def _do_sync(self):
+        if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
+            self.step = 0
+            self.gradient_state._set_sync_gradients(True)
+        else:
+            self.step += 1
+            self.gradient_state._set_sync_gradients((self.step % self.gradient_state.num_steps) == 0)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models):
+        """Counts micro-steps: gradients sync (and optimizer/scheduler really step) every
+        gradient_accumulation_steps batches and at the end of the data loader."""
+        self._do_sync()
+        with contextlib.ExitStack() as stack:
+            if not self.sync_gradients:
+                for m in models:
+                    stack.enter_context(self.no_sync(m))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        """Skips gradient communication for the steps inside (a no-op on one process)."""
+        ctx = getattr(model, "no_sync", None) if self.use_distributed else None
+        with (ctx() if callable(ctx) else contextlib.nullcontext()):
+            yield
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model):
+        """Forces gradient sync on the next backward inside (a no-op on one process)."""
+        yield
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: AutocastKwargs | None = None):
+        """Runs the block under the Accelerator's mixed precision."""
+        handler = autocast_handler or self.autocast_handler
+        kw = handler.to_kwargs() if handler is not None else None
+        with autocast_context(self.mixed_precision if self.native_amp else "no", self.device.type, kw):
+            yield
+
+    def _opt_list(self, optimizer):
+        if optimizer is None:
+            return self._optimizers
+        return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+
+    def unscale_gradients(self, optimizer=None):
+        """Divides the gradients of the optimizer(s) by the loss scale (fp16 only), once per step."""
+        if self.scaler is None:
+            return
+        inv = 1.0 / self.scaler.get_scale()
+        for opt in self._opt_list(optimizer):
+            params = opt._params() if isinstance(opt, AcceleratedOptimizer) else \
+                [p for g in opt.param_groups for p in g["params"]]
+            touched, loose = self._grads.split(params)
+            self._grads.resync(list(touched))
+            self._grads.unscale(list(touched), loose, inv)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Unscales (fp16) and clips the gradients' total norm; returns that norm (before
+        clipping), as torch.nn.utils.clip_grad_norm_ does. When `parameters` are exactly the
+        trainable parameters of prepared models, the C core does it in one read pass and one
+        scaling pass per flat buffer."""
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        params = list(parameters)
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        trainable = [p for p in params if p.requires_grad]
+        groups = self._grads.full_groups(trainable) if trainable else None
+        if groups is not None and norm_type in (2.0, math.inf):
+            self._grads.resync(groups)
+            inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
+            total = self._grads.clip_norm_fused(groups, max_norm, norm_type, inv)
+            if total is not None:
+                return total
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value):
+        self.unscale_gradients()
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        self._grads.resync([g for g in self._grads.split(params)[0]])
+        torch.nn.utils.clip_grad_value_(params, clip_value)
+
+    # ---- collectives (single process: identity) -----------------------------------------
+    def gather(self, tensor):
+        """Concatenates `tensor` from all processes along dim 0 (itself on one process)."""
+        return tensor
+
+    def gather_for_metrics(self, input_data, use_gather_object: bool = False):
+        """gather(), minus the samples repeated to fill the last batch of the data loader."""
+        data = self.gather(input_data)
+        gs = self.gradient_state
+        if gs.end_of_dataloader and gs.remainder > 0:
+            def truncate(t):
+                return t[: gs.remainder]
+            if isinstance(data, list) and use_gather_object:
+                return data[: gs.remainder]
+            return recursively_apply(truncate, data)
+        return data
+
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+        """Sum or mean across processes (a scaled copy on one process)."""
+        if reduction not in ("sum", "mean", "none"):
+            raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+        return recursively_apply(lambda t: t.clone() * scale if scale != 1.0 else t.clone(), tensor)
+
+    def pad_across_processes(self, tensor, dim: int = 0, pad_index=0, pad_first: bool = False):
+        """Pads to the largest size along `dim` across processes (unchanged on one process)."""
+        return recursively_apply(lambda t: pad_tensor(t, t.shape[dim], dim, pad_index, pad_first), tensor)
+
+    def wait_for_everyone(self):
+        self.state.wait_for_everyone()
+
+    def print(self, *args, **kwargs):
+        self.state.print(*args, **kwargs)
+
+    def set_trigger(self):
+        self.flag_tensor = torch.tensor(1, device=self.device)
+
+    def check_trigger(self) -> bool:
+        if self.flag_tensor is None:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+        fired = bool(self.flag_tensor.item() >= 1)
+        if fired:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+        return fired
+
+    def main_process_first(self):
+        return self.state.main_process_first()
+
+    def local_main_process_first(self):
+        return self.state.local_main_process_first()
+
+    def split_between_processes(self, inputs, apply_padding: bool = False):
+        return self.state.split_between_processes(inputs, apply_padding=apply_padding)
+
+    def on_main_process(self, function):
+        return self.state.on_main_process(function)
+
+    def on_local_main_process(self, function):
+        return self.state.on_local_main_process(function)
+
+    def on_last_process(self, function):
+        return self.state.on_last_process(function)
+
+    def on_process(self, function=None, process_index=None):
+        return self.state.on_process(function, process_index=process_index)
+
+    def on_local_process(self, function=None, local_process_index=None):
+        return self.state.on_local_process(function, local_process_index=local_process_index)
+
+    # ---- models and memory ---------------------------------------------------------------
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """The model as the user built it: without the fp32-output/autocast forward unless
+        keep_fp32_wrapper, without torch.compile's wrapper unless keep_torch_compile."""
+        if not keep_fp32_wrapper and "_original_forward" in model.__dict__:
+            model.forward = model.__dict__.pop("_original_forward")
+            if getattr(model.forward, "__self__", None) is model and \
+                    getattr(model.forward, "__func__", None) is getattr(type(model), "forward", None):
+                del model.forward  # back to the class's own forward
+        if not keep_torch_compile and hasattr(model, "_orig_mod"):
+            return model._orig_mod
+        return model
+
+    def free_memory(self, *objects):
+        """Drops the Accelerator's references to prepared objects (gradient buffers included)
+        and empties caches; returns `objects` as Nones, for `a, b = accelerator.free_memory(a, b)`."""
+        self._grads.clear()
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._custom_objects = []
+        self.step = 0
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None for _ in objects] if len(objects) != 1 else None
+
+    def clear(self, *objects):
+        return self.free_memory(*objects)
+
+    def end_training(self):
+        """Ends the run: waits for every process (no trackers are configured)."""
+        self.wait_for_everyone()
+
+    def __repr__(self):
+        return (f"Accelerator(device={self.device}, mixed_precision={self.mixed_precision!r}, "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}, "
+                f"num_processes={self.num_processes})")

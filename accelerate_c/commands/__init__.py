@@ -1,0 +1,1 @@
+"""The `accelerate-c` command line: one module per subcommand."""

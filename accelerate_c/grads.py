@@ -1,0 +1,271 @@
+"""Flat gradient buffers and the gradient post-processing that runs on them.
+
+At prepare() every trainable parameter of a model gets its `.grad` pointed at a range of one
+flat buffer per (dtype, device), so backward accumulates straight into it and the C core can
+unscale, check for overflow, measure and clip all gradients in one or two passes per buffer
+instead of one small kernel per tensor. The multi-process reducer buckets the same buffers.
+
+Users and libraries may still reset or replace `.grad` (model.zero_grad(), `p.grad = None`,
+`p.grad = t`): a post-accumulate-grad hook copies such a gradient into its range and points
+`.grad` back at it (what torch DDP's reducer does), and `resync()` catches assignments made
+after backward. A parameter that received no gradient since the last zero_grad is shown to
+the optimizer with `.grad = None`, as torch's set_to_none would, so optimizers that skip
+gradient-less parameters (Adam and most others) behave exactly as before.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _C
+
+_ALIGN = 32  # elements; each range starts on a 64-byte boundary or better
+_FINITE_MAX = {torch.float32: torch.finfo(torch.float32).max, torch.float16: torch.finfo(torch.float16).max,
+               torch.bfloat16: torch.finfo(torch.bfloat16).max}
+
+
+class GradGroup:
+    """One flat buffer holding the gradients of parameters sharing a dtype and device."""
+
+    def __init__(self, params, dtype, device):
+        self.params = list(params)
+        self.dtype = dtype
+        self.device = device
+        offsets, total = [], 0
+        for p in self.params:
+            offsets.append(total)
+            total += (p.numel() + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.offsets = offsets
+        self.flat = torch.zeros(total, dtype=dtype, device=device)
+        self.views = [self.flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
+        self.touched = [False] * len(self.params)
+        self.is_cuda = self.flat.device.type == "cuda"
+        # pointers are taken once here; per-step kernel calls pass this object, not a tensor
+        self.buf = None if self.is_cuda else _C.Buffer(self.flat)
+        self.needs_unscale = False
+        self.found_inf = False  # CPU: bool; CUDA: float32 device tensor (see unscale)
+        self.hooks = []
+        for i, (p, v) in enumerate(zip(self.params, self.views)):
+            p.grad = v
+            self.hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+
+    def _make_hook(self, i):
+        view = self.views[i]
+
+        def hook(p):
+            self.touched[i] = True
+            self.needs_unscale = True
+            g = p.grad
+            if g is not view:  # the grad was reset or replaced before this backward
+                view.copy_(g)
+                p.grad = view
+
+        return hook
+
+    def resync(self):
+        """Brings `.grad` assignments made outside backward back into the buffer."""
+        for i, (p, v) in enumerate(zip(self.params, self.views)):
+            g = p.grad
+            if g is v:
+                continue
+            if g is None:
+                v.zero_()
+                self.touched[i] = False
+            else:
+                if g.shape != v.shape:
+                    raise ValueError(f"a gradient of shape {tuple(g.shape)} was assigned to a parameter of shape "
+                                     f"{tuple(v.shape)}")
+                v.copy_(g)
+                self.touched[i] = True
+            p.grad = v
+
+    def zero_(self, indices=None):
+        if indices is None or len(indices) == len(self.params):
+            self.flat.zero_()
+            self.touched = [False] * len(self.params)
+        else:
+            for i in indices:
+                self.views[i].zero_()
+                self.touched[i] = False
+        self.needs_unscale = False
+        self.found_inf = False
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        for p, v in zip(self.params, self.views):
+            if p.grad is v:
+                p.grad = v.clone()
+
+    # ---- kernels ------------------------------------------------------------------------
+    def stats(self):
+        """(sum of squares, max |g|, any non-finite) of the raw buffer (CPU only)."""
+        return _C.stats(self.buf)
+
+    def scale_(self, factor: float):
+        if factor == 1.0:
+            return
+        if self.is_cuda:
+            _C.cuda_scale_(self.flat, factor, None, torch.cuda.current_stream(self.device).cuda_stream)
+        else:
+            _C.scale_(self.buf, factor)
+
+    def unscale_(self, inv_scale: float):
+        """GradScaler's unscale_ over the whole buffer: one pass that scales and checks."""
+        if self.is_cuda:
+            inv = torch.full((1,), inv_scale, dtype=torch.float32, device=self.device)
+            found = torch.zeros(1, dtype=torch.float32, device=self.device)
+            _C.cuda_unscale_check_(self.flat, inv, found, None, torch.cuda.current_stream(self.device).cuda_stream)
+            self.found_inf = found  # stays on the device until the step needs it
+        else:
+            _, _, nonfinite = _C.scale_stats_(self.buf, inv_scale)
+            self.found_inf = bool(nonfinite)
+        self.needs_unscale = False
+
+    def found_inf_now(self) -> bool:
+        f = self.found_inf
+        return bool(f.item()) if torch.is_tensor(f) else bool(f)
+
+
+class GradManager:
+    """All flat gradient groups of one Accelerator, and the operations the step needs."""
+
+    def __init__(self):
+        self.groups: list[GradGroup] = []
+        self.where: dict[int, tuple[GradGroup, int]] = {}  # id(param) -> (group, index)
+
+    def add_model(self, model: torch.nn.Module):
+        by_key: dict = {}
+        for p in model.parameters():
+            if not p.requires_grad or id(p) in self.where:
+                continue  # frozen params need no buffer; shared params are registered once
+            if p.is_sparse or p.layout != torch.strided:
+                raise ValueError("sparse or non-strided parameters are not supported by the gradient buffers")
+            by_key.setdefault((p.dtype, p.device), [])
+            if all(q is not p for q in by_key[(p.dtype, p.device)]):
+                by_key[(p.dtype, p.device)].append(p)
+        for (dtype, device), params in by_key.items():
+            if dtype not in _FINITE_MAX:
+                raise TypeError(f"parameters of dtype {dtype} are not supported (float32/float16/bfloat16 only)")
+            g = GradGroup(params, dtype, device)
+            self.groups.append(g)
+            for i, p in enumerate(params):
+                self.where[id(p)] = (g, i)
+
+    def clear(self):
+        for g in self.groups:
+            g.remove()
+        self.groups, self.where = [], {}
+
+    def split(self, params):
+        """Groups touched by `params`, as {group: [indices]}, plus the params we do not manage."""
+        touched, loose = {}, []
+        for p in params:
+            hit = self.where.get(id(p))
+            if hit is None:
+                loose.append(p)
+            else:
+                touched.setdefault(hit[0], []).append(hit[1])
+        return touched, loose
+
+    def full_groups(self, params):
+        """The groups exactly covered by `params`, or None if params cover a partial group or
+        include a trainable parameter we do not manage (then the generic path is used)."""
+        touched, loose = self.split(params)
+        if any(p.grad is not None for p in loose):
+            return None
+        for g, idx in touched.items():
+            if len(set(idx)) != len(g.params):
+                return None
+        return list(touched)
+
+    def resync(self, groups=None):
+        for g in self.groups if groups is None else groups:
+            g.resync()
+
+    def unscale(self, groups, loose, inv_scale: float) -> bool:
+        """Unscales what still carries the loss scale; returns True if any value is non-finite."""
+        found = False
+        for g in groups:
+            if g.needs_unscale:
+                g.unscale_(inv_scale)
+            found = found or g.found_inf_now()
+        for p in loose:
+            if p.grad is not None:
+                p.grad.mul_(inv_scale)
+                found = found or not bool(torch.isfinite(p.grad).all())
+        return found
+
+    def clip_norm_fused(self, groups, max_norm: float, norm_type: float, inv_scale: float | None):
+        """Total norm of the gradients in `groups` (unscaling first those that still carry the
+        loss scale, when inv_scale is given) and clip them to max_norm, with
+        torch.nn.utils.clip_grad_norm_'s formula. CPU: one read pass plus one scaling pass per
+        buffer. Returns the norm as a 0-dim float32 tensor (on the device for CUDA groups: no
+        host synchronisation). Returns None when the groups mix CPU and CUDA buffers."""
+        if all(g.is_cuda for g in groups) and groups:
+            return self._clip_cuda(groups, max_norm, norm_type, inv_scale)
+        if any(g.is_cuda for g in groups):
+            return None
+        per = []
+        for g in groups:
+            inv = inv_scale if (inv_scale is not None and g.needs_unscale) else 1.0
+            sumsq, maxabs, nonfinite = g.stats()
+            found = bool(nonfinite) or maxabs * inv > _FINITE_MAX[g.dtype]
+            per.append((g, inv, sumsq * inv * inv, maxabs * inv, found))
+        if norm_type == math.inf:
+            total = max((m for _, _, _, m, _ in per), default=0.0)
+        else:
+            total = math.sqrt(sum(s for _, _, s, _, _ in per))
+        any_found = any(f for *_, f in per)
+        if any_found:
+            total = math.nan if any(math.isnan(s) for _, _, s, _, _ in per) else math.inf
+        # a non-finite norm leaves the values merely unscaled: the step will be skipped anyway
+        coef = 1.0 if any_found else min(1.0, max_norm / (total + 1e-6))
+        for g, inv, _, _, found in per:
+            g.scale_(inv * coef)
+            if inv != 1.0:
+                g.needs_unscale = False
+                g.found_inf = found
+        return torch.tensor(total, dtype=torch.float32)
+
+    def _clip_cuda(self, groups, max_norm, norm_type, inv_scale):
+        device = groups[0].device
+        stream = torch.cuda.current_stream(device).cuda_stream
+        for g in groups:
+            if inv_scale is not None and g.needs_unscale:
+                g.unscale_(inv_scale)
+        acc = torch.zeros(3, dtype=torch.float32, device=device)  # sumsq, maxabs, non-finite
+        for g in groups:
+            _C.cuda_stats_(g.flat, acc, stream)
+        total = acc[1] if norm_type == math.inf else acc[0].sqrt()
+        total = torch.where(acc[2] > 0, torch.full_like(total, math.inf), total)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = torch.where(acc[2] > 0, torch.ones_like(coef), coef).reshape(1)
+        for g in groups:
+            _C.cuda_scale_(g.flat, 1.0, coef, stream)
+        return total
+
+    def hide_untouched(self, params):
+        """Sets `.grad = None` on managed params that got no gradient since the last zero;
+        returns what to restore after the optimizer step."""
+        hidden = []
+        for p in params:
+            hit = self.where.get(id(p))
+            if hit is not None and not hit[0].touched[hit[1]] and p.grad is hit[0].views[hit[1]]:
+                p.grad = None
+                hidden.append((p, hit[0].views[hit[1]]))
+        return hidden
+
+    @staticmethod
+    def restore(hidden):
+        for p, v in hidden:
+            if p.grad is None:
+                p.grad = v
+
+    def zero(self, params):
+        touched, loose = self.split(params)
+        for g, idx in touched.items():
+            g.zero_(idx)
+        return loose

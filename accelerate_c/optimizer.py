@@ -1,0 +1,127 @@
+"""AcceleratedOptimizer: steps and zeroes only on sync steps, skips fp16 overflow steps."""
+from __future__ import annotations
+
+import torch
+
+from .state import AcceleratorState, GradientState
+from .utils.operations import send_to_device
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer (without re-running its __init__) so that, on the flat gradient
+    buffers of the prepared models:
+    - step() and zero_grad() act only when gradients are synchronised (end of accumulation);
+    - under fp16, step() unscales (once: clip_grad_norm_ may have done it already), skips the
+      update when a gradient is non-finite and updates the loss scale;
+    - zero_grad() zeroes the buffers in place (the `.grad` views survive), and parameters left
+      without a gradient are shown as `.grad = None` during the step, as set_to_none would."""
+
+    def __init__(self, optimizer, device_placement: bool = True, scaler=None, grads=None):
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self._grads = grads
+        self.accelerator_state = AcceleratorState()
+        self.gradient_state = GradientState()
+        self.device_placement = device_placement
+        self._is_overflow = False
+        if device_placement:
+            state_dict = self.optimizer.state_dict()
+            self.optimizer.load_state_dict(send_to_device(state_dict, self.accelerator_state.device))
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state):
+        self.optimizer.state = state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, param_groups):
+        self.optimizer.param_groups = param_groups
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults):
+        self.optimizer.defaults = defaults
+
+    def add_param_group(self, param_group):
+        self.optimizer.add_param_group(param_group)
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def _params(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def zero_grad(self, set_to_none=None):
+        if not self.gradient_state.sync_gradients:
+            return
+        params = self._params()
+        loose = self._grads.zero(params) if self._grads is not None else params
+        # parameters outside the buffers keep torch's semantics
+        for p in loose:
+            if p.grad is None:
+                continue
+            if set_to_none is None or set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    def step(self, closure=None):
+        if not self.gradient_state.sync_gradients:
+            return
+        params = self._params()
+        found_inf = False
+        if self._grads is not None:
+            touched, loose = self._grads.split(params)
+            groups = list(touched)
+            self._grads.resync(groups)
+            if self.scaler is not None and self.scaler.is_enabled():
+                found_inf = self._grads.unscale(groups, loose, 1.0 / self.scaler.get_scale())
+        if found_inf:
+            self._is_overflow = True
+        else:
+            self._is_overflow = False
+            hidden = self._grads.hide_untouched(params) if self._grads is not None else []
+            try:
+                self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            finally:
+                if hidden:
+                    self._grads.restore(hidden)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+
+    def train(self):
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+
+    def eval(self):
+        if callable(getattr(self.optimizer, "eval", None)):
+            self.optimizer.eval()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step() was skipped because of an fp16 overflow."""
+        return self._is_overflow
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_grads"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._grads = None
+
+    def __repr__(self):
+        return f"AcceleratedOptimizer({self.optimizer!r})"

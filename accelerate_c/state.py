@@ -1,0 +1,229 @@
+"""Process-wide state: which device, how many processes, mixed precision, accumulation.
+
+Like accelerate, the states are shared singletons (every `AcceleratorState()` sees the same
+values), so library code can ask for them without a handle on the Accelerator. Unlike
+accelerate, constructing a new Accelerator re-initialises them instead of refusing with
+"restart your runtime": notebooks and test suites build several in one process.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, parse_flag_from_env
+
+
+class PartialState:
+    """Device and process layout, without any training configuration."""
+
+    _shared: dict = {}
+
+    def __init__(self, cpu: bool = False, **kwargs):
+        self.__dict__ = self._shared
+        if self.initialized:
+            return
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:
+            raise NotImplementedError(
+                f"WORLD_SIZE={world}: multi-process training is not supported yet by accelerate_c "
+                "(it lands with `accelerate-c launch`); run a single process")
+        cpu = cpu or parse_flag_from_env("ACCELERATE_USE_CPU")
+        self.num_processes = 1
+        self.process_index = 0
+        self.local_process_index = 0
+        self.backend = None
+        self.distributed_type = DistributedType.NO
+        if not cpu and torch.cuda.is_available():
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.use_cpu = self.device.type == "cpu"
+        self.fork_launched = False
+
+    @property
+    def initialized(self) -> bool:
+        return "device" in self._shared
+
+    @classmethod
+    def _reset_state(cls):
+        cls._shared.clear()
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    def wait_for_everyone(self):
+        """Barrier across processes (nothing to wait for on one process)."""
+        if self.use_distributed:
+            torch.distributed.barrier()
+
+    @contextmanager
+    def _goes_first(self, is_main: bool):
+        if not is_main:
+            self.wait_for_everyone()
+        yield
+        if is_main:
+            self.wait_for_everyone()
+
+    @contextmanager
+    def main_process_first(self):
+        with self._goes_first(self.is_main_process):
+            yield
+
+    @contextmanager
+    def local_main_process_first(self):
+        with self._goes_first(self.is_local_main_process):
+            yield
+
+    @contextmanager
+    def split_between_processes(self, inputs, apply_padding: bool = False):
+        """Yields this process's share of a list/tuple/dict-of-lists/tensor (the whole input on one process)."""
+        if self.num_processes == 1:
+            yield inputs
+            return
+        raise NotImplementedError("split_between_processes across processes lands with multi-process support")
+
+    def print(self, *args, **kwargs):
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def _run_if(self, cond, function):
+        def wrapper(*args, **kwargs):
+            if cond():
+                return function(*args, **kwargs)
+            return None
+
+        wrapper.__wrapped__ = function
+        wrapper.__name__ = getattr(function, "__name__", "wrapper")
+        wrapper.__doc__ = getattr(function, "__doc__", None)
+        return wrapper
+
+    def on_main_process(self, function):
+        return self._run_if(lambda: self.is_main_process, function)
+
+    def on_local_main_process(self, function):
+        return self._run_if(lambda: self.is_local_main_process, function)
+
+    def on_last_process(self, function):
+        return self._run_if(lambda: self.is_last_process, function)
+
+    def on_process(self, function=None, process_index: int | None = None):
+        if function is None:
+            return lambda f: self.on_process(f, process_index=process_index)
+        return self._run_if(lambda: self.process_index == process_index, function)
+
+    def on_local_process(self, function=None, local_process_index: int | None = None):
+        if function is None:
+            return lambda f: self.on_local_process(f, local_process_index=local_process_index)
+        return self._run_if(lambda: self.local_process_index == local_process_index, function)
+
+    def __repr__(self):
+        return (f"Distributed environment: {self.distributed_type}\nNum processes: {self.num_processes}\n"
+                f"Process index: {self.process_index}\nLocal process index: {self.local_process_index}\n"
+                f"Device: {self.device}\n")
+
+
+class AcceleratorState(PartialState):
+    """PartialState plus the training configuration (mixed precision)."""
+
+    _shared: dict = PartialState._shared
+
+    def __init__(self, mixed_precision: str | None = None, cpu: bool = False, _from_accelerator: bool = False,
+                 **kwargs):
+        self.__dict__ = self._shared
+        if _from_accelerator:
+            self._reset_state()
+        PartialState.__init__(self, cpu=cpu)
+        if "mixed_precision" not in self._shared or _from_accelerator:
+            self.mixed_precision = "no" if mixed_precision is None else str(mixed_precision)
+
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = True):
+        cls._shared.clear()
+
+
+class GradientState:
+    """Whether this step synchronises gradients, and where the active data loader stands."""
+
+    _shared: dict = {}
+
+    def __init__(self, gradient_accumulation_plugin: GradientAccumulationPlugin | None = None):
+        self.__dict__ = self._shared
+        if not self._shared or gradient_accumulation_plugin is not None:
+            plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(num_steps=1)
+            self.sync_gradients = True
+            self.active_dataloader = None
+            self.dataloader_references = [None]
+            self.plugin_kwargs = plugin.to_kwargs()
+            self.plugin_kwargs.setdefault("num_steps", plugin.num_steps or 1)
+            self._num_steps = plugin.num_steps or 1
+            self._adjust_scheduler = plugin.adjust_scheduler
+            self._sync_with_dataloader = plugin.sync_with_dataloader
+            self._sync_each_batch = plugin.sync_each_batch
+
+    @classmethod
+    def _reset_state(cls):
+        cls._shared.clear()
+
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    @property
+    def adjust_scheduler(self) -> bool:
+        return self._adjust_scheduler
+
+    @property
+    def sync_with_dataloader(self) -> bool:
+        return self._sync_with_dataloader
+
+    @property
+    def sync_each_batch(self) -> bool:
+        return self._sync_each_batch
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self._shared)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return bool(self.active_dataloader is not None and self.active_dataloader.end_of_dataloader)
+
+    @property
+    def remainder(self) -> int:
+        return -1 if self.active_dataloader is None else self.active_dataloader.remainder
+
+    @property
+    def in_dataloader(self) -> bool:
+        return self.active_dataloader is not None
+
+    def _set_sync_gradients(self, sync_gradients: bool):
+        self.sync_gradients = sync_gradients
+
+    def _add_dataloader(self, dataloader):
+        self.active_dataloader = dataloader
+        self.dataloader_references.append(dataloader)
+
+    def _remove_dataloader(self, dataloader):
+        if dataloader in self.dataloader_references:
+            self.dataloader_references.remove(dataloader)
+        self.active_dataloader = self.dataloader_references[-1]
+
+    def __repr__(self):
+        return (f"Sync Gradients: {self.sync_gradients}\nAt end of current dataloader: {self.end_of_dataloader}\n"
+                f"Extra samples added: {self.remainder}\nGradient accumulation plugin: {self.plugin_kwargs}\n")

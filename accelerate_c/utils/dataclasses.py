@@ -1,0 +1,170 @@
+"""Configuration objects with accelerate 1.15's names, fields and defaults.
+
+A user's `from accelerate.utils import X` becomes `from accelerate_c.utils import X`.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+
+class _ChoiceEnum(str, enum.Enum):
+    """A string enum that compares equal to its value and lists its choices."""
+
+    def __str__(self):
+        return self.value
+
+    @classmethod
+    def list(cls):
+        return [m.value for m in cls]
+
+    @classmethod
+    def has(cls, value) -> bool:
+        return str(value) in cls.list()
+
+
+class DistributedType(_ChoiceEnum):
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+
+
+class PrecisionType(_ChoiceEnum):
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class RNGType(_ChoiceEnum):
+    TORCH = "torch"
+    CUDA = "cuda"
+    GENERATOR = "generator"
+
+
+class DDPCommunicationHookType(_ChoiceEnum):
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
+class KwargsHandler:
+    """Mixin for the kwargs dataclasses: `to_kwargs()` returns the fields changed from their defaults."""
+
+    def to_dict(self):
+        return copy.deepcopy(self.__dict__)
+
+    def to_kwargs(self):
+        default = self.__class__().to_dict()
+        return {k: v for k, v in self.to_dict().items() if default[k] != v}
+
+
+@dataclass
+class AutocastKwargs(KwargsHandler):
+    """Arguments for `torch.autocast` used under mixed precision."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+
+@dataclass
+class GradScalerKwargs(KwargsHandler):
+    """Dynamic loss-scale settings for fp16 (torch.amp.GradScaler's meaning and defaults)."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """Settings of the gradient reducer (torch DDP's names and defaults)."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = field(default_factory=dict)
+
+
+@dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    """Arguments for `torch.distributed.init_process_group`."""
+
+    backend: str | None = "nccl"
+    init_method: str | None = None
+    timeout: timedelta | None = None
+
+
+@dataclass
+class GradientAccumulationPlugin(KwargsHandler):
+    """How gradient accumulation behaves (accelerate's fields)."""
+
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How `prepare()` wraps data loaders (accelerate's fields and defaults)."""
+
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where checkpoints and logs go, and how checkpoints are named and pruned."""
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def set_directories(self, project_dir: str | None = None):
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
+
+    def __post_init__(self):
+        self.set_directories(self.project_dir)
+
+
+def parse_flag_from_env(key: str, default: bool = False) -> bool:
+    value = os.environ.get(key)
+    if value is None or value == "":
+        return default
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "y", "on"):
+        return True
+    if v in ("0", "false", "no", "n", "off"):
+        return False
+    raise ValueError(f"environment variable {key}={value!r} is not a boolean (use true/false or 1/0)")
+
+
+def parse_choice_from_env(key: str, default: str = "no") -> str:
+    value = os.environ.get(key)
+    return default if value is None or value == "" else value
