@@ -464,9 +464,10 @@ class Accelerator:
         """gather(), minus the samples repeated to fill the last batch of the data loader."""
         data = self.gather(input_data)
         gs = self.gradient_state
-        if gs.end_of_dataloader and gs.remainder > 0:
+        # duplicates exist only when several processes padded the last batch
+        if self.num_processes > 1 and gs.end_of_dataloader and gs.remainder > 0:
             def truncate(t):
-                return t[: gs.remainder]
+                return t[: gs.remainder] if t.dim() > 0 else t
             if isinstance(data, list) and use_gather_object:
                 return data[: gs.remainder]
             return recursively_apply(truncate, data)

@@ -124,10 +124,6 @@ class GradGroup:
             self.found_inf = bool(nonfinite)
         self.needs_unscale = False
 
-    def found_inf_now(self) -> bool:
-        f = self.found_inf
-        return bool(f.item()) if torch.is_tensor(f) else bool(f)
-
 
 class GradManager:
     """All flat gradient groups of one Accelerator, and the operations the step needs."""
@@ -186,16 +182,22 @@ class GradManager:
             g.resync()
 
     def unscale(self, groups, loose, inv_scale: float) -> bool:
-        """Unscales what still carries the loss scale; returns True if any value is non-finite."""
-        found = False
+        """Unscales what still carries the loss scale; returns True if any value is non-finite.
+        CUDA flags are combined on the device first: one device->host sync per call."""
+        found, device_flags = False, []
         for g in groups:
             if g.needs_unscale:
                 g.unscale_(inv_scale)
-            found = found or g.found_inf_now()
+            if torch.is_tensor(g.found_inf):
+                device_flags.append(g.found_inf)
+            else:
+                found = found or g.found_inf
         for p in loose:
             if p.grad is not None:
                 p.grad.mul_(inv_scale)
                 found = found or not bool(torch.isfinite(p.grad).all())
+        if device_flags and not found:
+            found = bool(torch.stack([f.reshape(()) for f in device_flags]).sum().item())
         return found
 
     def clip_norm_fused(self, groups, max_norm: float, norm_type: float, inv_scale: float | None):

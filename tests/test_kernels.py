@@ -678,7 +678,9 @@ def test_fork_while_another_thread_runs_kernels():
 
 def test_gil_released_during_kernels():
     _C.set_num_threads(2)
-    t = torch.ones(1 << 24)
+    n = 1 << 24
+    t = torch.ones(n)
+    h = torch.empty(n, dtype=torch.float16)
     counter = [0]
     stop = threading.Event()
 
@@ -686,25 +688,32 @@ def test_gil_released_during_kernels():
         while not stop.is_set():
             counter[0] += 1
 
+    kernels = {
+        "scale_": lambda: _C.scale_(t, 1.0),
+        "stats": lambda: _C.stats(t),
+        "nonfinite": lambda: _C.nonfinite(t),
+        "scale_stats_": lambda: _C.scale_stats_(t, 1.0),
+        "cast_": lambda: _C.cast_(h, t),
+    }
+    progress = dict.fromkeys(kernels, 0)
     old = sys.getswitchinterval()
     # a long switch interval: the spinning thread can only run while the main thread is in a
     # kernel call if that call released the GIL
-    sys.setswitchinterval(0.1)
+    sys.setswitchinterval(0.05)
     th = threading.Thread(target=spin)
     th.start()
-    progress = 0
     try:
-        time.sleep(0.05)  # let the thread start
-        for _ in range(4):
-            c0 = counter[0]
-            _C.scale_(t, 1.0)
-            progress += counter[0] - c0
-            c0 = counter[0]
-            _C.stats(t)
-            progress += counter[0] - c0
+        time.sleep(0.02)  # let the thread start
+        for _ in range(3):
+            for name, call in kernels.items():
+                c0 = counter[0]
+                call()
+                progress[name] += counter[0] - c0
     finally:
         stop.set()
         th.join(10)
         sys.setswitchinterval(old)
-    assert progress > 0, "no Python bytecode ran in another thread during kernel calls"
-    assert _C.stats(t) == (float(1 << 24), 1.0, False)
+    stuck = [name for name, p in progress.items() if p <= 0]
+    assert not stuck, f"no Python bytecode ran in another thread during {stuck}: GIL not released"
+    assert _C.stats(t) == (float(n), 1.0, False)
+    assert torch.equal(h, torch.ones(n, dtype=torch.float16))

@@ -401,7 +401,7 @@ TEST(f16_edge_cases) {
 
 TEST(f16_random_vs_reference) {
   tu_rng_t r = {0x1234567};
-  enum { N = 1 << 18 };
+  enum { N = 1 << 20 };
   for (int i = 0; i < N; i++) {
     uint32_t b = tu_rand32(&r);
     if (i & 1) /* half the samples in and around the fp16 range: exponents 2^-27 .. 2^17 */
@@ -472,7 +472,7 @@ TEST(bf16_edge_cases) {
 
 TEST(bf16_random_vs_reference) {
   tu_rng_t r = {0xabcdef};
-  enum { N = 1 << 18 };
+  enum { N = 1 << 20 };
   for (int i = 0; i < N; i++) {
     uint32_t b = tu_rand32(&r);
     if (i % 4 == 0) b = (b & 0xffff0000u) | 0x8000u; /* ties */

@@ -1,0 +1,524 @@
+"""Training-step throughput on CPU: accelerate_c vs accelerate 1.15 vs a plain torch loop.
+
+One process, one small GPT-style language model (benchmarks/models.py, ~14M parameters),
+bf16 autocast, gradient accumulation 2, gradient clipping at 1.0, AdamW and an LR schedule.
+One optimizer step = 2 micro-batches (forward, backward) + clip + optimizer.step +
+scheduler.step + zero_grad, and everything the libraries run around them (autocast and
+fp32-output wrappers, gradient hooks, data loader wrappers, accumulation bookkeeping) is
+inside the timed region. The contenders run the same code a user would write:
+
+  torch         autocast("cpu", bfloat16) forward; (loss / 2).backward(); on every 2nd
+                micro-batch clip_grad_norm_(params, 1.0), opt.step(), sched.step(),
+                opt.zero_grad(set_to_none=True); iterates the raw DataLoader
+  accelerate    accelerate 1.15's Accelerator(mixed_precision="bf16",
+                gradient_accumulation_steps=2): prepare(model, opt, loader, sched), then
+                    with accelerator.accumulate(model):
+                        loss = model(x, y); accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                        opt.step(); sched.step(); opt.zero_grad()
+  accelerate_c  the same code with `from accelerate_c import Accelerator`
+
+Repeats are interleaved: in every repeat each contender (in an order rotated from repeat to
+repeat) builds a fresh model, optimizer, scheduler and loader from the same seed, prepares
+them, runs --warmup untimed optimizer steps, then --steps timed ones. A repeat's sample is
+steps / seconds; the table gives the median and quartiles over repeats. Garbage collection is
+paused while timing. Before timing, the three contenders train --check-steps steps from the
+same seed and their losses are compared: accelerate_c must match plain torch within bf16
+tolerance, or the benchmark exits non-zero.
+
+Targets (a MISS is reported, not an error):
+  * median(accelerate_c) / median(accelerate) >= 1.00
+  * q1(accelerate_c) / median(torch) >= 0.98: the lower quartile of our steps/s against the
+    median of plain torch's
+
+A second, separate benchmark times the fp16 gradient post-processing that accelerate_c's C
+core replaces, on the same model's gradients: after one fp16-autocast backward with the loss
+scaled by 65536 (accelerate_c's Accelerator(mixed_precision="fp16")), it times
+  torch         torch.amp.GradScaler("cpu", init_scale=65536).unscale_(opt) +
+                torch.nn.utils.clip_grad_norm_(params, 1.0), on a copy of the same grads
+  accelerate_c  accelerator.clip_grad_norm_(model.parameters(), 1.0) (unscale + non-finite
+                check + norm + clip, fused in C over the flat gradient buffer)
+restoring the scaled gradients (untimed) before every call. The results are checked equal
+(gradients and norm within 1e-6 relative) first. Target: >= 1.5x faster (median vs median).
+
+    .venv/bin/python benchmarks/bench_step.py              # the full run (several minutes)
+    .venv/bin/python benchmarks/bench_step.py --quick      # smoke test, tiny model, < 60 s
+    .venv/bin/python benchmarks/bench_step.py --breakdown  # + where each contender's step goes
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from _common import (  # noqa: E402
+    Contender,
+    Summary,
+    cpu_model,
+    load_sample,
+    logical_cpus,
+    other_load,
+    other_load_between,
+    print_table,
+    run_interleaved,
+    verdict,
+)
+from models import GPT, PRESETS, TokenDataset, make_tokens  # noqa: E402
+
+import accelerate_c  # noqa: E402
+import accelerate_c.state  # noqa: E402
+from accelerate_c import _C  # noqa: E402
+
+try:
+    import accelerate  # noqa: E402
+    import accelerate.state  # noqa: E402
+    _ACCELERATE_ERROR = None
+except Exception as e:  # not installed, or broken
+    accelerate = None
+    _ACCELERATE_ERROR = f"{type(e).__name__}: {e}"
+
+SEED = 1234
+DATA_SEED = 4321
+ACCUM = 2
+MAX_NORM = 1.0
+LR = 3e-4
+WARMUP_LR_STEPS = 20
+TARGET_VS_ACCELERATE = 1.00  # median / median
+TARGET_VS_TORCH_Q1 = 0.98  # q1(ours) / median(torch)
+TARGET_FP16_SPEEDUP = 1.5
+FP16_SCALE = 65536.0
+FP16_RTOL = 1e-6
+# Losses of the three contenders after the same steps from the same seed: the computations are
+# the same bf16 autocast ops on the same data, and only the gradient norm (hence the clip
+# coefficient) is summed in a different order; a few bf16 ulps (2^-8 relative each) is plenty.
+LOSS_RTOL = 2e-2
+
+
+# ---- setup ------------------------------------------------------------------------------
+def reset_singletons():
+    """Fresh process-wide states, so every contender builds its Accelerator from scratch."""
+    if accelerate is not None:
+        accelerate.state.AcceleratorState._reset_state(True)
+        accelerate.state.GradientState._reset_state()
+    accelerate_c.state.AcceleratorState._reset_state()
+    accelerate_c.state.GradientState._reset_state()
+
+
+def build(cfg, dataset, batch_size):
+    """Model, AdamW, LR schedule and loader, the same for every contender (same seed)."""
+    torch.manual_seed(SEED)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP_LR_STEPS))
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=True)
+    return model, opt, sched, loader
+
+
+class Timers:
+    """Accumulates seconds per named phase (only used by --breakdown)."""
+
+    def __init__(self):
+        self.t = defaultdict(float)
+        self.last = time.perf_counter()
+
+    def mark(self, name):
+        now = time.perf_counter()
+        self.t[name] += now - self.last
+        self.last = now
+
+
+def torch_loop(model, opt, sched, loader, record=None, timers=None):
+    """Plain torch: yields after every optimizer step."""
+    mark = timers.mark if timers is not None else (lambda name: None)
+    it = iter(loader)
+    while True:
+        for _ in range(ACCUM):
+            x, y = next(it)
+            mark("data")
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, y)
+            mark("forward")
+            (loss / ACCUM).backward()
+            mark("backward")
+            if record is not None:
+                record.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        mark("clip")
+        opt.step()
+        mark("opt.step")
+        sched.step()
+        mark("sched.step")
+        opt.zero_grad(set_to_none=True)
+        mark("zero_grad")
+        yield
+
+
+def accelerator_loop(accelerator, model, opt, sched, loader, record=None, timers=None):
+    """The accelerate idiom (same code for accelerate and accelerate_c): yields after every
+    optimizer step (every 2nd micro-batch)."""
+    mark = timers.mark if timers is not None else (lambda name: None)
+    for x, y in loader:
+        mark("data")
+        with accelerator.accumulate(model):
+            mark("accumulate")
+            loss = model(x, y)
+            mark("forward")
+            accelerator.backward(loss)
+            mark("backward")
+            if record is not None:
+                record.append(loss.item())
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                mark("clip")
+            opt.step()
+            mark("opt.step")
+            sched.step()
+            mark("sched.step")
+            opt.zero_grad()
+            mark("zero_grad")
+        mark("accumulate")
+        if accelerator.sync_gradients:
+            yield
+
+
+def make_run(name, cfg, dataset, batch_size, record=None, timers=None):
+    """Builds contender `name` from scratch; returns (generator of optimizer steps, keepalive)."""
+    reset_singletons()
+    threads = torch.get_num_threads()
+    model, opt, sched, loader = build(cfg, dataset, batch_size)
+    if name == "torch":
+        return torch_loop(model, opt, sched, loader, record, timers), (model, opt, sched, loader)
+    mod = accelerate if name == "accelerate" else accelerate_c
+    accelerator = mod.Accelerator(mixed_precision="bf16", gradient_accumulation_steps=ACCUM)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    if torch.get_num_threads() != threads:  # keep every contender on the same thread count
+        print(f"note: {name} changed torch threads {threads} -> {torch.get_num_threads()}; restored")
+        torch.set_num_threads(threads)
+    gen = accelerator_loop(accelerator, model, opt, sched, loader, record, timers)
+    return gen, (accelerator, model, opt, sched, loader)
+
+
+# ---- the step benchmark -----------------------------------------------------------------
+def check_losses(names, cfg, dataset, batch_size, steps):
+    """Trains every contender `steps` optimizer steps from the same seed; compares the
+    per-micro-batch losses with plain torch's. Returns False if accelerate_c diverges."""
+    losses = {}
+    for name in names:
+        rec = []
+        gen, keep = make_run(name, cfg, dataset, batch_size, record=rec)
+        for _ in range(steps):
+            next(gen)
+        gen.close()
+        del gen, keep
+        losses[name] = rec
+    gc.collect()
+    ref = losses["torch"]
+    print(f"loss trajectory, {steps} optimizer steps ({steps * ACCUM} micro-batches) from the same seed:")
+    rows, ok = [], True
+    for name in names:
+        diffs = [abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses[name], ref)]
+        worst = max(diffs) if diffs else 0.0
+        good = len(losses[name]) == len(ref) and worst <= LOSS_RTOL
+        if not good and name == "accelerate_c":
+            ok = False
+        rows.append([name] + [f"{v:.5f}" for v in losses[name]] + [f"{worst:.1e}", "ok" if good else "DIVERGED"])
+    print_table(["contender"] + [f"mb{i}" for i in range(len(ref))] + ["max rel diff", "vs torch"], rows)
+    if not ok:
+        print(f"ERROR: accelerate_c's losses diverge from plain torch's (rtol {LOSS_RTOL})", file=sys.stderr)
+    elif any(r[-1] != "ok" for r in rows):
+        print(f"warning: accelerate's losses differ from plain torch's beyond rtol {LOSS_RTOL}")
+    print()
+    return ok
+
+
+def bench_steps(names, cfg, dataset, batch_size, repeats, steps, warmup):
+    """Interleaved repeats; returns ({name: [steps/s per repeat]}, {name: [s per step]})."""
+    rates = {n: [] for n in names}
+    per_step = {n: [] for n in names}
+    for r in range(repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            gen, keep = make_run(name, cfg, dataset, batch_size)
+            for _ in range(warmup):
+                next(gen)
+            gc.collect()
+            gc.disable()
+            try:
+                t_start = t_prev = time.perf_counter()
+                for _ in range(steps):
+                    next(gen)
+                    t = time.perf_counter()
+                    per_step[name].append(t - t_prev)
+                    t_prev = t
+            finally:
+                gc.enable()
+            rates[name].append(steps / (t_prev - t_start))
+            gen.close()
+            del gen, keep
+            gc.collect()
+        print(f"  repeat {r + 1}/{repeats}: " + ", ".join(f"{n} {rates[n][-1]:.3f}" for n in names) + " steps/s",
+              flush=True)
+    return rates, per_step
+
+
+def breakdown(names, cfg, dataset, batch_size, steps, warmup):
+    """Per-phase seconds per optimizer step for each contender (timers between the lines of
+    the loop; everything a library runs inside a call is charged to that call)."""
+    results = {}
+    for name in names:
+        timers = Timers()
+        gen, keep = make_run(name, cfg, dataset, batch_size, timers=timers)
+        for _ in range(warmup):
+            next(gen)
+        timers.t.clear()
+        gc.collect()
+        gc.disable()
+        try:
+            timers.last = t0 = time.perf_counter()
+            for _ in range(steps):
+                next(gen)
+            total = time.perf_counter() - t0
+        finally:
+            gc.enable()
+        gen.close()
+        del gen, keep
+        gc.collect()
+        results[name] = {k: v / steps for k, v in timers.t.items()}
+        results[name]["total"] = total / steps
+    phases = ["data", "accumulate", "forward", "backward", "clip", "opt.step", "sched.step", "zero_grad"]
+    rows = [[p] + [f"{results[n].get(p, 0.0) * 1e3:.2f}" for n in names] for p in phases]
+    rows.append(["(other)"] + [f"{(results[n]['total'] - sum(results[n].get(p, 0.0) for p in phases)) * 1e3:.2f}"
+                               for n in names])
+    rows.append(["total"] + [f"{results[n]['total'] * 1e3:.2f}" for n in names])
+    print(f"where a step goes (ms per optimizer step, mean of {steps} steps, one run each):")
+    print_table(["phase"] + names, rows)
+    print()
+
+
+# ---- the fp16 post-processing micro-benchmark ---------------------------------------------
+def bench_fp16_postprocess(cfg, dataset, batch_size, repeats):
+    """Returns (ok, {name: [seconds]}, info)."""
+    reset_singletons()
+    torch.manual_seed(SEED)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    accelerator = accelerate_c.Accelerator(mixed_precision="fp16")
+    model, opt = accelerator.prepare(model, opt)
+    if accelerator.scaler is None or accelerator.scaler.get_scale() != FP16_SCALE:
+        raise SystemExit(f"expected accelerate_c's fp16 loss scale to start at {FP16_SCALE}")
+    x = torch.stack([dataset[i][0] for i in range(batch_size)])
+    y = torch.stack([dataset[i][1] for i in range(batch_size)])
+    loss = model(x, y)
+    accelerator.backward(loss)  # loss * 65536 -> scaled grads in the flat buffers
+    groups = accelerator._grads.groups
+    saved = [g.flat.clone() for g in groups]
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not all(torch.isfinite(p.grad).all() for p in params):
+        raise SystemExit("the fp16 backward overflowed at scale 65536; cannot benchmark on these gradients")
+
+    # torch: a separately built model holding a copy of the same scaled grads
+    torch.manual_seed(SEED)
+    model_t = GPT(cfg)
+    params_t = [p for p in model_t.parameters() if p.requires_grad]
+    for p_t, p in zip(params_t, params):
+        p_t.grad = p.grad.detach().clone()
+    saved_t = [p.grad.clone() for p in params_t]
+    opt_t = torch.optim.AdamW(params_t, lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE)
+    scaler.scale(torch.ones((), dtype=torch.float32))  # creates the scale tensor, as scaler.scale(loss) would
+    unscaled = [False]
+
+    def torch_setup():
+        if unscaled[0]:
+            scaler.update()  # clears the per-optimizer "already unscaled" state (scale stays 65536)
+            unscaled[0] = False
+        for p, s in zip(params_t, saved_t):
+            p.grad.copy_(s)
+
+    def torch_fn():
+        scaler.unscale_(opt_t)
+        unscaled[0] = True
+        return torch.nn.utils.clip_grad_norm_(params_t, MAX_NORM)
+
+    def ours_setup():
+        for g, s in zip(groups, saved):
+            g.flat.copy_(s)  # in place: the .grad views stay valid
+            g.needs_unscale = True  # the scaler's state machine unscales once per step
+            g.found_inf = False
+
+    def ours_fn():
+        return accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+
+    # equality check, once, before timing
+    torch_setup()
+    norm_t = float(torch_fn())
+    ours_setup()
+    norm_o = float(ours_fn())
+    if scaler.get_scale() != FP16_SCALE or accelerator.scaler.get_scale() != FP16_SCALE:
+        raise SystemExit("a loss scale changed during the check")
+    worst = 0.0
+    for p, p_t in zip(params, params_t):
+        a, b = p.grad.double(), p_t.grad.double()
+        worst = max(worst, float(((a - b).abs() / b.abs().clamp_min(1e-30)).max()))
+    norm_rel = abs(norm_o - norm_t) / norm_t
+    ok = worst <= FP16_RTOL and norm_rel <= FP16_RTOL
+    info = dict(norm=norm_t, norm_rel=norm_rel, grad_rel=worst, clipped=norm_t > MAX_NORM,
+                numel=sum(p.numel() for p in params))
+    if not ok:
+        return ok, None, info
+
+    times = run_interleaved(
+        [Contender("torch", torch_fn, torch_setup), Contender("accelerate_c", ours_fn, ours_setup)],
+        repeats=repeats, warmup=1)
+    return ok, times, info
+
+
+# ---- main -------------------------------------------------------------------------------
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per contender (default 5)")
+    ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps per repeat (default 10)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per repeat (default 2)")
+    ap.add_argument("--check-steps", type=int, default=3, help="optimizer steps of the loss comparison (default 3)")
+    ap.add_argument("--model", choices=sorted(PRESETS), default="bench", help="model preset (default bench)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per micro-batch (default 8)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's block_size)")
+    ap.add_argument("--fp16-repeats", type=int, default=15, help="repeats of the fp16 micro-benchmark (>= 7)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: tiny model, 2 repeats, 2 steps")
+    ap.add_argument("--skip-accelerate", action="store_true", help="time torch and accelerate_c only")
+    ap.add_argument("--skip-fp16", action="store_true", help="skip the fp16 post-processing micro-benchmark")
+    ap.add_argument("--breakdown", action="store_true", help="also print where each contender's step goes")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.repeats, args.steps, args.warmup, args.check_steps = "tiny", 2, 2, 1, 2
+        args.fp16_repeats = 7
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.check_steps < 1:
+        ap.error("--repeats, --steps and --check-steps must be >= 1, --warmup >= 0")
+    args.fp16_repeats = max(7, args.fp16_repeats)
+
+    cfg = PRESETS[args.model]
+    seq = args.seq or cfg.block_size
+    if seq > cfg.block_size:
+        ap.error(f"--seq {seq} exceeds the model's block_size {cfg.block_size}")
+
+    names = ["torch", "accelerate", "accelerate_c"]
+    skip_note = None
+    if args.skip_accelerate:
+        skip_note = "accelerate skipped (--skip-accelerate): torch vs accelerate_c only"
+    elif accelerate is None:
+        skip_note = f"accelerate not importable ({_ACCELERATE_ERROR}): torch vs accelerate_c only"
+    if skip_note:
+        names.remove("accelerate")
+
+    micro_batches = ACCUM * (max(args.warmup + args.steps, args.check_steps) + 1) + 2  # + the loader's lookahead
+    dataset = TokenDataset(make_tokens(micro_batches * args.batch, seq, cfg.vocab_size, seed=DATA_SEED))
+    n_params = GPT(cfg).num_params()
+
+    print(f"bench_step: {cpu_model()}, {logical_cpus()} logical CPUs; torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), accelerate "
+          f"{getattr(accelerate, '__version__', 'n/a')}, accelerate_c {accelerate_c.__version__} "
+          f"(_C threads {_C.get_num_threads()}, kernels {_C.kernel_isa()})")
+    print(f"model '{args.model}': {n_params / 1e6:.1f}M parameters ({cfg.n_layer} layers, d_model {cfg.d_model}, "
+          f"{cfg.n_head} heads, vocab {cfg.vocab_size}); micro-batch {args.batch} x {seq} tokens, "
+          f"accumulation {ACCUM}, clip {MAX_NORM}, AdamW, bf16 autocast")
+    print(f"{args.repeats} repeats x {args.steps} timed optimizer steps (+{args.warmup} warm-up) per contender")
+    if skip_note:
+        print(f"NOTE: {skip_note}")
+    load = other_load(0.5)
+    if load is not None and load > 0.25:
+        print(f"warning: other processes keep ~{load:.1f} CPUs busy; numbers will be noisy")
+    print()
+
+    t_all = time.perf_counter()
+    if not check_losses(names, cfg, dataset, args.batch, args.check_steps):
+        return 1
+
+    if args.breakdown:
+        breakdown(names, cfg, dataset, args.batch, max(2, min(args.steps, 5)), args.warmup)
+
+    print("timing:")
+    a = load_sample()
+    rates, per_step = bench_steps(names, cfg, dataset, args.batch, args.repeats, args.steps, args.warmup)
+    load = other_load_between(a, load_sample())
+    print()
+
+    S = {n: Summary.of(rates[n]) for n in names}
+    P = {n: Summary.of(per_step[n]) for n in names}
+    rows = [[n, f"{S[n].median:.3f}", f"{S[n].q1:.3f}", f"{S[n].q3:.3f}", f"{1e3 / S[n].median:.1f}",
+             f"{P[n].median * 1e3:.1f}", f"{P[n].q1 * 1e3:.1f}", f"{P[n].q3 * 1e3:.1f}"] for n in names]
+    print(f"steps/s over {args.repeats} repeats (each: {args.steps} optimizer steps / their seconds); "
+          f"and the single steps' times pooled over repeats ({args.repeats * args.steps} per contender):")
+    print_table(["contender", "steps/s med", "q1", "q3", "ms/step (1/med)", "step ms med", "q1", "q3"], rows)
+    print()
+
+    ours = S["accelerate_c"]
+    ratio_rows = []
+    results = []
+    if "accelerate" in names:
+        r_med = ours.median / S["accelerate"].median
+        r_q1 = ours.q1 / S["accelerate"].median
+        ok = r_med >= TARGET_VS_ACCELERATE
+        results.append(ok)
+        ratio_rows.append(["accelerate_c / accelerate", f"{r_med:.3f}x", f"{r_q1:.3f}x",
+                           f">= {TARGET_VS_ACCELERATE:.2f}x (median)", verdict(ok)])
+    r_med = ours.median / S["torch"].median
+    r_q1 = ours.q1 / S["torch"].median
+    ok = r_q1 >= TARGET_VS_TORCH_Q1
+    results.append(ok)
+    ratio_rows.append(["accelerate_c / torch", f"{r_med:.3f}x", f"{r_q1:.3f}x",
+                       f">= {TARGET_VS_TORCH_Q1:.2f}x (q1)", verdict(ok)])
+    print("ratios of steps/s: median = median(accelerate_c) / median(other); "
+          "q1 = q1(accelerate_c) / median(other)")
+    print_table(["ratio", "median", "q1", "target", ""], ratio_rows)
+    if skip_note:
+        print(f"NOTE: {skip_note}")
+    if load is not None and load > 0.25:
+        print(f"warning: other processes kept ~{load:.1f} CPUs busy while timing; the numbers are noisy")
+    print(f"(step benchmark took {time.perf_counter() - t_all:.0f} s)")
+    print()
+
+    rc = 0
+    if not args.skip_fp16:
+        print(f"fp16 gradient post-processing (unscale + non-finite check + clip) on the same model's "
+              f"gradients, {args.fp16_repeats} interleaved repeats:")
+        a = load_sample()
+        ok, times, info = bench_fp16_postprocess(cfg, dataset, args.batch, args.fp16_repeats)
+        load = other_load_between(a, load_sample())
+        print(f"  {info['numel'] / 1e6:.1f}M fp32 gradient elements, loss scale {FP16_SCALE:g}; "
+              f"norm {info['norm']:.4f} ({'clipped' if info['clipped'] else 'not clipped'} at {MAX_NORM}); "
+              f"accelerate_c vs torch: norm rel diff {info['norm_rel']:.1e}, grads max rel diff "
+              f"{info['grad_rel']:.1e}")
+        if not ok:
+            print(f"ERROR: accelerate_c's unscale+clip differs from GradScaler + clip_grad_norm_ by more than "
+                  f"{FP16_RTOL:g} relative", file=sys.stderr)
+            return 1
+        T = {n: Summary.of(v) for n, v in times.items()}
+        rows = [[n, f"{T[n].median * 1e3:.2f}", f"{T[n].q1 * 1e3:.2f}", f"{T[n].q3 * 1e3:.2f}",
+                 f"{T[n].min * 1e3:.2f}"] for n in times]
+        print_table(["contender", "ms median", "q1", "q3", "min"], rows)
+        speedup = T["torch"].median / T["accelerate_c"].median
+        ok = speedup >= TARGET_FP16_SPEEDUP
+        results.append(ok)
+        print(f"  speedup (median torch / median accelerate_c): {speedup:.2f}x   target >= "
+              f"{TARGET_FP16_SPEEDUP:.1f}x   {verdict(ok)}")
+        if load is not None and load > 0.25:
+            print(f"warning: other processes kept ~{load:.1f} CPUs busy while timing; the numbers are noisy")
+        print()
+
+    print(f"total {time.perf_counter() - t_all:.0f} s; targets: "
+          f"{sum(results)}/{len(results)} PASS" + ("" if all(results) else " (a MISS is reported, not an error)"))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

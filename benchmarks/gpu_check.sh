@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The GPU session's one script (sized for < 5 minutes): build with the image's torch and nvcc,
+# run the CUDA tests, then the kernel and step benchmarks on the GPU. Prints everything;
+# copy the output into docs/gpu.md with the date.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+echo "== $(date -u) on $(hostname)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | head -3
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+echo "== build"
+ACCELERATE_C_CUDA_ARCHS="90" pip install --no-build-isolation --no-deps -q -e . 2>&1 | tail -5 || exit 1
+python -c "from accelerate_c import _C; print('has_cuda', _C.has_cuda, 'devices', _C.cuda_device_count())"
+echo "== CUDA tests"
+timeout 180 python -m pytest -q -x tests/test_cuda.py 2>&1 | tail -15
+echo "== benchmarks"
+timeout 120 python benchmarks/bench_step.py --quick --device cuda 2>&1 | tail -25 || true
+echo "== done $(date -u)"
