@@ -39,13 +39,23 @@ def _available_isas():
 AVAILABLE_ISAS = _available_isas()
 
 
-@pytest.fixture(autouse=True)
-def _restore_core_state():
+@pytest.fixture
+def restore_core_state():
     """Whatever a test does to the global ISA / thread count is undone afterwards."""
     isa, threads = _C.kernel_isa(), _C.get_num_threads()
     yield
     _C.set_kernel_isa(isa)
     _C.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def torch_single_thread():
+    """torch computes the references with one intra-op thread: on a small, busy machine its
+    OpenMP team otherwise spends most of the time waiting for CPUs (results are unaffected)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(params=["scalar", "avx2"])

@@ -484,3 +484,14 @@ def test_repr_and_state_repr_do_not_fail():
     assert "bf16" in repr(acc)
     assert "Num processes: 1" in repr(acc.state)
     assert "Sync Gradients" in repr(acc.gradient_state)
+
+
+def test_autocast_kwargs_disabled_gives_fp32_forward():
+    model = make_model(0)
+    ref = copy.deepcopy(model)
+    acc = Accelerator(mixed_precision="bf16", kwargs_handlers=[AutocastKwargs(enabled=False)])
+    model = acc.prepare(model)
+    x = torch.randn(5, 8)
+    assert torch.equal(model(x), ref(x))
+    with acc.autocast():
+        assert not torch.is_autocast_enabled("cpu")

@@ -29,7 +29,7 @@ from helpers import (  # noqa: F401  (fresh_state is an autouse fixture)
     torch_reference_train,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\(\)` has been overridden")
+pytestmark = pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")
 
 MIXED = ["no", "bf16", "fp16"]
 OPTIMS = ["sgd", "adamw"]
@@ -511,3 +511,21 @@ def test_clip_grad_norm_fp16_with_frozen_equals_torch_gradscaler(norm_type):
     for got, r in zip(norms, [r for r in ref if "batch" in r]):
         assert_rel(got, r["norm"])
     assert_params_close(model, ref_model, *tols("fp16"))
+
+
+def test_scaler_state_dict_types_and_round_trip_with_gradscaler():
+    kw = dict(init_scale=2.0 ** 12, growth_interval=2, backoff_factor=0.25)
+    accelerator, model, ref_model, scales, ref = _plain_fp16_run(kw, 5, bad=1)
+    ours = accelerator.scaler.state_dict()
+    theirs = ref[-1]["scaler_state"]
+    assert ours == theirs
+    assert {k: type(v) for k, v in ours.items()} == {k: type(v) for k, v in theirs.items()}
+    # a GradScaler loads our state and vice versa
+    g = torch.amp.GradScaler("cpu")
+    g.load_state_dict(ours)
+    assert g.state_dict() == theirs
+    other = torch.amp.GradScaler("cpu", init_scale=8.0, growth_factor=3.0, backoff_factor=0.125,
+                                 growth_interval=7)
+    accelerator.scaler.load_state_dict(other.state_dict())
+    assert accelerator.scaler.state_dict() == other.state_dict()
+    assert accelerator.scaler.get_scale() == 8.0

@@ -24,6 +24,8 @@ from conftest import (
     ref_stats,
 )
 
+pytestmark = pytest.mark.usefixtures("torch_single_thread", "restore_core_state")
+
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 
 _GetName = ctypes.pythonapi.PyCapsule_GetName
@@ -277,6 +279,11 @@ def test_numpy_arrays():
     assert_stats(_C.stats(h), torch.from_numpy(h.copy()))
     with pytest.raises(TypeError, match="float64"):
         _C.stats(np.zeros(3))
+    r = np.arange(8, dtype=np.float32)
+    for bad in (r[::-1], r[::2], r.reshape(2, 4).T):
+        with pytest.raises(ValueError, match="contiguous"):
+            _C.scale_(bad, 2.0)
+    assert np.array_equal(r, np.arange(8, dtype=np.float32))
 
 
 def test_read_only_memory_is_not_written():

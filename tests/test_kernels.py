@@ -30,6 +30,8 @@ from conftest import (
     wide_data,
 )
 
+pytestmark = pytest.mark.usefixtures("torch_single_thread", "restore_core_state")
+
 # 1e4 overflows fp16 for |x| > 6.55; 0.0 and -1.5 check sign handling; 1/65536 makes fp16
 # subnormals; 3.7 and 1e-3 are inexact so every element needs rounding.
 FACTORS = [0.5, 1.0 / 65536, 3.7, 1e-3, -1.5, 1e4, 0.0]
@@ -135,7 +137,8 @@ def tiled_specials(dtype, shift):
 def test_scale_special_values(isa, dtype):
     for shift in range(8):
         base = tiled_specials(dtype, shift)
-        for f in FACTORS + [2.0, 65536.0]:
+        # factors beyond fp32 range are rounded to fp32 first (to inf / 0), as torch does
+        for f in FACTORS + [2.0, 65536.0, -0.0, 1e300, -1e-50, math.inf, math.nan]:
             t = base.clone()
             ref = scale_ref(t, f)
             _C.scale_(t, f)
@@ -377,7 +380,7 @@ def test_heap_partials_path(isa):
     """More than 256 chunks (16 Mi elements): partial results live on the heap."""
     _C.set_num_threads(2)
     n = 256 * CHUNK + 70000
-    t = finite_data(n, torch.bfloat16, seed=9)
+    t = finite_data(2 * CHUNK + 7, torch.bfloat16, seed=9).repeat(129)[:n].clone()
     t[-1] = math.inf
     assert_stats(_C.stats(t), t)
     ref = scale_ref(t, 0.5)

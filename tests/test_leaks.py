@@ -12,6 +12,8 @@ import torch
 
 from accelerate_c import _C
 
+pytestmark = pytest.mark.usefixtures("torch_single_thread", "restore_core_state")
+
 MiB = 1 << 20
 # A leaked DLManagedTensor (+ its ATen reference, shape and strides) is >= 100 bytes, so 10**5
 # leaked calls would add >= 10 MiB; 8 MiB leaves room for allocator noise.

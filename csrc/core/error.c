@@ -5,8 +5,8 @@
 #include <stdio.h>
 #include <string.h>
 
-/* One buffer per thread: errors raised in a pool worker are copied to the caller by the
- * code that joins the work, so concurrent Python threads never see each other's message. */
+/* One buffer per thread, so concurrent Python threads never see each other's message. Pool
+ * tasks cannot fail today; a fallible task would have to hand its message to the caller. */
 static _Thread_local char tls_msg[1024];
 
 const char *ac_result_string(ac_result_t r) {

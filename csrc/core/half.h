@@ -1,5 +1,5 @@
 /* half.h (private) — scalar fp16/bf16 <-> fp32 conversions, round-to-nearest-even, matching
- * IEEE 754 and torch's c10::Half / c10::BFloat16 bit for bit (NaN -> 0x7e00 / 0x7fc0). */
+ * IEEE 754 and torch's c10::Half / c10::BFloat16 (NaN -> sign|0x7e00 / 0x7fc0; fp16 NaN -> quiet fp32 NaN). */
 #ifndef AC_HALF_H
 #define AC_HALF_H
 
@@ -20,7 +20,8 @@ static inline float ac_bits_f32(uint32_t u) {
 static inline float ac_f16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   uint32_t em = h & 0x7fffu;
-  if (em >= 0x7c00u) return ac_bits_f32(sign | 0x7f800000u | ((em & 0x3ffu) << 13));
+  if (em > 0x7c00u) return ac_bits_f32(sign | 0x7fc00000u | ((em & 0x3ffu) << 13)); /* NaN, made quiet */
+  if (em == 0x7c00u) return ac_bits_f32(sign | 0x7f800000u);
   if (em >= 0x0400u) return ac_bits_f32(sign | ((em << 13) + 0x38000000u));
   /* zero or subnormal: exact in fp32 */
   return ac_bits_f32(sign | ac_f32_bits((float)em * 0x1p-24f));

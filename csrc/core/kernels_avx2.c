@@ -27,6 +27,11 @@ AVX static inline __m256 st8_f32(void *p, size_t i, __m256 v) {
   return v;
 }
 AVX static inline __m256 st8_f16(void *p, size_t i, __m256 v) {
+  /* F16C keeps NaN payloads; the scalar path (and c10::Half) gives sign|0x7e00: canonicalise */
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  const __m256 canon = _mm256_or_ps(_mm256_and_ps(v, _mm256_set1_ps(-0.0f)),
+                                    _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
+  v = _mm256_blendv_ps(v, canon, nan);
   __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
   return _mm256_cvtph_ps(h);
