@@ -474,10 +474,11 @@ class Accelerator:
         return data
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
-        """Sum or mean across processes (a scaled copy on one process)."""
-        if reduction not in ("sum", "mean", "none"):
-            raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
-        return recursively_apply(lambda t: t.clone() * scale if scale != 1.0 else t.clone(), tensor)
+        """Sum, mean or max across processes (a copy on one process). `scale` is accepted for
+        accelerate compatibility; like accelerate off XLA, it is not applied."""
+        if reduction not in ("sum", "mean", "max", "none"):
+            raise ValueError(f"reduction must be 'sum', 'mean', 'max' or 'none', got {reduction!r}")
+        return recursively_apply(lambda t: t.clone(), tensor, error_on_other_type=True)
 
     def pad_across_processes(self, tensor, dim: int = 0, pad_index=0, pad_first: bool = False):
         """Pads to the largest size along `dim` across processes (unchanged on one process)."""
@@ -547,7 +548,7 @@ class Accelerator:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return [None for _ in objects] if len(objects) != 1 else None
+        return [None for _ in objects]
 
     def clear(self, *objects):
         return self.free_memory(*objects)

@@ -208,13 +208,8 @@ def prepare_data_loader(dataloader: DataLoader, device=None, num_processes=None,
         sampler = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
                                         num_samples=sampler._num_samples, generator=sampler.generator,
                                         data_seed=data_seed)
-    elif sampler is not None and hasattr(sampler, "generator") and not use_seedable_sampler:
-        # As accelerate: the shuffling generator is fixed at prepare() from the global RNG, so
-        # every epoch's order follows from the seed set before prepare().
-        if sampler.generator is None:
-            sampler.generator = torch.Generator()
-            sampler.generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
-        synchronized_generator = sampler.generator
+    # (On one process the sampler is reused as is, so a shuffled loader draws its order from the
+    # global RNG at each epoch exactly as the user's DataLoader would.)
     if rng_types is not None:
         rng_types = [r for r in rng_types if str(r) != "generator" or synchronized_generator is not None]
     common = dict(device=device if put_on_device else None, rng_types=rng_types,
@@ -226,6 +221,8 @@ def prepare_data_loader(dataloader: DataLoader, device=None, num_processes=None,
     elif is_batch_sampler:
         new = DataLoaderShard(dataset, sampler=dataloader.sampler, batch_size=dataloader.batch_size, **common,
                               **kwargs)
+    elif dataloader.batch_sampler is None:  # batch_size=None: samples are yielded unbatched
+        new = DataLoaderShard(dataset, sampler=dataloader.sampler, batch_size=None, **common, **kwargs)
     else:
         new = DataLoaderShard(dataset, batch_sampler=dataloader.batch_sampler, **common, **kwargs)
     if isinstance(sampler, SeedableRandomSampler):

@@ -80,14 +80,19 @@ class GradGroup:
                 self.touched[i] = True
             p.grad = v
 
-    def zero_(self, indices=None):
+    def zero_(self, indices=None, set_to_none: bool = True):
+        """Zeroes gradients in place. set_to_none=True (torch's default) also forgets which
+        params had a gradient, so they are shown as None until backward gives them one;
+        False keeps them as zero gradients, as torch's zero_grad(set_to_none=False) does."""
         if indices is None or len(indices) == len(self.params):
             self.flat.zero_()
-            self.touched = [False] * len(self.params)
+            if set_to_none:
+                self.touched = [False] * len(self.params)
         else:
             for i in indices:
                 self.views[i].zero_()
-                self.touched[i] = False
+                if set_to_none:
+                    self.touched[i] = False
         self.needs_unscale = False
         self.found_inf = False
 
@@ -131,6 +136,8 @@ class GradManager:
     def __init__(self):
         self.groups: list[GradGroup] = []
         self.where: dict[int, tuple[GradGroup, int]] = {}  # id(param) -> (group, index)
+        # params outside the buffers (not in a prepared model, or float64): id -> [needs_unscale, hook]
+        self.loose: dict[int, list] = {}
 
     def add_model(self, model: torch.nn.Module):
         by_key: dict = {}
@@ -144,7 +151,7 @@ class GradManager:
                 by_key[(p.dtype, p.device)].append(p)
         for (dtype, device), params in by_key.items():
             if dtype not in _FINITE_MAX:
-                raise TypeError(f"parameters of dtype {dtype} are not supported (float32/float16/bfloat16 only)")
+                continue  # e.g. float64: no C kernels; these stay ordinary torch gradients
             g = GradGroup(params, dtype, device)
             self.groups.append(g)
             for i, p in enumerate(params):
@@ -153,7 +160,23 @@ class GradManager:
     def clear(self):
         for g in self.groups:
             g.remove()
-        self.groups, self.where = [], {}
+        for _, hook in self.loose.values():
+            hook.remove()
+        self.groups, self.where, self.loose = [], {}, {}
+
+    def _loose_needs_unscale(self, p) -> bool:
+        """Whether a param outside the buffers got a (scaled) gradient since its last unscale;
+        a hook keeps track, so each gradient is unscaled exactly once."""
+        entry = self.loose.get(id(p))
+        if entry is None:
+            entry = [True, None]
+
+            def hook(param, entry=entry):
+                entry[0] = True
+
+            entry[1] = p.register_post_accumulate_grad_hook(hook)
+            self.loose[id(p)] = entry
+        return entry[0]
 
     def split(self, params):
         """Groups touched by `params`, as {group: [indices]}, plus the params we do not manage."""
@@ -193,8 +216,9 @@ class GradManager:
             else:
                 found = found or g.found_inf
         for p in loose:
-            if p.grad is not None:
+            if p.grad is not None and self._loose_needs_unscale(p):
                 p.grad.mul_(inv_scale)
+                self.loose[id(p)][0] = False
                 found = found or not bool(torch.isfinite(p.grad).all())
         if device_flags and not found:
             found = bool(torch.stack([f.reshape(()) for f in device_flags]).sum().item())
@@ -266,8 +290,8 @@ class GradManager:
             if p.grad is None:
                 p.grad = v
 
-    def zero(self, params):
+    def zero(self, params, set_to_none: bool = True):
         touched, loose = self.split(params)
         for g, idx in touched.items():
-            g.zero_(idx)
+            g.zero_(idx, set_to_none=set_to_none)
         return loose

@@ -68,12 +68,13 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if not self.gradient_state.sync_gradients:
             return
         params = self._params()
-        loose = self._grads.zero(params) if self._grads is not None else params
+        to_none = set_to_none is None or bool(set_to_none)
+        loose = self._grads.zero(params, set_to_none=to_none) if self._grads is not None else params
         # parameters outside the buffers keep torch's semantics
         for p in loose:
             if p.grad is None:
                 continue
-            if set_to_none is None or set_to_none:
+            if to_none:
                 p.grad = None
             else:
                 p.grad.detach_()

@@ -172,7 +172,9 @@ class GradientState:
             self.plugin_kwargs = plugin.to_kwargs()
             self.plugin_kwargs.setdefault("num_steps", plugin.num_steps or 1)
             self._num_steps = plugin.num_steps or 1
-            self._adjust_scheduler = plugin.adjust_scheduler
+            # accelerate reads this from to_kwargs(), which drops defaults: in effect it is
+            # False unless... never True. Matching it keeps scheduler step counts identical.
+            self._adjust_scheduler = self.plugin_kwargs.get("adjust_scheduler", False)
             self._sync_with_dataloader = plugin.sync_with_dataloader
             self._sync_each_batch = plugin.sync_each_batch
 

@@ -23,6 +23,9 @@ SIZES = [0, 1, 7, 8, 9, 1000, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, (1 << 
 SUMSQ_RTOL = 1e-9
 
 
+STARTUP_ISA = _C.kernel_isa()  # before any test changes it
+
+
 def _available_isas():
     orig = _C.kernel_isa()
     out = ["scalar"]

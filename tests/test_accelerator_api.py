@@ -284,18 +284,12 @@ def test_collectives_trivial_on_one_process():
     assert torch.equal(p["b"][0], t + 1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Accelerator.reduce rejects reduction='max' with ValueError; accelerate 1.15 accepts "
-    "'mean', 'sum', 'max', 'none' (on one process: a copy of the tensor)"))
 def test_reduce_max_accepted():
     acc = Accelerator()
     t = torch.arange(6.0)
     assert torch.equal(acc.reduce(t, "max"), t)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "DIVERGENCE: Accelerator.reduce(tensor, scale=s) multiplies by s on one process; accelerate 1.15 "
-    "applies `scale` only on XLA and returns an unscaled copy otherwise"))
 def test_reduce_scale_matches_accelerate():
     accelerate = _accelerate()
     t = torch.arange(6.0)

@@ -331,13 +331,8 @@ def test_step_counts_match_accelerate(accum, step_with_opt):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-_ADJUST_BUG = ("BUG: accelerate_c.state.GradientState takes adjust_scheduler=True from the plugin, while "
-               "accelerate 1.15 reads plugin_kwargs.get('adjust_scheduler', False) from to_kwargs() (which omits "
-               "defaults), i.e. False; so AcceleratedScheduler.step bumps scheduler._step_count on every "
-               "accumulation micro-step and its OneCycleLR guard (_step_count > total_steps) drops real steps")
 
 
-@pytest.mark.xfail(strict=True, reason=_ADJUST_BUG)
 def test_scheduler_step_count_not_inflated_by_accumulation():
     ours = _count_run(Accelerator, 2, True)
     ref_make = _accelerate_reference()
@@ -347,7 +342,6 @@ def test_scheduler_step_count_not_inflated_by_accumulation():
     assert ours["step_count"] == theirs["step_count"]
 
 
-@pytest.mark.xfail(strict=True, reason=_ADJUST_BUG)
 def test_onecycle_lr_under_accumulation_matches_torch_and_accelerate():
     def run(accelerator_cls):
         model = make_model(0)

@@ -341,10 +341,6 @@ def test_custom_batch_sampler_and_skip():
     assert_same_batches(batches_of(skipped), ref[1:])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: accelerate_c.data_loader.prepare_data_loader rebuilds a DataLoader(batch_size=None) with "
-    "batch_sampler=None but without batch_size=None, so torch's default batch_size=1 turns auto-collation "
-    "on with the loader's collate_fn (default_convert): every sample comes back wrapped in a list"))
 def test_unbatched_loader_batch_size_none_yields_samples_like_torch():
     ds = TensorDataset(torch.arange(6.0).view(6, 1))
     ref = list(DataLoader(ds, batch_size=None))
@@ -364,14 +360,8 @@ def _epochs(dl, n=3):
     return [torch.cat([b[0] for b in dl])[:, 0].tolist() for _ in range(n)]
 
 
-_SHUFFLE_DIVERGENCE = (
-    "DIVERGENCE: accelerate_c.data_loader.prepare_data_loader fixes a RandomSampler's generator from the "
-    "global RNG at prepare() even on one process; accelerate 1.15 does that only when num_processes != 1, so "
-    "on one process its prepared loader shuffles exactly like the plain torch DataLoader (global RNG at "
-    "iteration time) and accelerate_c's order differs for the same seed")
 
 
-@pytest.mark.xfail(strict=True, reason=_SHUFFLE_DIVERGENCE)
 @pytest.mark.parametrize("seed", [0, 123])
 def test_shuffled_order_matches_torch_and_accelerate(seed):
     accelerate = pytest.importorskip("accelerate")

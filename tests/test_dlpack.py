@@ -574,13 +574,6 @@ def test_hand_made_capsules_rejected_and_not_consumed():
         assert hm.deleted == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="C bug: cast_views() (csrc/python/kernels_py.c) sets the ValueError/TypeError and then "
-    "calls pyac_view_release(dst), so a producer's deleter runs with an exception pending; a "
-    "deleter that calls into Python clears it and cast_ returns NULL without an exception "
-    "(SystemError). Remove this marker once the release happens before the error is raised.",
-)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_hand_made_capsule_released_when_other_argument_fails():
     dst_storage = torch.zeros(10, dtype=torch.float16)

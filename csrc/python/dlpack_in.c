@@ -51,8 +51,13 @@ static void release_managed(void *owner, int versioned) {
 }
 
 void pyac_view_release(pyac_view *v) {
+  if (!v->owner) return;
+  /* Error paths release views after raising; a producer's deleter may call into Python, which
+   * must not run with an exception set (it could clear or replace it). Park it meanwhile. */
+  PyObject *pending = PyErr_Occurred() ? take_exception() : NULL;
   release_managed(v->owner, v->versioned);
   v->owner = NULL;
+  if (pending) restore_exception(pending);
 }
 
 /* Validates one DLTensor into *v (no ownership change). */
