@@ -98,6 +98,7 @@ TARGET_VS_TORCH_Q1 = 0.98  # q1(ours) / median(torch)
 TARGET_FP16_SPEEDUP = 1.5
 FP16_SCALE = 65536.0
 FP16_RTOL = 1e-6
+TORCH_NORM_SANITY = 1e-3
 # Losses of the three contenders after the same steps from the same seed: the computations are
 # the same bf16 autocast ops on the same data, and only the gradient norm (hence the clip
 # coefficient) is summed in a different order; a few bf16 ulps (2^-8 relative each) is plenty.
@@ -359,21 +360,34 @@ def bench_fp16_postprocess(cfg, dataset, batch_size, repeats):
     def ours_fn():
         return accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
 
-    # equality check, once, before timing
+    # equality check, once, before timing. accelerate_c is held to an fp64 reference computed
+    # from the same scaled grads (norm and grads within FP16_RTOL). torch is compared with
+    # accelerate_c too, but torch's own norm is inexact (clip_grad_norm_ sums squares in fp32
+    # per tensor: on this model's 3M-element embedding grad that is off by ~1e-4 or more), and
+    # its clip coefficient inherits that error: so the grads must agree within FP16_RTOL plus
+    # torch's measured norm error, which must itself stay under TORCH_NORM_SANITY.
+    inv = 1.0 / FP16_SCALE
+    ref_norm = math.sqrt(sum(float((s.double() * inv).pow(2).sum()) for s in saved))
+    ref_coef = min(1.0, MAX_NORM / (ref_norm + 1e-6))
     torch_setup()
     norm_t = float(torch_fn())
     ours_setup()
     norm_o = float(ours_fn())
     if scaler.get_scale() != FP16_SCALE or accelerator.scaler.get_scale() != FP16_SCALE:
         raise SystemExit("a loss scale changed during the check")
-    worst = 0.0
-    for p, p_t in zip(params, params_t):
-        a, b = p.grad.double(), p_t.grad.double()
-        worst = max(worst, float(((a - b).abs() / b.abs().clamp_min(1e-30)).max()))
-    norm_rel = abs(norm_o - norm_t) / norm_t
-    ok = worst <= FP16_RTOL and norm_rel <= FP16_RTOL
-    info = dict(norm=norm_t, norm_rel=norm_rel, grad_rel=worst, clipped=norm_t > MAX_NORM,
-                numel=sum(p.numel() for p in params))
+
+    def rel(a, b):  # elementwise max |a - b| / |b| (0/0 = 0)
+        a, b = a.double(), b.double()
+        return float(((a - b).abs() / b.abs().clamp_min(1e-300)).max()) if a.numel() else 0.0
+
+    grad_vs_ref = max(rel(p.grad, s.double() * (inv * ref_coef)) for p, s in zip(params, saved_t))
+    grad_vs_torch = max(rel(p.grad, p_t.grad) for p, p_t in zip(params, params_t))
+    norm_rel = abs(norm_o - ref_norm) / ref_norm
+    torch_norm_rel = abs(norm_t - ref_norm) / ref_norm
+    ok = (norm_rel <= FP16_RTOL and grad_vs_ref <= FP16_RTOL and torch_norm_rel <= TORCH_NORM_SANITY
+          and grad_vs_torch <= FP16_RTOL + torch_norm_rel)
+    info = dict(norm=ref_norm, norm_rel=norm_rel, grad_rel=grad_vs_ref, torch_norm_rel=torch_norm_rel,
+                grad_vs_torch=grad_vs_torch, clipped=ref_norm > MAX_NORM, numel=sum(p.numel() for p in params))
     if not ok:
         return ok, None, info
 
@@ -381,6 +395,59 @@ def bench_fp16_postprocess(cfg, dataset, batch_size, repeats):
         [Contender("torch", torch_fn, torch_setup), Contender("accelerate_c", ours_fn, ours_setup)],
         repeats=repeats, warmup=1)
     return ok, times, info
+
+
+def run_step_benchmark(args, names, cfg, dataset, skip_note):
+    """The loss check, the optional breakdown and the interleaved step timing; prints the
+    tables. Returns [ok per target], or None if accelerate_c's losses diverge from torch's."""
+    t_start = time.perf_counter()
+    if not check_losses(names, cfg, dataset, args.batch, args.check_steps):
+        return None
+
+    if args.breakdown:
+        breakdown(names, cfg, dataset, args.batch, max(2, min(args.steps, 5)), args.warmup)
+
+    print("timing:")
+    a = load_sample()
+    rates, per_step = bench_steps(names, cfg, dataset, args.batch, args.repeats, args.steps, args.warmup)
+    load = other_load_between(a, load_sample())
+    print()
+
+    S = {n: Summary.of(rates[n]) for n in names}
+    P = {n: Summary.of(per_step[n]) for n in names}
+    rows = [[n, f"{S[n].median:.3f}", f"{S[n].q1:.3f}", f"{S[n].q3:.3f}", f"{1e3 / S[n].median:.1f}",
+             f"{P[n].median * 1e3:.1f}", f"{P[n].q1 * 1e3:.1f}", f"{P[n].q3 * 1e3:.1f}"] for n in names]
+    print(f"steps/s over {args.repeats} repeats (each: {args.steps} optimizer steps / their seconds); "
+          f"and the single steps' times pooled over repeats ({args.repeats * args.steps} per contender):")
+    print_table(["contender", "steps/s med", "q1", "q3", "ms/step (1/med)", "step ms med", "q1", "q3"], rows)
+    print()
+
+    ours = S["accelerate_c"]
+    ratio_rows = []
+    results = []
+    if "accelerate" in names:
+        r_med = ours.median / S["accelerate"].median
+        r_q1 = ours.q1 / S["accelerate"].median
+        ok = r_med >= TARGET_VS_ACCELERATE
+        results.append(ok)
+        ratio_rows.append(["accelerate_c / accelerate", f"{r_med:.3f}x", f"{r_q1:.3f}x",
+                           f">= {TARGET_VS_ACCELERATE:.2f}x (median)", verdict(ok)])
+    r_med = ours.median / S["torch"].median
+    r_q1 = ours.q1 / S["torch"].median
+    ok = r_q1 >= TARGET_VS_TORCH_Q1
+    results.append(ok)
+    ratio_rows.append(["accelerate_c / torch", f"{r_med:.3f}x", f"{r_q1:.3f}x",
+                       f">= {TARGET_VS_TORCH_Q1:.2f}x (q1)", verdict(ok)])
+    print("ratios of steps/s: median = median(accelerate_c) / median(other); "
+          "q1 = q1(accelerate_c) / median(other)")
+    print_table(["ratio", "median", "q1", "target", ""], ratio_rows)
+    if skip_note:
+        print(f"NOTE: {skip_note}")
+    if load is not None and load > 0.25:
+        print(f"warning: other processes kept ~{load:.1f} CPUs busy while timing; the numbers are noisy")
+    print(f"(step benchmark took {time.perf_counter() - t_start:.0f} s)")
+    print()
+    return results
 
 
 # ---- main -------------------------------------------------------------------------------
@@ -391,12 +458,13 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per repeat (default 2)")
     ap.add_argument("--check-steps", type=int, default=3, help="optimizer steps of the loss comparison (default 3)")
     ap.add_argument("--model", choices=sorted(PRESETS), default="bench", help="model preset (default bench)")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per micro-batch (default 8)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per micro-batch (default 4)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's block_size)")
     ap.add_argument("--fp16-repeats", type=int, default=15, help="repeats of the fp16 micro-benchmark (>= 7)")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny model, 2 repeats, 2 steps")
     ap.add_argument("--skip-accelerate", action="store_true", help="time torch and accelerate_c only")
     ap.add_argument("--skip-fp16", action="store_true", help="skip the fp16 post-processing micro-benchmark")
+    ap.add_argument("--skip-steps", action="store_true", help="run only the fp16 post-processing micro-benchmark")
     ap.add_argument("--breakdown", action="store_true", help="also print where each contender's step goes")
     args = ap.parse_args(argv)
     if args.quick:
@@ -440,54 +508,13 @@ def main(argv=None):
     print()
 
     t_all = time.perf_counter()
-    if not check_losses(names, cfg, dataset, args.batch, args.check_steps):
-        return 1
-
-    if args.breakdown:
-        breakdown(names, cfg, dataset, args.batch, max(2, min(args.steps, 5)), args.warmup)
-
-    print("timing:")
-    a = load_sample()
-    rates, per_step = bench_steps(names, cfg, dataset, args.batch, args.repeats, args.steps, args.warmup)
-    load = other_load_between(a, load_sample())
-    print()
-
-    S = {n: Summary.of(rates[n]) for n in names}
-    P = {n: Summary.of(per_step[n]) for n in names}
-    rows = [[n, f"{S[n].median:.3f}", f"{S[n].q1:.3f}", f"{S[n].q3:.3f}", f"{1e3 / S[n].median:.1f}",
-             f"{P[n].median * 1e3:.1f}", f"{P[n].q1 * 1e3:.1f}", f"{P[n].q3 * 1e3:.1f}"] for n in names]
-    print(f"steps/s over {args.repeats} repeats (each: {args.steps} optimizer steps / their seconds); "
-          f"and the single steps' times pooled over repeats ({args.repeats * args.steps} per contender):")
-    print_table(["contender", "steps/s med", "q1", "q3", "ms/step (1/med)", "step ms med", "q1", "q3"], rows)
-    print()
-
-    ours = S["accelerate_c"]
-    ratio_rows = []
     results = []
-    if "accelerate" in names:
-        r_med = ours.median / S["accelerate"].median
-        r_q1 = ours.q1 / S["accelerate"].median
-        ok = r_med >= TARGET_VS_ACCELERATE
-        results.append(ok)
-        ratio_rows.append(["accelerate_c / accelerate", f"{r_med:.3f}x", f"{r_q1:.3f}x",
-                           f">= {TARGET_VS_ACCELERATE:.2f}x (median)", verdict(ok)])
-    r_med = ours.median / S["torch"].median
-    r_q1 = ours.q1 / S["torch"].median
-    ok = r_q1 >= TARGET_VS_TORCH_Q1
-    results.append(ok)
-    ratio_rows.append(["accelerate_c / torch", f"{r_med:.3f}x", f"{r_q1:.3f}x",
-                       f">= {TARGET_VS_TORCH_Q1:.2f}x (q1)", verdict(ok)])
-    print("ratios of steps/s: median = median(accelerate_c) / median(other); "
-          "q1 = q1(accelerate_c) / median(other)")
-    print_table(["ratio", "median", "q1", "target", ""], ratio_rows)
-    if skip_note:
-        print(f"NOTE: {skip_note}")
-    if load is not None and load > 0.25:
-        print(f"warning: other processes kept ~{load:.1f} CPUs busy while timing; the numbers are noisy")
-    print(f"(step benchmark took {time.perf_counter() - t_all:.0f} s)")
-    print()
+    if not args.skip_steps:
+        step_results = run_step_benchmark(args, names, cfg, dataset, skip_note)
+        if step_results is None:
+            return 1  # accelerate_c diverged from plain torch
+        results += step_results
 
-    rc = 0
     if not args.skip_fp16:
         print(f"fp16 gradient post-processing (unscale + non-finite check + clip) on the same model's "
               f"gradients, {args.fp16_repeats} interleaved repeats:")
@@ -495,12 +522,13 @@ def main(argv=None):
         ok, times, info = bench_fp16_postprocess(cfg, dataset, args.batch, args.fp16_repeats)
         load = other_load_between(a, load_sample())
         print(f"  {info['numel'] / 1e6:.1f}M fp32 gradient elements, loss scale {FP16_SCALE:g}; "
-              f"norm {info['norm']:.4f} ({'clipped' if info['clipped'] else 'not clipped'} at {MAX_NORM}); "
-              f"accelerate_c vs torch: norm rel diff {info['norm_rel']:.1e}, grads max rel diff "
-              f"{info['grad_rel']:.1e}")
+              f"norm {info['norm']:.6f} ({'clipped' if info['clipped'] else 'not clipped'} at {MAX_NORM})")
+        print(f"  check against an fp64 reference: accelerate_c norm rel err {info['norm_rel']:.1e}, grads max rel "
+              f"err {info['grad_rel']:.1e} (limit {FP16_RTOL:g}); torch norm rel err {info['torch_norm_rel']:.1e} "
+              f"(fp32 sums; limit {TORCH_NORM_SANITY:g}); accelerate_c vs torch grads max rel diff "
+              f"{info['grad_vs_torch']:.1e} (limit {FP16_RTOL:g} + torch's norm error)")
         if not ok:
-            print(f"ERROR: accelerate_c's unscale+clip differs from GradScaler + clip_grad_norm_ by more than "
-                  f"{FP16_RTOL:g} relative", file=sys.stderr)
+            print("ERROR: the unscale+clip results differ beyond the limits above", file=sys.stderr)
             return 1
         T = {n: Summary.of(v) for n, v in times.items()}
         rows = [[n, f"{T[n].median * 1e3:.2f}", f"{T[n].q1 * 1e3:.2f}", f"{T[n].q3 * 1e3:.2f}",
@@ -517,7 +545,7 @@ def main(argv=None):
 
     print(f"total {time.perf_counter() - t_all:.0f} s; targets: "
           f"{sum(results)}/{len(results)} PASS" + ("" if all(results) else " (a MISS is reported, not an error)"))
-    return rc
+    return 0
 
 
 if __name__ == "__main__":

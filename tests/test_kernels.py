@@ -188,6 +188,35 @@ def test_all_16bit_patterns_scale_and_stats(isa, threads, dtype):
         assert_stats(got, t)
 
 
+@dtype_param
+def test_unaligned_views(isa, dtype):
+    """Views starting at every element offset within 32 bytes (unaligned vector loads and
+    stores), with lengths that leave every tail size; elements outside the view untouched."""
+    big = finite_data(400, dtype, seed=13)
+    for off in range(17):
+        n = 64 + 8 + off % 8  # 64 + 8..15 elements: vector body plus each tail length
+        view_ref = big[off:off + n]
+        assert_stats(_C.stats(big[off:off + n]), view_ref)
+        t = big.clone()
+        _C.scale_(t[off:off + n], 3.7)
+        expect = big.clone()
+        expect[off:off + n] = scale_ref(big[off:off + n], 3.7)
+        assert_bitwise(t, expect)
+        t = big.clone()
+        got = _C.scale_stats_(t[off:off + n], 0.3)
+        expect = big.clone()
+        expect[off:off + n] = scale_ref(big[off:off + n], 0.3)
+        assert_bitwise(t, expect)
+        assert_stats(got, expect[off:off + n])
+        for dst_dt in DTYPES:
+            d = torch.full((200,), 5.0, dtype=dst_dt)
+            doff = (off * 3) % 17
+            _C.cast_(d[doff:doff + n], big[off:off + n])
+            exp = torch.full((200,), 5.0, dtype=dst_dt)
+            exp[doff:doff + n] = big[off:off + n].to(dst_dt)
+            assert_bitwise(d, exp)
+
+
 # ---------------------------------------------------------------------------------------------
 # NaN / Inf placement
 
@@ -357,6 +386,31 @@ def test_cast_f32_to_bf16_rounding_midpoints(isa, threads):
     dst = torch.empty(src.numel(), dtype=torch.bfloat16)
     _C.cast_(dst, src)
     assert_bitwise(dst, src.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(len(AVAILABLE_ISAS) < 2, reason="needs both instruction sets")
+def test_isas_agree_bit_for_bit_nan_payloads_included():
+    """The scalar and AVX2 paths store the same bits, NaN payloads included (torch's own
+    vector and scalar conversions do not, hence the NaN-mask comparisons elsewhere)."""
+    all16 = torch.arange(-32768, 32768, dtype=torch.int16)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 18,), dtype=torch.int32, generator=gen(12))
+    srcs = [all16.view(torch.float16), all16.view(torch.bfloat16), bits.view(torch.float32)]
+    for src in srcs:
+        outs = {}
+        for which in ("scalar", "avx2"):
+            _C.set_kernel_isa(which)
+            res = []
+            for dst_dt in DTYPES:
+                d = torch.empty(src.numel(), dtype=dst_dt)
+                _C.cast_(d, src)
+                res.append(d)
+            for f in (0.5, 3.7, -1e-3, math.inf):
+                t = src.clone()
+                _C.scale_(t, f)
+                res.append(t)
+            outs[which] = res
+        for a, b in zip(outs["scalar"], outs["avx2"]):
+            assert torch.equal(int_view(a), int_view(b)), (src.dtype, a.dtype)
 
 
 def test_cast_same_dtype_is_a_copy(isa):

@@ -14,8 +14,11 @@ static int nargs_ok(const char *fn, Py_ssize_t nargs, Py_ssize_t want) {
 static int get_float(PyObject *o, const char *arg, float *out) {
   double d = PyFloat_AsDouble(o);
   if (d == -1.0 && PyErr_Occurred()) {
-    PyErr_Format(PyExc_TypeError, "%s must be a number, got %s", arg, Py_TYPE(o)->tp_name);
-    return -1;
+    if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_TypeError, "%s must be a number, got %s", arg, Py_TYPE(o)->tp_name);
+    }
+    return -1; /* e.g. OverflowError for an int too large for a double: keep it */
   }
   *out = (float)d;
   return 0;
@@ -106,7 +109,7 @@ static PyObject *py_set_num_threads(PyObject *m, PyObject *const *a, Py_ssize_t 
   long k = PyLong_AsLong(a[0]);
   if (k == -1 && PyErr_Occurred()) return NULL;
   if (k < 1 || k > 1 << 20) {
-    PyErr_Format(PyExc_ValueError, "set_num_threads: n must be >= 1, got %ld", k);
+    PyErr_Format(PyExc_ValueError, "set_num_threads: n must be between 1 and %d, got %ld", 1 << 20, k);
     return NULL;
   }
   ac_result_t r = ac_pool_set_threads((int)k);
