@@ -237,7 +237,12 @@ class GradManager:
         per = []
         for g in groups:
             inv = inv_scale if (inv_scale is not None and g.needs_unscale) else 1.0
-            sumsq, maxabs, nonfinite = g.stats()
+            if norm_type == 2.0 and inv <= 1.0:
+                # unscaling by <= 1 cannot overflow: the memory-bound pass suffices
+                sumsq, nonfinite = _C.sumsq(g.buf)
+                maxabs = 0.0
+            else:
+                sumsq, maxabs, nonfinite = g.stats()
             found = bool(nonfinite) or maxabs * inv > _FINITE_MAX[g.dtype]
             per.append((g, inv, sumsq * inv * inv, maxabs * inv, found))
         if norm_type == math.inf:

@@ -32,6 +32,7 @@ __all__ = [
     "other_load",
     "load_sample",
     "other_load_between",
+    "last_level_cache_bytes",
 ]
 
 
@@ -149,6 +150,25 @@ def logical_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def last_level_cache_bytes(default: int = 256 << 20) -> int:
+    """Size of the largest CPU cache Linux reports (sysfs), else `default`. A benchmark that
+    wants cold caches can write a scratch buffer of about twice this between repeats."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for d in os.listdir(base):
+            try:
+                with open(os.path.join(base, d, "size")) as f:
+                    txt = f.read().strip()
+            except OSError:
+                continue
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
+            best = max(best, int(txt.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    return best or default
 
 
 def load_sample():

@@ -7,13 +7,15 @@ Compares, on the same 2^26-element gradient buffer held as the .grad of 100 para
                     torch.nn.utils.clip_grad_norm_(params, max_norm)
                 (one read+write pass to unscale and check, one read pass for the norm, one
                 read+write pass to clip: ~5N element-bytes)
-  accelerate_c  _C.stats(buf) -> (sumsq, maxabs, nonfinite); norm, found_inf and the clip
-                coefficient in Python; _C.scale_(buf, inv_scale * clip_coef)
-                (one read pass, one read+write pass: 3N element-bytes), on a _C.Buffer as the
-                Accelerator caches at prepare(). A second row passes the plain tensor instead
-                (DLPack exchange on every call) to show what the Buffer saves.
+  accelerate_c  what Accelerator.clip_grad_norm_ runs on its flat gradient buffer
+                (accelerate_c.grads.GradManager.clip_norm_fused): _C.sumsq (one read pass:
+                sum of squares and the non-finite flag), the norm, found_inf and clip
+                coefficient in Python, then _C.scale_(buf, inv_scale * clip_coef) (one
+                read+write pass): 3N element-bytes.
   limit         an in-place scale of the same buffer (read N + write N), with torch's mul_ and
                 with _C.scale_; the faster one is the bandwidth limit the fused path is held to.
+  info          _C.sumsq alone and a plain read-only pass (torch's sum): where ours spends its
+                time. Not part of any target.
 
 Before every timed call the grads are refilled from a saved copy (untimed), so every contender
 starts from the same values and the same cache state ("grads just written by backward").
@@ -25,6 +27,12 @@ bandwidth (3N element-bytes / time) >= 70% of the limit. A MISS is reported, not
 
     .venv/bin/python benchmarks/bench_kernels.py                 # 2^26 elements, fp32 and bf16
     .venv/bin/python benchmarks/bench_kernels.py --quick         # smoke test, a few seconds
+    .venv/bin/python benchmarks/bench_kernels.py --flush-cache   # every call starts from DRAM
+
+Caveats the output helps with: the machine must be otherwise idle (a line at the end says how
+many CPUs other processes used during the run); torch's OpenMP threads spin for a while after
+each torch op (unless OMP_WAIT_POLICY=passive), which favours the next torch op and competes
+with accelerate_c's own threads, both here and in a real training step.
 """
 from __future__ import annotations
 
@@ -38,12 +46,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from accelerate_c import _C  # noqa: E402
+from accelerate_c.grads import GradManager  # noqa: E402
 
 from _common import (  # noqa: E402
     Contender,
     Summary,
     cpu_model,
     gbps,
+    last_level_cache_bytes,
     load_sample,
     logical_cpus,
     other_load,
@@ -82,8 +92,9 @@ class Case:
     """One flat gradient buffer, its saved scaled contents, 100 parameters whose grads are views
     into it, an SGD optimizer over them (only GradScaler needs it) and a GradScaler."""
 
-    def __init__(self, n: int, dtype: torch.dtype, seed: int = 0):
+    def __init__(self, n: int, dtype: torch.dtype, flush=None, seed: int = 0):
         self.n = n
+        self.flush = flush
         self.dtype = dtype
         self.esize = torch.empty((), dtype=dtype).element_size()
         gen = torch.Generator().manual_seed(seed)
@@ -93,7 +104,9 @@ class Case:
         self.flat.copy_(self.saved)  # touches every page now, not inside a timed call
         # parameter storage is never written, so its pages are never faulted in
         pstore = torch.empty(n, dtype=dtype)
-        per = n // NUM_PARAMS
+        # sizes that are multiples of the gradient buffers' alignment, so the Accelerator's
+        # flat buffer holds the same layout as self.flat (no padding between parameters)
+        per = (n // NUM_PARAMS) // 32 * 32
         bounds = [i * per for i in range(NUM_PARAMS)] + [n]  # remainder goes to the last one
         self.params = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -111,6 +124,17 @@ class Case:
         self.ref_norm = ref  # fp64 norm of the unscaled grads
         self.max_norm = CLIP_FRACTION * ref
         self.buf = _C.Buffer(self.flat)  # shares self.flat's memory
+        # accelerate_c's side: the same parameter sizes registered with the gradient manager
+        # the Accelerator uses, so the timed path is the product's own code
+        module = torch.nn.Module()
+        module.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.empty(hi - lo, dtype=dtype))
+                                           for lo, hi in zip(bounds[:-1], bounds[1:]))
+        self.mgr = GradManager()
+        self.mgr.add_model(module)
+        self.group = self.mgr.groups[0]
+        assert self.group.offsets == bounds[:-1], "unexpected padding in the gradient buffer"
+        self.our_flat = self.group.flat[:n]
+        self.our_flat.copy_(self.saved)
         self._unscaled = False
         self.last_torch_norm = None
         self.last_ours = None
@@ -118,6 +142,14 @@ class Case:
     # ---- untimed --------------------------------------------------------------------------
     def refill(self) -> None:
         self.flat.copy_(self.saved)
+        if self.flush is not None:
+            self.flush()
+
+    def refill_ours(self) -> None:
+        self.our_flat.copy_(self.saved)
+        self.group.needs_unscale = True  # as after a backward under fp16
+        if self.flush is not None:
+            self.flush()
 
     def refill_for_torch(self) -> None:
         # a real loop calls scaler.step()/update() after unscale_; update() also resets the
@@ -133,23 +165,9 @@ class Case:
         self._unscaled = True
         self.last_torch_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
 
-    def ours(self, target) -> None:
-        sumsq, maxabs, nonfinite = _C.stats(target)
-        inv = self.inv_scale
-        norm = math.sqrt(sumsq) * inv
-        found_inf = nonfinite or not math.isfinite(maxabs * inv)
-        if found_inf:  # the optimizer step is skipped; the grads are not touched
-            self.last_ours = (norm, True)
-            return
-        clip_coef = min(1.0, self.max_norm / (norm + 1e-6))
-        _C.scale_(target, inv * clip_coef)
-        self.last_ours = (norm, False)
-
-    def ours_buffer(self) -> None:
-        self.ours(self.buf)
-
-    def ours_tensor(self) -> None:
-        self.ours(self.flat)
+    def ours(self) -> None:
+        norm = self.mgr.clip_norm_fused([self.group], self.max_norm, 2.0, self.inv_scale)
+        self.last_ours = (float(norm), bool(self.group.found_inf))
 
     def limit_torch(self) -> None:
         self.flat.mul_(LIMIT_FACTOR)
@@ -206,8 +224,8 @@ def verify(case: Case) -> list:
         return torch_grads[lo:hi].double()
 
     report = []
-    for label, fn in (("Buffer", case.ours_buffer), ("tensor", case.ours_tensor)):
-        case.refill()
+    for label, fn in (("clip_norm_fused", case.ours),):
+        case.refill_ours()
         fn()
         norm, found_inf = case.last_ours
         if found_inf:
@@ -215,11 +233,11 @@ def verify(case: Case) -> list:
         if not rel(norm, case.ref_norm) <= NORM_RTOL:
             fails.append(f"accelerate_c ({label}) norm {norm!r} vs fp64 {case.ref_norm!r}: "
                          f"rel {rel(norm, case.ref_norm):.2e} > {NORM_RTOL:.0e}")
-        r_ref, _ = max_rel_diff(case.flat, ref_grads)
+        r_ref, _ = max_rel_diff(case.our_flat, ref_grads)
         if not r_ref <= REF_GRAD_RTOL[dt]:
             fails.append(f"accelerate_c ({label}) grads vs fp64 reference: max rel diff {r_ref:.2e} "
                          f"> {REF_GRAD_RTOL[dt]:.1e}")
-        r_torch, nd_torch = max_rel_diff(case.flat, torch_of)
+        r_torch, nd_torch = max_rel_diff(case.our_flat, torch_of)
         tol = TORCH_GRAD_RTOL[dt] + torch_err
         if not r_torch <= tol:
             fails.append(f"accelerate_c ({label}) grads vs torch: max rel diff {r_torch:.2e} > {tol:.2e} "
@@ -235,8 +253,8 @@ def verify(case: Case) -> list:
     return fails
 
 
-def bench_dtype(name: str, dtype: torch.dtype, n: int, repeats: int) -> dict:
-    case = Case(n, dtype)
+def bench_dtype(name: str, dtype: torch.dtype, n: int, repeats: int, flush=None) -> dict:
+    case = Case(n, dtype, flush)
     es = case.esize
     print(f"\n== {name}: {n} elements ({n * es / 2**20:.0f} MiB) as the grads of {NUM_PARAMS} parameters, "
           f"scale {INIT_SCALE:g}, max_norm = {CLIP_FRACTION} x norm")
@@ -247,16 +265,20 @@ def bench_dtype(name: str, dtype: torch.dtype, n: int, repeats: int) -> dict:
         return {"name": name, "failed": True}
     print("  check: torch and accelerate_c agree")
 
-    T, OB, OT, LT, LO = ("torch unscale_+clip_grad_norm_", "accelerate_c stats+scale_ (Buffer)",
-                         "accelerate_c stats+scale_ (tensor)", "limit: torch mul_", "limit: _C.scale_")
+    T, OB, LT, LO = ("torch unscale_+clip_grad_norm_", "accelerate_c clip_grad_norm_ (fused)",
+                     "limit: torch mul_", "limit: _C.scale_")
+    IS, IR = "info: _C.sumsq alone", "info: torch sum (read-only pass)"
     contenders = [
         Contender(T, case.torch_path, case.refill_for_torch),
-        Contender(OB, case.ours_buffer, case.refill),
-        Contender(OT, case.ours_tensor, case.refill),
+        Contender(OB, case.ours, case.refill_ours),
         Contender(LT, case.limit_torch, case.refill),
         Contender(LO, case.limit_ours, case.refill),
+        # where the time of ours goes: its read pass, against a plain read pass of the same buffer
+        Contender(IS, lambda: _C.sumsq(case.group.buf), case.refill_ours),
+        Contender(IR, lambda: case.flat.sum(), case.refill),
     ]
-    traffic = {T: 5, OB: 3, OT: 3, LT: 2, LO: 2}  # element-bytes moved, in units of N * esize
+    # element-bytes moved, in units of N * esize
+    traffic = {T: 5, OB: 3, LT: 2, LO: 2, IS: 1, IR: 1}
     times = run_interleaved(contenders, repeats=repeats, warmup=1)
     s = {k: Summary.of(v) for k, v in times.items()}
     bw = {k: gbps(traffic[k] * n * es, s[k].median) for k in s}
@@ -291,6 +313,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32,bf16 (default both)")
     ap.add_argument("--threads", type=int, default=None,
                     help="threads for torch and for the kernels alike (default: torch's current count)")
+    ap.add_argument("--flush-cache", action="store_true",
+                    help="after each refill, write a scratch buffer of twice the last-level cache so "
+                         "every contender starts from DRAM (default: grads stay as warm as the refill "
+                         "left them, like grads just written by backward)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2^20 elements, 3 repeats")
     args = ap.parse_args(argv)
     if args.quick:
@@ -310,6 +336,8 @@ def main(argv=None) -> int:
     print(f"  cpu: {cpu_model()} ({logical_cpus()} logical CPUs available)")
     print(f"  torch {torch.__version__}, threads: torch {torch.get_num_threads()}, "
           f"accelerate_c {_C.get_num_threads()}; kernel ISA: {_C.kernel_isa()}")
+    print(f"  OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}: torch's OpenMP threads "
+          f"{'sleep' if os.environ.get('OMP_WAIT_POLICY', '').lower() == 'passive' else 'spin'} after each op")
     print(f"  size 2^{args.size_log2} = {n} elements, {args.repeats} interleaved repeats (+1 warm-up), "
           f"medians and quartiles")
 
@@ -317,11 +345,23 @@ def main(argv=None) -> int:
     if busy is not None and busy > 0.2:
         print(f"  WARNING: other processes are using {busy:.1f} CPUs' worth right now: "
               f"these numbers share the machine")
+    flush = None
+    if args.flush_cache:
+        scratch = torch.empty(2 * last_level_cache_bytes() // 4, dtype=torch.float32)
+        scratch.fill_(0.0)  # fault the pages in now
+
+        def flush():
+            scratch.fill_(1.0)
+
+        print(f"  caches: flushed before every timed call ({scratch.numel() * 4 >> 20} MiB scratch written)")
+    else:
+        print("  caches: warm -- each timed call follows an untimed refill of the grads (--flush-cache "
+              "to start cold)")
     results = []
     torch.set_grad_enabled(False)
     run_start = load_sample()
     for name in names:
-        results.append(bench_dtype(name, DTYPES[name], n, args.repeats))
+        results.append(bench_dtype(name, DTYPES[name], n, args.repeats, flush))
 
     print("\n== summary")
     rows = []

@@ -74,6 +74,39 @@ def test_stats_matches_torch(isa, threads, dtype, n):
 
 @size_param
 @dtype_param
+def test_sumsq_matches_torch(isa, threads, dtype, n):
+    """The fast norm pass: fp32 block sums, so 1e-6 relative to torch's double sum (torch's own
+    fp32 norm is looser); the non-finite flag exact; identical on both ISAs (checked below)."""
+    for data in (finite_data(n, dtype, seed=300 + n), wide_data(n, dtype, seed=400 + n)):
+        sq, nf = _C.sumsq(data)
+        ref = data.double().pow(2).sum().item()
+        assert nf is bool(not torch.isfinite(data).all())
+        if not nf:
+            assert math.isfinite(sq)
+            assert abs(sq - ref) <= 1e-6 * ref
+    if n:
+        data = finite_data(n, dtype, seed=5)
+        for where in {0, n // 2, n - 1}:
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                t = data.clone()
+                t[where] = bad
+                assert _C.sumsq(t)[1] is True
+
+
+@pytest.mark.skipif(len(AVAILABLE_ISAS) < 2, reason="needs both instruction sets")
+@dtype_param
+def test_sumsq_identical_on_both_isas(dtype):
+    data = finite_data(300001, dtype, seed=9)
+    got = []
+    for name in ("scalar", "avx2"):
+        _C.set_kernel_isa(name)
+        got.append(_C.sumsq(data))
+    _C.set_kernel_isa(STARTUP_ISA)
+    assert got[0] == got[1]
+
+
+@size_param
+@dtype_param
 def test_scale_stats_matches_torch(isa, threads, dtype, n):
     base = finite_data(n, dtype, seed=300 + n)
     for f in FACTORS:

@@ -68,7 +68,7 @@ static ac_result_t check_buf(ac_dtype_t dt, const void *p, size_t n, const char 
   return AC_OK;
 }
 
-enum op { OP_STATS, OP_SCALE, OP_SCALE_STATS, OP_CAST };
+enum op { OP_STATS, OP_SUMSQ, OP_SCALE, OP_SCALE_STATS, OP_CAST };
 
 typedef struct {
   enum op op;
@@ -79,15 +79,16 @@ typedef struct {
   size_t n;
   float f;
   ac_stats_t *partial;
+  size_t nchunks, nranges;
 } job_t;
 
-static void run_chunk(void *ctx, size_t task) {
-  job_t *j = ctx;
+static void run_chunk(job_t *j, size_t task) {
   size_t lo = task * AC_CHUNK;
   size_t len = j->n - lo < AC_CHUNK ? j->n - lo : AC_CHUNK;
   size_t es = ac_dtype_size(j->dt);
   switch (j->op) {
     case OP_STATS: j->t->stats[j->dt]((const char *)j->src + lo * es, len, &j->partial[task]); break;
+    case OP_SUMSQ: j->t->sumsq[j->dt]((const char *)j->src + lo * es, len, &j->partial[task]); break;
     case OP_SCALE: j->t->scale[j->dt]((char *)j->data + lo * es, len, j->f); break;
     case OP_SCALE_STATS:
       j->t->scale_stats[j->dt]((char *)j->data + lo * es, len, j->f, &j->partial[task]);
@@ -97,6 +98,15 @@ static void run_chunk(void *ctx, size_t task) {
                                    (char *)j->data + lo * ac_dtype_size(j->dst_dt), len);
       break;
   }
+}
+
+/* Pool task: thread-sized contiguous runs of chunks (a streaming range per thread beats
+ * handing chunks out one at a time); results still land per chunk, so they do not depend on
+ * the thread count. */
+static void run_range(void *ctx, size_t task) {
+  job_t *j = ctx;
+  size_t lo = task * j->nchunks / j->nranges, hi = (task + 1) * j->nchunks / j->nranges;
+  for (size_t c = lo; c < hi; c++) run_chunk(j, c);
 }
 
 /* Runs the job over all chunks; combines partial stats (if any) in chunk order into *out. */
@@ -114,10 +124,13 @@ static ac_result_t run_job(job_t *j, ac_stats_t *out) {
       j->partial = stack_partials;
     }
   }
-  if (ntasks == 1) {
-    run_chunk(j, 0);
+  size_t threads = (size_t)ac_pool_get_threads();
+  j->nchunks = ntasks;
+  j->nranges = ntasks < threads ? ntasks : threads;
+  if (j->nranges == 1) {
+    for (size_t c = 0; c < ntasks; c++) run_chunk(j, c);
   } else {
-    AC_CHECK_GOTO(ac_pool_run(ntasks, run_chunk, j), r, done);
+    AC_CHECK_GOTO(ac_pool_run(j->nranges, run_range, j), r, done);
   }
   if (out) {
     ac_stats_t acc = {0.0, 0.0f, 0};
@@ -144,12 +157,23 @@ ac_result_t ac_stats(ac_dtype_t dt, const void *data, size_t n, ac_stats_t *out)
   return run_job(&j, out);
 }
 
+ac_result_t ac_sumsq(ac_dtype_t dt, const void *data, size_t n, double *sumsq, int *nonfinite) {
+  AC_CHECK(check_buf(dt, data, n, "ac_sumsq"));
+  if (!sumsq || !nonfinite) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_sumsq: sumsq and nonfinite must not be NULL");
+  ac_stats_t s = {0.0, 0.0f, 0};
+  if (n > 0) {
+    job_t j = {.op = OP_SUMSQ, .t = table_get(), .dt = dt, .src = data, .n = n};
+    AC_CHECK(run_job(&j, &s));
+  }
+  *sumsq = s.sumsq;
+  *nonfinite = s.nonfinite;
+  return AC_OK;
+}
+
 ac_result_t ac_nonfinite(ac_dtype_t dt, const void *data, size_t n, int *found) {
   if (!found) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_nonfinite: found is NULL");
-  ac_stats_t s;
-  AC_CHECK(ac_stats(dt, data, n, &s));
-  *found = s.nonfinite;
-  return AC_OK;
+  double unused;
+  return ac_sumsq(dt, data, n, &unused, found); /* the memory-bound pass; its flag is exact */
 }
 
 ac_result_t ac_scale(ac_dtype_t dt, void *data, size_t n, float factor) {

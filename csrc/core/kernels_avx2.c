@@ -8,6 +8,7 @@
 #include <math.h>
 
 #include "half.h"
+#include "sumsq_common.h"
 
 #define AVX __attribute__((target("avx2,fma,f16c")))
 
@@ -129,9 +130,46 @@ static inline void stats_tail(float v, ac_stats_t *o) {
     for (; i < n; i++) stats_tail(st1_##S(p, i, ld1_##S(p, i) * f), o);         \
   }
 
+/* fp32 partial sums per block keep this pass memory-bound (the double conversions of
+ * ac_stats make it compute-bound); the order matches kernels_scalar.c's emulation exactly. */
+#define DEFINE_SUMSQ(S)                                                              \
+  AVX static void sumsq_##S(const void *p, size_t n, ac_stats_t *o) {                \
+    __m256d t0 = _mm256_setzero_pd(), t1 = _mm256_setzero_pd();                      \
+    const __m256 inf = _mm256_set1_ps(INFINITY), sign = _mm256_set1_ps(-0.0f);       \
+    double side = 0.0;                                                               \
+    int nf = 0;                                                                      \
+    size_t i = 0;                                                                    \
+    for (; i + AC_SUMSQ_BLOCK <= n; i += AC_SUMSQ_BLOCK) {                           \
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                     \
+      for (size_t k = 0; k < AC_SUMSQ_BLOCK; k += 16) {                              \
+        __m256 v0 = ld8_##S(p, i + k), v1 = ld8_##S(p, i + k + 8);                   \
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));                               \
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));                               \
+      }                                                                              \
+      __m256 a = _mm256_add_ps(a0, a1);                                              \
+      __m256 bad = _mm256_cmp_ps(_mm256_andnot_ps(sign, a), inf, _CMP_NLT_UQ);       \
+      if (_mm256_movemask_ps(bad)) {                                                 \
+        ac_sumsq_double(ld1_##S, p, i, i + AC_SUMSQ_BLOCK, &side, &nf);              \
+      } else {                                                                       \
+        t0 = _mm256_add_pd(t0, _mm256_cvtps_pd(_mm256_castps256_ps128(a)));          \
+        t1 = _mm256_add_pd(t1, _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)));        \
+      }                                                                              \
+    }                                                                                \
+    ac_sumsq_double(ld1_##S, p, i, n, &side, &nf);                                   \
+    double t[8];                                                                     \
+    _mm256_storeu_pd(t, t0);                                                         \
+    _mm256_storeu_pd(t + 4, t1);                                                     \
+    o->sumsq = ac_sumsq_lanes_total(t) + side;                                       \
+    o->maxabs = 0.0f;                                                                \
+    o->nonfinite = nf;                                                               \
+  }
+
 DEFINE_DTYPE(f32)
 DEFINE_DTYPE(f16)
 DEFINE_DTYPE(bf16)
+DEFINE_SUMSQ(f32)
+DEFINE_SUMSQ(f16)
+DEFINE_SUMSQ(bf16)
 
 #define DEFINE_CAST(A, B)                                                      \
   AVX static void cast_##A##_##B(const void *src, void *dst, size_t n) {       \
@@ -149,6 +187,7 @@ DEFINE_CAST(bf16, f16)
 static const ac_kernel_table_t table = {
     "avx2",
     {stats_f32, stats_f16, stats_bf16},
+    {sumsq_f32, sumsq_f16, sumsq_bf16},
     {scale_f32, scale_f16, scale_bf16},
     {scale_stats_f32, scale_stats_f16, scale_stats_bf16},
     {{NULL, cast_f32_f16, cast_f32_bf16},

@@ -10,10 +10,16 @@ typedef void (*ac_stats_fn)(const void *p, size_t n, ac_stats_t *out);
 typedef void (*ac_scale_fn)(void *p, size_t n, float f);
 typedef void (*ac_scale_stats_fn)(void *p, size_t n, float f, ac_stats_t *out);
 typedef void (*ac_cast_fn)(const void *src, void *dst, size_t n);
+/* Fills out->sumsq and out->nonfinite (maxabs unused) with ac_sumsq's blocked arithmetic. */
+typedef void (*ac_sumsq_fn)(const void *p, size_t n, ac_stats_t *out);
+
+/* ac_sumsq's block: 16 fp32 partial sums per SIMD lane position, 8 lane positions. */
+#define AC_SUMSQ_BLOCK 128
 
 typedef struct {
   const char *name;
   ac_stats_fn stats[AC_NUM_DTYPES];
+  ac_sumsq_fn sumsq[AC_NUM_DTYPES];
   ac_scale_fn scale[AC_NUM_DTYPES];
   ac_scale_stats_fn scale_stats[AC_NUM_DTYPES];
   ac_cast_fn cast[AC_NUM_DTYPES][AC_NUM_DTYPES]; /* [src][dst]; diagonal unused (memcpy) */

@@ -52,6 +52,19 @@ static PyObject *py_stats(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   return stats_tuple(&s);
 }
 
+static PyObject *py_sumsq(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  pyac_view v;
+  double sq = 0.0;
+  int nf = 0;
+  if (!nargs_ok("sumsq", n, 1)) return NULL;
+  if (pyac_view_from(m, a[0], PYAC_READ, PYAC_ON_CPU, "tensor", &v) < 0) return NULL;
+  ac_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = ac_sumsq(v.dt, v.data, v.n, &sq, &nf);
+  Py_END_ALLOW_THREADS pyac_view_release(&v);
+  if (r != AC_OK) return pyac_raise(m, r);
+  return Py_BuildValue("(dO)", sq, nf ? Py_True : Py_False);
+}
+
 static PyObject *py_nonfinite(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view v;
   int found = 0;
@@ -245,6 +258,8 @@ static PyObject *py_cuda_cast_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 PyMethodDef pyac_kernel_methods[] = {
     FAST("scale_", py_scale_, "scale_(tensor, factor): tensor *= factor in place (CPU)."),
     FAST("stats", py_stats, "stats(tensor) -> (sum_of_squares, max_abs, has_nonfinite) (CPU)."),
+    FAST("sumsq", py_sumsq,
+         "sumsq(tensor) -> (sum_of_squares, has_nonfinite): the fast norm pass (fp32 blocks, ~1e-7 relative) (CPU)."),
     FAST("nonfinite", py_nonfinite, "nonfinite(tensor) -> True if any element is NaN or +-Inf (CPU)."),
     FAST("scale_stats_", py_scale_stats_,
          "scale_stats_(tensor, factor) -> stats of tensor after tensor *= factor, in one pass (CPU)."),

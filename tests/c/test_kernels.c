@@ -806,6 +806,89 @@ TEST(maxabs_ignores_nan) {
   ac_kernels_set_isa("scalar");
 }
 
+/* ac_sumsq: bitwise identical on both ISAs and all thread counts; within 1e-6 of the double
+ * sum on finite data (fp32 blocks); the non-finite flag exact, including a NaN or Inf in any
+ * block or tail position, and finite values whose squares overflow fp32 (redone in double). */
+TEST(sumsq_fast_pass) {
+  static const size_t sizes[] = {0, 1, 127, 128, 129, 1000, 65536, 65536 + 129, 300001};
+  int before = ac_pool_get_threads();
+  for (int d = 0; d < NDT; d++) {
+    ac_dtype_t dt = DTYPES[d];
+    size_t es = dsize(dt);
+    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+      size_t n = sizes[si];
+      unsigned char *data = xmalloc(n * es);
+      fill_finite(dt, data, n, 777 + d * 31 + si);
+      ac_stats_t ref = ref_stats(dt, data, n);
+      double first = 0.0;
+      int have_first = 0;
+      for (int k = 0; k < NISAS; k++) {
+        if (!use_isa(ISAS[k])) continue;
+        for (int t = 1; t <= 4; t *= 2) {
+          CHECK_OK(ac_pool_set_threads(t));
+          double sq = -1.0;
+          int nf = -1;
+          CHECK_OK(ac_sumsq(dt, data, n, &sq, &nf));
+          CHECK_MSG(nf == 0, "%s n=%zu: finite data flagged", ac_dtype_name(dt), n);
+          CHECK_MSG(fabs(sq - ref.sumsq) <= 1e-6 * ref.sumsq, "%s %s n=%zu: sumsq %.17g vs double %.17g",
+                    ISAS[k], ac_dtype_name(dt), n, sq, ref.sumsq);
+          if (!have_first) {
+            first = sq;
+            have_first = 1;
+          }
+          CHECK_MSG(memcmp(&sq, &first, sizeof sq) == 0, "%s %s n=%zu threads=%d: %.17g differs from %.17g",
+                    ISAS[k], ac_dtype_name(dt), n, t, sq, first);
+        }
+      }
+      /* one bad value at several positions: NaN, +Inf, -Inf */
+      size_t spots[] = {0, n / 2, n ? n - 1 : 0, 127, 128, 65535, 65536};
+      for (size_t q = 0; n && q < sizeof spots / sizeof spots[0]; q++) {
+        if (spots[q] >= n) continue;
+        for (int b = 0; b < 3; b++) {
+          unsigned char *bad = xmalloc(n * es);
+          memcpy(bad, data, n * es);
+          float v = b == 0 ? NAN : (b == 1 ? INFINITY : -INFINITY);
+          ref_store(dt, bad, spots[q], v);
+          for (int k = 0; k < NISAS; k++) {
+            if (!use_isa(ISAS[k])) continue;
+            double sq;
+            int nf = 0, found = 0;
+            CHECK_OK(ac_sumsq(dt, bad, n, &sq, &nf));
+            CHECK_OK(ac_nonfinite(dt, bad, n, &found));
+            CHECK_MSG(nf == 1 && found == 1, "%s %s n=%zu: %g at %zu not flagged", ISAS[k], ac_dtype_name(dt),
+                      n, (double)v, spots[q]);
+          }
+          free(bad);
+        }
+      }
+      free(data);
+    }
+  }
+  /* finite fp32 values whose squares overflow fp32: the block is redone in double */
+  {
+    size_t n = 1000;
+    float *big = xmalloc(n * sizeof *big);
+    for (size_t i = 0; i < n; i++) big[i] = (i % 7 == 0) ? 3e20f : 1.0f;
+    ac_stats_t ref = ref_stats(AC_F32, big, n);
+    for (int k = 0; k < NISAS; k++) {
+      if (!use_isa(ISAS[k])) continue;
+      double sq;
+      int nf = 1;
+      CHECK_OK(ac_sumsq(AC_F32, big, n, &sq, &nf));
+      CHECK_MSG(nf == 0 && isfinite(sq), "%s: overflowing squares misreported (nf=%d, %g)", ISAS[k], nf, sq);
+      CHECK_MSG(fabs(sq - ref.sumsq) <= 1e-12 * ref.sumsq, "%s: %.17g vs %.17g", ISAS[k], sq, ref.sumsq);
+    }
+    free(big);
+  }
+  double sq;
+  int nf;
+  CHECK_RC(ac_sumsq(AC_F32, NULL, 5, &sq, &nf), AC_ERR_INVALID_ARG);
+  CHECK_RC(ac_sumsq(AC_F32, &sq, 1, NULL, &nf), AC_ERR_INVALID_ARG);
+  CHECK_RC(ac_sumsq((ac_dtype_t)7, &sq, 1, &sq, &nf), AC_ERR_INVALID_ARG);
+  CHECK_OK(ac_pool_set_threads(before));
+  ac_kernels_set_isa("scalar");
+}
+
 /* Same results whatever the thread count (fixed chunking, ordered combination). */
 TEST(deterministic_across_thread_counts) {
   const size_t n = 1000003;
@@ -998,6 +1081,7 @@ static const tu_test_t tests[] = {
     TU_CASE(nan_payload_same_on_both_isas),
     TU_CASE(nonfinite_positions),
     TU_CASE(maxabs_ignores_nan),
+    TU_CASE(sumsq_fast_pass),
     TU_CASE(deterministic_across_thread_counts),
     TU_CASE(many_chunks_heap_partials),
     TU_CASE(errors),

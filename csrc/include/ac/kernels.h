@@ -38,6 +38,14 @@ ac_result_t ac_scale(ac_dtype_t dt, void *data, size_t n, float factor);
 /* Fills *out with the statistics of data[0..n). Empty buffers give {0, 0, 0}. */
 ac_result_t ac_stats(ac_dtype_t dt, const void *data, size_t n, ac_stats_t *out);
 
+/* The fast norm pass: *sumsq = sum of x*x, *nonfinite = 1 if any element is NaN or +-Inf.
+ * Memory-bound: squares are summed in fp32 within blocks of 128 elements (16 per SIMD lane)
+ * and the block sums in double, so the relative error is about 1e-7 (torch's fp32 norms are
+ * worse); a block whose fp32 sum overflows or meets NaN/Inf is redone in double, so the flag
+ * is exact and finite inputs never report Inf. Bitwise identical on every ISA and thread
+ * count. Use ac_stats when the max-abs or a pure double sum is needed. */
+ac_result_t ac_sumsq(ac_dtype_t dt, const void *data, size_t n, double *sumsq, int *nonfinite);
+
 /* *found = 1 if any element is NaN or +-Inf, else 0. */
 ac_result_t ac_nonfinite(ac_dtype_t dt, const void *data, size_t n, int *found);
 
