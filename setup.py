@@ -104,7 +104,7 @@ setup(
             sources=sources(),
             include_dirs=["csrc/include"],
             extra_compile_args=C_FLAGS,
-            extra_link_args=["-pthread"],
+            extra_link_args=["-pthread", "-ldl"],
         )
     ],
     cmdclass={"build_ext": BuildExt},

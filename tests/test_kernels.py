@@ -853,3 +853,25 @@ def test_isa_environment_variable_forces_scalar():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "scalar"
+
+
+def test_pool_backend_borrows_torchs_openmp_and_results_do_not_depend_on_it():
+    """With torch imported, libgomp is loaded and the kernels run on torch's OpenMP team
+    (no second set of threads fighting torch's spinning workers); the pthread workers give
+    bit-identical results, since work is split into the same fixed chunks."""
+    assert _C.pool_backend() == "openmp"
+    data = finite_data(3 * CHUNK + 77, torch.float32, seed=11)
+    results = {}
+    try:
+        for backend in ("openmp", "pthread"):
+            _C.set_pool_backend(backend)
+            assert _C.pool_backend() == backend
+            t = data.clone()
+            results[backend] = (_C.stats(t), _C.sumsq(t), _C.scale_stats_(t, 0.37), t)
+    finally:
+        _C.set_pool_backend("auto")
+    a, b = results["openmp"], results["pthread"]
+    assert a[:3] == b[:3]
+    assert_bitwise(a[3], b[3])
+    with pytest.raises(accelerate_c.CoreError, match="unknown pool backend"):
+        _C.set_pool_backend("gpu")

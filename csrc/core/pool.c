@@ -1,9 +1,12 @@
 /* pool.c — persistent pthread pool with lazy start, fork safety and dynamic task claiming. */
+#define _GNU_SOURCE /* RTLD_NOLOAD; must precede every system header */
 #include "ac/pool.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -32,6 +35,71 @@ static struct {
        .done_cv = PTHREAD_COND_INITIALIZER};
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+/* ---- the borrowed OpenMP team --------------------------------------------------------- */
+typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
+enum { BACKEND_AUTO = 0, BACKEND_PTHREAD = 1, BACKEND_OPENMP = 2 };
+static struct {
+  pthread_once_t once;
+  gomp_parallel_fn parallel; /* NULL: no libgomp in this process */
+  _Atomic int choice;        /* BACKEND_* */
+  _Atomic int forked;        /* set in a forked child: the team is gone */
+} G = {.once = PTHREAD_ONCE_INIT};
+
+static void gomp_resolve(void) {
+  /* RTLD_NOLOAD: use a libgomp someone already loaded (torch), never load one ourselves */
+  void *h = dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (h) {
+    *(void **)(&G.parallel) = dlsym(h, "GOMP_parallel");
+    if (!G.parallel) dlclose(h);
+  }
+  const char *env = getenv("AC_POOL_BACKEND");
+  if (env && strcmp(env, "pthread") == 0) atomic_store(&G.choice, BACKEND_PTHREAD);
+  if (env && strcmp(env, "openmp") == 0) atomic_store(&G.choice, BACKEND_OPENMP);
+}
+
+static int use_openmp(void) {
+  pthread_once(&G.once, gomp_resolve);
+  if (!G.parallel || atomic_load(&G.forked)) return 0;
+  return atomic_load(&G.choice) != BACKEND_PTHREAD;
+}
+
+ac_result_t ac_pool_set_backend(const char *name) {
+  pthread_once(&G.once, gomp_resolve);
+  if (!name) return AC_FAIL(AC_ERR_INVALID_ARG, "backend name is NULL");
+  if (strcmp(name, "auto") == 0) {
+    atomic_store(&G.choice, BACKEND_AUTO);
+  } else if (strcmp(name, "pthread") == 0) {
+    atomic_store(&G.choice, BACKEND_PTHREAD);
+  } else if (strcmp(name, "openmp") == 0) {
+    if (!G.parallel || atomic_load(&G.forked))
+      return AC_FAIL_HINT(AC_ERR_UNSUPPORTED, "import torch (which loads libgomp) first",
+                          "no OpenMP runtime (libgomp) is loaded in this process");
+    atomic_store(&G.choice, BACKEND_OPENMP);
+  } else {
+    return AC_FAIL_HINT(AC_ERR_INVALID_ARG, "use \"auto\", \"pthread\" or \"openmp\"", "unknown pool backend '%s'",
+                        name);
+  }
+  return AC_OK;
+}
+
+const char *ac_pool_backend(void) { return use_openmp() ? "openmp" : "pthread"; }
+
+typedef struct {
+  ac_task_fn fn;
+  void *ctx;
+  size_t ntasks;
+  atomic_size_t next;
+} omp_job_t;
+
+static void omp_body(void *arg) {
+  omp_job_t *j = arg;
+  for (;;) {
+    size_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+    if (i >= j->ntasks) break;
+    j->fn(j->ctx, i);
+  }
+}
 
 static void claim_and_run(ac_task_fn fn, void *ctx, size_t ntasks) {
   for (;;) {
@@ -73,6 +141,7 @@ static void atfork_parent(void) {
   pthread_mutex_unlock(&P.run_mu);
 }
 static void atfork_child(void) {
+  atomic_store(&G.forked, 1);
   pthread_mutex_init(&P.run_mu, NULL);
   pthread_mutex_init(&P.mu, NULL);
   pthread_cond_init(&P.work_cv, NULL);
@@ -127,6 +196,16 @@ ac_result_t ac_pool_run(size_t ntasks, ac_task_fn fn, void *ctx) {
   if (ntasks == 0) return AC_OK;
   if (!fn) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_pool_run: fn is NULL");
   pthread_once(&atfork_once, register_atfork);
+  if (ntasks > 1 && use_openmp()) {
+    int want = ac_pool_get_threads();
+    unsigned team = (size_t)want < ntasks ? (unsigned)want : (unsigned)ntasks;
+    omp_job_t job = {.fn = fn, .ctx = ctx, .ntasks = ntasks};
+    atomic_store_explicit(&job.next, 0, memory_order_relaxed);
+    pthread_mutex_lock(&P.run_mu); /* same contract as the pthread path: one job at a time */
+    G.parallel(omp_body, &job, team, 0);
+    pthread_mutex_unlock(&P.run_mu);
+    return AC_OK;
+  }
   pthread_mutex_lock(&P.run_mu);
   pthread_mutex_lock(&P.mu);
   if (P.want == 0) P.want = default_threads();

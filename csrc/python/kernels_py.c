@@ -136,6 +136,21 @@ static PyObject *py_get_num_threads(PyObject *m, PyObject *const *a, Py_ssize_t 
   return PyLong_FromLong(ac_pool_get_threads());
 }
 
+static PyObject *py_pool_backend(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  (void)m, (void)a;
+  if (!nargs_ok("pool_backend", n, 0)) return NULL;
+  return PyUnicode_FromString(ac_pool_backend());
+}
+
+static PyObject *py_set_pool_backend(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  if (!nargs_ok("set_pool_backend", n, 1)) return NULL;
+  const char *name = PyUnicode_AsUTF8(a[0]);
+  if (!name) return NULL;
+  ac_result_t r = ac_pool_set_backend(name);
+  if (r != AC_OK) return pyac_raise(m, r);
+  Py_RETURN_NONE;
+}
+
 static PyObject *py_kernel_isa(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   (void)m, (void)a;
   if (!nargs_ok("kernel_isa", n, 0)) return NULL;
@@ -266,6 +281,8 @@ PyMethodDef pyac_kernel_methods[] = {
     FAST("cast_", py_cast_, "cast_(dst, src): dst[:] = src converted to dst's dtype (CPU)."),
     FAST("set_num_threads", py_set_num_threads, "set_num_threads(n): threads used by the CPU kernels."),
     FAST("get_num_threads", py_get_num_threads, "get_num_threads() -> threads used by the CPU kernels."),
+    FAST("pool_backend", py_pool_backend, "pool_backend() -> 'openmp' (torch's team) or 'pthread'."),
+    FAST("set_pool_backend", py_set_pool_backend, "set_pool_backend('auto'|'pthread'|'openmp')."),
     FAST("kernel_isa", py_kernel_isa, "kernel_isa() -> 'avx2' or 'scalar'."),
     FAST("set_kernel_isa", py_set_kernel_isa, "set_kernel_isa(name): force 'avx2' or 'scalar' (tests)."),
     FAST("cuda_device_count", py_cuda_device_count, "cuda_device_count() -> usable CUDA devices (0 if none)."),

@@ -103,6 +103,22 @@ for t in "${selected[@]}"; do
   echo
 done
 
+# The borrowed-OpenMP backend (csrc/core/pool.c): link the pool and kernel tests against
+# libgomp, as torch's process is, and run them with AC_POOL_BACKEND=openmp; the tests check
+# that the backend is in use and that a forked child falls back to the pthread workers.
+for t in "${selected[@]}"; do
+  case "$t" in test_pool | test_kernels) ;; *) continue ;; esac
+  rm -f "$BIN/${t}_omp"
+  if "${CCV[@]}" "${CFLAGS[@]}" -fopenmp "tests/c/$t.c" "${OBJS[@]}" -lm -o "$BIN/${t}_omp"; then
+    echo "== AC_POOL_BACKEND=openmp $BIN/${t}_omp"
+    run_one "$t with AC_POOL_BACKEND=openmp (libgomp linked)" env AC_POOL_BACKEND=openmp "$BIN/${t}_omp"
+    echo
+  else
+    results+=("FAIL  ${t}_omp (did not build)")
+    status=1
+  fi
+done
+
 # The AC_KERNELS_ISA=scalar start-up override: the kernel ISA is chosen lazily on first use and
 # cached, so only a fresh process shows it. The env-sensitive test (isa_default_and_env) runs
 # first in the program and expects "scalar" here; the rest of the suite runs again too (it

@@ -388,6 +388,30 @@ TEST(fork_while_another_thread_runs_jobs) {
   CHECK(atomic_load(&bg_jobs) > 0);
 }
 
+/* Backend selection: "openmp" only where a libgomp is loaded (run.sh links one into the
+ * *_omp build and sets AC_POOL_BACKEND=openmp), never in a forked child. */
+TEST(backend_selection) {
+  const char *env = getenv("AC_POOL_BACKEND");
+  int omp = env && strcmp(env, "openmp") == 0;
+  CHECK_STREQ(ac_pool_backend(), omp ? "openmp" : "pthread");
+  if (!omp) CHECK_RC(ac_pool_set_backend("openmp"), AC_ERR_UNSUPPORTED);
+  CHECK_RC(ac_pool_set_backend("bogus"), AC_ERR_INVALID_ARG);
+  CHECK_RC(ac_pool_set_backend(NULL), AC_ERR_INVALID_ARG);
+  CHECK_OK(ac_pool_set_backend("pthread"));
+  CHECK_STREQ(ac_pool_backend(), "pthread");
+  run_counting_job(1000);
+  CHECK_OK(ac_pool_set_backend("auto"));
+  CHECK_STREQ(ac_pool_backend(), omp ? "openmp" : "pthread");
+  run_counting_job(1000);
+  if (omp) {
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) _exit(strcmp(ac_pool_backend(), "pthread") == 0 ? 0 : 7);
+    int st = 0;
+    CHECK(pid > 0 && wait_child(pid, &st) && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  }
+}
+
 TEST(shutdown_then_reuse) {
   CHECK_OK(ac_pool_set_threads(4));
   run_counting_job(500);
@@ -417,6 +441,7 @@ static const tu_test_t tests[] = {
     TU_CASE(concurrent_callers_serialise),
     TU_CASE(fork_child_can_use_pool),
     TU_CASE(fork_while_another_thread_runs_jobs),
+    TU_CASE(backend_selection),
     TU_CASE(shutdown_then_reuse), /* keep last: ends with ac_pool_shutdown() */
 };
 TU_MAIN(tests)

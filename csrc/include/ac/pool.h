@@ -32,6 +32,20 @@ ac_result_t ac_pool_set_threads(int n);
 /* Stops and joins the workers (tests and sanitizers use it; the pool restarts on next use). */
 void ac_pool_shutdown(void);
 
+/* Where ac_pool_run's threads come from:
+ *   "pthread" — the pool's own workers;
+ *   "openmp"  — the OpenMP runtime (libgomp) that is already loaded in the process, i.e.
+ *               torch's. After a torch op its OpenMP workers keep spinning for a while; with
+ *               our own workers the two sets fight over the cores (measured: an in-place scale
+ *               right after a torch op ran 1.5x slower). Borrowing torch's team avoids the fight
+ *               instead of adding a second runtime. Never used in a forked child (libgomp's
+ *               team does not survive fork) nor when libgomp is not loaded;
+ *   "auto"    — "openmp" when possible, else "pthread" (the default; AC_POOL_BACKEND sets it).
+ * ac_pool_set_backend returns AC_ERR_UNSUPPORTED for "openmp" when no libgomp is loaded. */
+ac_result_t ac_pool_set_backend(const char *name);
+/* The backend the next ac_pool_run will use: "pthread" or "openmp". */
+const char *ac_pool_backend(void);
+
 #ifdef __cplusplus
 }
 #endif
