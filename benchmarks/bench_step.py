@@ -495,11 +495,16 @@ def main(argv=None):
     print(f"bench_step: {cpu_model()}, {logical_cpus()} logical CPUs; torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), accelerate "
           f"{getattr(accelerate, '__version__', 'n/a')}, accelerate_c {accelerate_c.__version__} "
-          f"(_C threads {_C.get_num_threads()}, kernels {_C.kernel_isa()})")
+          f"(_C threads {_C.get_num_threads()}, kernels {_C.kernel_isa()}"
+          + (f", pool {_C.pool_backend()}" if hasattr(_C, "pool_backend") else "") + ")")
     print(f"model '{args.model}': {n_params / 1e6:.1f}M parameters ({cfg.n_layer} layers, d_model {cfg.d_model}, "
           f"{cfg.n_head} heads, vocab {cfg.vocab_size}); micro-batch {args.batch} x {seq} tokens, "
           f"accumulation {ACCUM}, clip {MAX_NORM}, AdamW, bf16 autocast")
     print(f"{args.repeats} repeats x {args.steps} timed optimizer steps (+{args.warmup} warm-up) per contender")
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "AC_KERNELS_ISA")
+           if k in os.environ}
+    if env:  # these change how torch's OpenMP threads and our C pool share the cores
+        print("environment: " + " ".join(f"{k}={v}" for k, v in env.items()))
     if skip_note:
         print(f"NOTE: {skip_note}")
     load = other_load(0.5)
