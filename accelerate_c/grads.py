@@ -84,17 +84,18 @@ class GradGroup:
         """Zeroes gradients in place. set_to_none=True (torch's default) also forgets which
         params had a gradient, so they are shown as None until backward gives them one;
         False keeps them as zero gradients, as torch's zero_grad(set_to_none=False) does."""
-        if indices is None or len(indices) == len(self.params):
+        if indices is None or len(set(indices)) == len(self.params):
             self.flat.zero_()
             if set_to_none:
                 self.touched = [False] * len(self.params)
+            # zeros carry no scale; a partial zero leaves the rest of the buffer as it was
+            self.needs_unscale = False
+            self.found_inf = False
         else:
             for i in indices:
                 self.views[i].zero_()
                 if set_to_none:
                     self.touched[i] = False
-        self.needs_unscale = False
-        self.found_inf = False
 
     def remove(self):
         for h in self.hooks:
