@@ -5,12 +5,14 @@ flat buffer per (dtype, device), so backward accumulates straight into it and th
 unscale, check for overflow, measure and clip all gradients in one or two passes per buffer
 instead of one small kernel per tensor. The multi-process reducer buckets the same buffers.
 
-Users and libraries may still reset or replace `.grad` (model.zero_grad(), `p.grad = None`,
-`p.grad = t`): a post-accumulate-grad hook copies such a gradient into its range and points
-`.grad` back at it (what torch DDP's reducer does), and `resync()` catches assignments made
-after backward. A parameter that received no gradient since the last zero_grad is shown to
-the optimizer with `.grad = None`, as torch's set_to_none would, so optimizers that skip
-gradient-less parameters (Adam and most others) behave exactly as before.
+zero_grad() sets `.grad = None` as torch does; users and libraries may also reset or replace
+`.grad` (model.zero_grad(), `p.grad = None`, `p.grad = t`). In every case a
+post-accumulate-grad hook copies the gradient that backward produced into its range and
+points `.grad` back at it (what torch DDP's reducer does): one copy, cheaper than zeroing the
+buffer and accumulating into zeros. `resync()` catches assignments made after backward. A
+parameter that received no gradient since the last zero_grad is shown to the optimizer with
+`.grad = None`, as in torch, so optimizers that skip gradient-less parameters (Adam and most
+others) behave exactly as before.
 """
 from __future__ import annotations
 
@@ -81,21 +83,25 @@ class GradGroup:
             p.grad = v
 
     def zero_(self, indices=None, set_to_none: bool = True):
-        """Zeroes gradients in place. set_to_none=True (torch's default) also forgets which
-        params had a gradient, so they are shown as None until backward gives them one;
-        False keeps them as zero gradients, as torch's zero_grad(set_to_none=False) does."""
-        if indices is None or len(set(indices)) == len(self.params):
+        """set_to_none=True (torch's default): `.grad = None`, as torch does, and the range is
+        left stale; the next backward's hook copies the new gradient in (one read + one write,
+        instead of zeroing now and adding into zeros later: two passes saved per step), and
+        resync() zeroes the ranges of params that got none. set_to_none=False: zero in place,
+        the params keep (zero) gradients, as torch's zero_grad(set_to_none=False) does."""
+        full = indices is None or len(set(indices)) == len(self.params)
+        idx = range(len(self.params)) if indices is None else indices
+        if set_to_none:
+            for i in idx:
+                self.params[i].grad = None
+                self.touched[i] = False
+        elif full:
             self.flat.zero_()
-            if set_to_none:
-                self.touched = [False] * len(self.params)
-            # zeros carry no scale; a partial zero leaves the rest of the buffer as it was
+        else:
+            for i in idx:
+                self.views[i].zero_()
+        if full:  # nothing left that carries the loss scale; a partial zero leaves the rest as is
             self.needs_unscale = False
             self.found_inf = False
-        else:
-            for i in indices:
-                self.views[i].zero_()
-                if set_to_none:
-                    self.touched[i] = False
 
     def remove(self):
         for h in self.hooks:
