@@ -30,7 +30,8 @@ from .utils.dataclasses import (
     parse_choice_from_env,
     parse_flag_from_env,
 )
-from .utils.operations import convert_outputs_to_fp32, pad_tensor, recursively_apply
+from .utils import operations as ops
+from .utils.operations import convert_outputs_to_fp32, recursively_apply
 
 _split_batches = object()  # sentinel: tells "not passed" from False, as accelerate does
 
@@ -123,7 +124,9 @@ class Accelerator:
                 self.init_handler = handler
 
         cpu = bool(cpu) or parse_flag_from_env("ACCELERATE_USE_CPU")
-        self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, _from_accelerator=True)
+        init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
+        self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, _from_accelerator=True,
+                                      **init_kwargs)
 
         # gradient accumulation: argument or plugin, never both
         if gradient_accumulation_plugin is not None:
@@ -303,6 +306,11 @@ class Accelerator:
             device_placement = self.device_placement
         if any(m is model for m in self._models):
             return model
+        if self.use_distributed and not evaluation_mode:
+            # never train N unsynchronised replicas: that would silently give wrong results
+            raise NotImplementedError(
+                f"training a model on {self.num_processes} processes needs the gradient reducer, which is not "
+                "built yet in accelerate_c; run one process, or prepare the model with evaluation_mode=True")
         self._models.append(model)
         if device_placement and not getattr(model, "hf_device_map", None):
             model.to(self.device)
@@ -455,34 +463,37 @@ class Accelerator:
         self._grads.resync([g for g in self._grads.split(params)[0]])
         torch.nn.utils.clip_grad_value_(params, clip_value)
 
-    # ---- collectives (single process: identity) -----------------------------------------
+    # ---- collectives (identity on one process) ----------------------------------------
     def gather(self, tensor):
-        """Concatenates `tensor` from all processes along dim 0 (itself on one process)."""
-        return tensor
+        """Concatenates `tensor` (or each tensor of a nested structure) from all processes along
+        dim 0 (0-dim tensors become 1-dim). Shapes must match across processes (pad first)."""
+        return ops.gather(tensor)
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
-        """gather(), minus the samples repeated to fill the last batch of the data loader."""
-        data = self.gather(input_data)
+        """gather(), minus the samples duplicated to fill the last batch across processes."""
+        try:
+            recursively_apply(lambda t: t, input_data, error_on_other_type=True)
+            all_tensors = True
+        except TypeError:
+            all_tensors = False
+        use_gather_object = use_gather_object or not all_tensors
+        data = ops.gather_object(input_data) if use_gather_object else self.gather(input_data)
         gs = self.gradient_state
         # duplicates exist only when several processes padded the last batch
         if self.num_processes > 1 and gs.end_of_dataloader and gs.remainder > 0:
-            def truncate(t):
-                return t[: gs.remainder] if t.dim() > 0 else t
-            if isinstance(data, list) and use_gather_object:
+            if use_gather_object:
                 return data[: gs.remainder]
-            return recursively_apply(truncate, data)
+            return recursively_apply(lambda t: t[: gs.remainder] if t.dim() > 0 else t, data)
         return data
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
-        """Sum, mean or max across processes (a copy on one process). `scale` is accepted for
+        """Sum, mean or max across processes ('none': a copy). `scale` is accepted for
         accelerate compatibility; like accelerate off XLA, it is not applied."""
-        if reduction not in ("sum", "mean", "max", "none"):
-            raise ValueError(f"reduction must be 'sum', 'mean', 'max' or 'none', got {reduction!r}")
-        return recursively_apply(lambda t: t.clone(), tensor, error_on_other_type=True)
+        return ops.reduce(tensor, reduction)
 
     def pad_across_processes(self, tensor, dim: int = 0, pad_index=0, pad_first: bool = False):
-        """Pads to the largest size along `dim` across processes (unchanged on one process)."""
-        return recursively_apply(lambda t: pad_tensor(t, t.shape[dim], dim, pad_index, pad_first), tensor)
+        """Pads to the largest size along `dim` across processes."""
+        return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
 
     def wait_for_everyone(self):
         self.state.wait_for_everyone()
@@ -494,9 +505,10 @@ class Accelerator:
         self.flag_tensor = torch.tensor(1, device=self.device)
 
     def check_trigger(self) -> bool:
+        """True on every process if any process called set_trigger() since the last check."""
         if self.flag_tensor is None:
             self.flag_tensor = torch.tensor(0, device=self.device)
-        fired = bool(self.flag_tensor.item() >= 1)
+        fired = bool(ops.reduce(self.flag_tensor, "sum").item() >= 1)
         if fired:
             self.flag_tensor = torch.tensor(0, device=self.device)
         return fired

@@ -15,33 +15,65 @@ import torch
 from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, parse_flag_from_env
 
 
+def _env_int(key: str, default: int) -> int:
+    raw = os.environ.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
+
+
 class PartialState:
     """Device and process layout, without any training configuration."""
 
     _shared: dict = {}
 
     def __init__(self, cpu: bool = False, **kwargs):
+        """kwargs: `backend` and `timeout` for torch.distributed.init_process_group (from
+        InitProcessGroupKwargs), used when torchrun's WORLD_SIZE says several processes."""
         self.__dict__ = self._shared
         if self.initialized:
             return
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:
-            raise NotImplementedError(
-                f"WORLD_SIZE={world}: multi-process training is not supported yet by accelerate_c "
-                "(it lands with `accelerate-c launch`); run a single process")
         cpu = cpu or parse_flag_from_env("ACCELERATE_USE_CPU")
-        self.num_processes = 1
-        self.process_index = 0
-        self.local_process_index = 0
-        self.backend = None
-        self.distributed_type = DistributedType.NO
-        if not cpu and torch.cuda.is_available():
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-        self.use_cpu = self.device.type == "cpu"
+        world = _env_int("WORLD_SIZE", 1)
+        use_cuda = not cpu and torch.cuda.is_available()
         self.fork_launched = False
+        if world > 1:
+            import torch.distributed as dist
+
+            self.num_processes = world
+            self.process_index = _env_int("RANK", 0)
+            self.local_process_index = _env_int("LOCAL_RANK", self.process_index)
+            # NCCL needs GPUs; on CPU the default "nccl" of InitProcessGroupKwargs means gloo
+            backend = kwargs.get("backend") if use_cuda else "gloo"
+            self.backend = backend or ("nccl" if use_cuda else "gloo")
+            self.distributed_type = DistributedType.MULTI_GPU if use_cuda else DistributedType.MULTI_CPU
+            if use_cuda:
+                self.device = torch.device("cuda", self.local_process_index)
+                torch.cuda.set_device(self.device)
+            else:
+                self.device = torch.device("cpu")
+            if not dist.is_initialized():
+                init = {"backend": self.backend}
+                if kwargs.get("timeout") is not None:
+                    init["timeout"] = kwargs["timeout"]
+                if kwargs.get("init_method") is not None:
+                    init["init_method"] = kwargs["init_method"]
+                dist.init_process_group(**init)
+        else:
+            self.num_processes = 1
+            self.process_index = 0
+            self.local_process_index = 0
+            self.backend = None
+            self.distributed_type = DistributedType.NO
+            if use_cuda:
+                self.device = torch.device("cuda", _env_int("LOCAL_RANK", 0))
+                torch.cuda.set_device(self.device)
+            else:
+                self.device = torch.device("cpu")
+        self.use_cpu = self.device.type == "cpu"
 
     @property
     def initialized(self) -> bool:
@@ -92,11 +124,13 @@ class PartialState:
 
     @contextmanager
     def split_between_processes(self, inputs, apply_padding: bool = False):
-        """Yields this process's share of a list/tuple/dict-of-lists/tensor (the whole input on one process)."""
+        """Yields this process's contiguous share of a list/tuple/str/tensor, or of each value of
+        a dict (the whole input on one process). Earlier ranks get one more item when the length
+        does not divide; apply_padding repeats the last item so every rank gets as many."""
         if self.num_processes == 1:
             yield inputs
             return
-        raise NotImplementedError("split_between_processes across processes lands with multi-process support")
+        yield _split(inputs, self.num_processes, self.process_index, apply_padding)
 
     def print(self, *args, **kwargs):
         if self.is_local_main_process:
@@ -138,6 +172,23 @@ class PartialState:
                 f"Device: {self.device}\n")
 
 
+def _split(inputs, n: int, rank: int, pad: bool):
+    if isinstance(inputs, dict):
+        lengths = {len(v) for v in inputs.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"split_between_processes: dict values have different lengths {sorted(lengths)}")
+        return {k: _split(v, n, rank, pad) for k, v in inputs.items()}
+    length = len(inputs)
+    per, extra = divmod(length, n)
+    start = rank * per + min(rank, extra)
+    end = start + per + (1 if rank < extra else 0)
+    part = inputs[start:end]
+    if pad and extra and rank >= extra and length:
+        # slicing keeps the type (list, tuple, str), so + appends the last item
+        part = torch.cat([part, inputs[-1:]]) if torch.is_tensor(inputs) else part + inputs[-1:]
+    return part
+
+
 class AcceleratorState(PartialState):
     """PartialState plus the training configuration (mixed precision)."""
 
@@ -148,7 +199,7 @@ class AcceleratorState(PartialState):
         self.__dict__ = self._shared
         if _from_accelerator:
             self._reset_state()
-        PartialState.__init__(self, cpu=cpu)
+        PartialState.__init__(self, cpu=cpu, **kwargs)
         if "mixed_precision" not in self._shared or _from_accelerator:
             self.mixed_precision = "no" if mixed_precision is None else str(mixed_precision)
 

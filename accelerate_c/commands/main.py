@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from . import env
+from . import env, launch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -10,8 +10,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="accelerate-c",
         description="accelerate_c command line: accelerate's CLI, backed by a C core.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{env}")
+    sub = parser.add_subparsers(dest="command", metavar="{env,launch}")
     env.register(sub)
+    launch.register(sub)
     return parser
 
 

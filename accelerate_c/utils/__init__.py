@@ -13,5 +13,17 @@ from .dataclasses import (
     ProjectConfiguration,
     RNGType,
 )
-from .operations import convert_outputs_to_fp32, convert_to_fp32, pad_tensor, recursively_apply, send_to_device
+from .operations import (
+    broadcast,
+    broadcast_object_list,
+    convert_outputs_to_fp32,
+    convert_to_fp32,
+    gather,
+    gather_object,
+    pad_across_processes,
+    pad_tensor,
+    recursively_apply,
+    reduce,
+    send_to_device,
+)
 from .random import set_seed

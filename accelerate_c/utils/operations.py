@@ -93,3 +93,118 @@ def pad_tensor(tensor, size: int, dim: int = 0, pad_index=0, pad_first: bool = F
     idx[dim] = slice(size - n, size) if pad_first else slice(0, n)
     out[tuple(idx)] = tensor
     return out
+
+
+# ---- collectives over torch.distributed (identity on one process) ---------------------------
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def _check_same_shape(dist, t, what: str):
+    """All ranks must pass the same shape: compare them first (one small all_gather), so a
+    mismatch is a clear error naming the shapes instead of a hang or garbage."""
+    dims = torch.full((9,), -1, dtype=torch.int64)
+    if t.dim() > 8:
+        raise ValueError(f"{what}: tensors of more than 8 dimensions are not supported")
+    dims[0] = t.dim()
+    dims[1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    dims = dims.to(t.device)
+    allv = [torch.empty_like(dims) for _ in range(dist.get_world_size())]
+    dist.all_gather(allv, dims)
+    shapes = [tuple(v[1:1 + int(v[0])].tolist()) for v in allv]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"{what}: tensors differ in shape across processes: "
+                         + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
+                         + " (use pad_across_processes first)")
+
+
+def gather(tensor):
+    """Concatenates each tensor of a nested structure from all processes along dim 0."""
+    dist = _dist()
+    if dist is None:
+        return tensor
+
+    def one(t):
+        t = t.reshape(1) if t.dim() == 0 else t
+        t = t.contiguous()
+        _check_same_shape(dist, t, "gather")
+        out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, t)
+        return torch.cat(out, dim=0)
+
+    return recursively_apply(one, tensor, error_on_other_type=True)
+
+
+def gather_object(obj):
+    """A list of every process's `obj` (lists are concatenated, as accelerate does)."""
+    dist = _dist()
+    if dist is None:
+        return obj if isinstance(obj, list) else [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    if all(isinstance(o, list) for o in out):
+        return [x for o in out for x in o]
+    return out
+
+
+_REDUCTIONS = ("sum", "mean", "max", "none")
+
+
+def reduce(tensor, reduction: str = "sum"):
+    """Sum, mean or max of each tensor across processes (a copy on one process)."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {list(_REDUCTIONS)}, got {reduction!r}")
+    dist = _dist()
+
+    def one(t):
+        out = t.clone()
+        if dist is None or reduction == "none":
+            return out
+        _check_same_shape(dist, out, "reduce")
+        dist.all_reduce(out, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM)
+        if reduction == "mean":
+            out = out / dist.get_world_size() if not out.is_floating_point() else out.div_(dist.get_world_size())
+        return out
+
+    return recursively_apply(one, tensor, error_on_other_type=True)
+
+
+def broadcast(tensor, from_process: int = 0):
+    """Every process gets `from_process`'s values (in place, and returned)."""
+    dist = _dist()
+    if dist is None:
+        return tensor
+
+    def one(t):
+        _check_same_shape(dist, t, "broadcast")
+        dist.broadcast(t, src=from_process)
+        return t
+
+    return recursively_apply(one, tensor, error_on_other_type=True)
+
+
+def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
+    dist = _dist()
+    if dist is not None:
+        dist.broadcast_object_list(object_list, src=from_process)
+    return object_list
+
+
+def pad_across_processes(tensor, dim: int = 0, pad_index=0, pad_first: bool = False):
+    """Pads each tensor along `dim` to the largest size any process has."""
+    dist = _dist()
+
+    def one(t):
+        if dist is None or t.dim() == 0:
+            return t
+        d = dim if dim >= 0 else t.dim() + dim
+        if not 0 <= d < t.dim():
+            raise ValueError(f"pad_across_processes: dim {dim} out of range for a {t.dim()}-d tensor")
+        size = torch.tensor([t.shape[d]], dtype=torch.int64, device=t.device)
+        sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
+        dist.all_gather(sizes, size)
+        return pad_tensor(t, int(max(s.item() for s in sizes)), d, pad_index, pad_first)
+
+    return recursively_apply(one, tensor, error_on_other_type=True)
