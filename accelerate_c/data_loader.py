@@ -7,8 +7,10 @@ import inspect
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
+from .sharding_data import BatchSamplerShard, IterableDatasetShard
 from .state import GradientState, PartialState
 from .utils.operations import send_to_device
+from .utils.random import synchronize_rng_states
 
 # DataLoader's own constructor arguments, read off this torch (so new ones carry over).
 _DL_PARAMS = [k for k in inspect.signature(DataLoader.__init__).parameters if k not in ("self", "dataset")]
@@ -119,6 +121,8 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         self.reset()
 
     def __iter__(self):
+        if self.rng_types:
+            synchronize_rng_states(self.rng_types, self.synchronized_generator)
         self.begin()
         self.set_epoch(self.iteration)
         it = super().__iter__()
@@ -197,34 +201,59 @@ def prepare_data_loader(dataloader: DataLoader, device=None, num_processes=None,
         raise NotImplementedError("use_stateful_dataloader=True is not supported yet by accelerate_c")
     state = PartialState()
     num_processes = state.num_processes if num_processes is None else num_processes
-    if num_processes != 1:
-        raise NotImplementedError("sharding a data loader across processes lands with multi-process support")
+    process_index = state.process_index if process_index is None else process_index
     dataset = dataloader.dataset
     kwargs = _dataloader_kwargs(dataloader)
     is_batch_sampler = isinstance(dataloader.sampler, BatchSampler)
     synchronized_generator = None
+    if split_batches and num_processes > 1:
+        bs = dataloader.batch_size if dataloader.batch_size is not None else \
+            getattr(dataloader.batch_sampler, "batch_size", None)
+        if bs is None:
+            raise ValueError("split_batches needs a batch_size on the DataLoader or its batch_sampler")
+        if bs > 1 and bs % num_processes != 0:
+            raise ValueError(f"To use split_batches, the batch size ({bs}) must be a multiple of the number of "
+                             f"processes ({num_processes}).")
     sampler = get_sampler(dataloader) if not isinstance(dataset, IterableDataset) else None
     if isinstance(sampler, RandomSampler) and use_seedable_sampler:
         sampler = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
                                         num_samples=sampler._num_samples, generator=sampler.generator,
                                         data_seed=data_seed)
+    batch_sampler = dataloader.sampler if is_batch_sampler else dataloader.batch_sampler
+    if num_processes > 1:
+        if isinstance(dataset, IterableDataset):
+            synchronized_generator = getattr(dataset, "generator", None)
+            dataset = IterableDatasetShard(dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
+                                           num_processes=num_processes, process_index=process_index,
+                                           split_batches=split_batches)
+        else:
+            if not use_seedable_sampler and sampler is not None and hasattr(sampler, "generator"):
+                # every process must shuffle alike: one generator, rank 0's state broadcast at
+                # each epoch's start (DataLoaderShard.__iter__)
+                if sampler.generator is None:
+                    sampler.generator = torch.Generator()
+                    sampler.generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+                synchronized_generator = sampler.generator
+            batch_sampler = BatchSamplerShard(batch_sampler, num_processes=num_processes,
+                                              process_index=process_index, split_batches=split_batches,
+                                              even_batches=even_batches)
     # (On one process the sampler is reused as is, so a shuffled loader draws its order from the
     # global RNG at each epoch exactly as the user's DataLoader would.)
-    if rng_types is not None:
-        rng_types = [r for r in rng_types if str(r) != "generator" or synchronized_generator is not None]
     common = dict(device=device if put_on_device else None, rng_types=rng_types,
                   synchronized_generator=synchronized_generator, _drop_last=dataloader.drop_last,
                   _non_blocking=non_blocking)
     if isinstance(dataset, IterableDataset):
-        new = DataLoaderShard(dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
-                              **common, **kwargs)
+        bs = dataloader.batch_size
+        if split_batches and num_processes > 1 and bs is not None:
+            bs = bs // num_processes
+        new = DataLoaderShard(dataset, batch_size=bs, drop_last=dataloader.drop_last, **common, **kwargs)
     elif is_batch_sampler:
-        new = DataLoaderShard(dataset, sampler=dataloader.sampler, batch_size=dataloader.batch_size, **common,
+        new = DataLoaderShard(dataset, sampler=batch_sampler, batch_size=dataloader.batch_size, **common,
                               **kwargs)
-    elif dataloader.batch_sampler is None:  # batch_size=None: samples are yielded unbatched
+    elif batch_sampler is None:  # batch_size=None: samples are yielded unbatched
         new = DataLoaderShard(dataset, sampler=dataloader.sampler, batch_size=None, **common, **kwargs)
     else:
-        new = DataLoaderShard(dataset, batch_sampler=dataloader.batch_sampler, **common, **kwargs)
+        new = DataLoaderShard(dataset, batch_sampler=batch_sampler, **common, **kwargs)
     if isinstance(sampler, SeedableRandomSampler):
         new.set_sampler(sampler)
     return new

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's one script (sized for < 5 minutes): build with the image's torch and nvcc,
-# run the CUDA tests, then the kernel and step benchmarks on the GPU. Prints everything;
-# copy the output into docs/gpu.md with the date.
+# run the CUDA tests, then the step benchmark on the GPU (bench model, micro-batch 16, and the
+# fp16 micro-benchmark; < 150 s). Prints everything; copy the output into docs/gpu.md with the date.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 echo "== $(date -u) on $(hostname)"
@@ -13,5 +13,5 @@ python -c "from accelerate_c import _C; print('has_cuda', _C.has_cuda, 'devices'
 echo "== CUDA tests"
 timeout 180 python -m pytest -q -x tests/test_cuda.py 2>&1 | tail -15
 echo "== benchmarks"
-timeout 120 python benchmarks/bench_step.py --quick --device cuda 2>&1 | tail -25 || true
+timeout 150 python benchmarks/bench_step.py --device cuda --repeats 3 --steps 10 2>&1 | tail -30
 echo "== done $(date -u)"

@@ -31,6 +31,14 @@ def test_distributed_ops_on_n_processes(n):
     assert f"distributed ops OK on {n} processes" in res.stdout
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_data_sharding_on_n_processes(n):
+    res = launch(["--num_processes", str(n), "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "data_sharding.py")])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"data sharding OK on {n} processes" in res.stdout
+
+
 def test_single_process_launch_passes_settings(tmp_path):
     script = tmp_path / "show.py"
     script.write_text("import sys\nfrom accelerate_c import Accelerator\n"
