@@ -433,9 +433,10 @@ class Accelerator:
         for opt in self._opt_list(optimizer):
             params = opt._params() if isinstance(opt, AcceleratedOptimizer) else \
                 [p for g in opt.param_groups for p in g["params"]]
+            self._grads.ensure_intact()
             touched, loose = self._grads.split(params)
             self._grads.resync(list(touched))
-            self._grads.unscale(list(touched), loose, inv)
+            self._grads.unscale(touched, loose, inv)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Unscales (fp16) and clips the gradients' total norm; returns that norm (before
@@ -447,6 +448,7 @@ class Accelerator:
         params = list(parameters)
         max_norm, norm_type = float(max_norm), float(norm_type)
         trainable = [p for p in params if p.requires_grad]
+        self._grads.ensure_intact()
         groups = self._grads.full_groups(trainable) if trainable else None
         if groups is not None and norm_type in (2.0, math.inf):
             self._grads.resync(groups)
@@ -460,7 +462,8 @@ class Accelerator:
     def clip_grad_value_(self, parameters, clip_value):
         self.unscale_gradients()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        self._grads.resync([g for g in self._grads.split(params)[0]])
+        self._grads.ensure_intact()
+        self._grads.resync(list(self._grads.split(params)[0]))
         torch.nn.utils.clip_grad_value_(params, clip_value)
 
     # ---- collectives (identity on one process) ----------------------------------------

@@ -1,18 +1,17 @@
 """Flat gradient buffers and the gradient post-processing that runs on them.
 
-At prepare() every trainable parameter of a model gets its `.grad` pointed at a range of one
-flat buffer per (dtype, device), so backward accumulates straight into it and the C core can
-unscale, check for overflow, measure and clip all gradients in one or two passes per buffer
-instead of one small kernel per tensor. The multi-process reducer buckets the same buffers.
+At prepare() every trainable parameter of a model gets a range of one flat buffer per
+(dtype, device): backward's gradient lands there and the C core unscales, checks for
+overflow, measures and clips all gradients in one or two passes per buffer instead of one
+small kernel per tensor. The multi-process reducer buckets the same buffers.
 
-zero_grad() sets `.grad = None` as torch does; users and libraries may also reset or replace
-`.grad` (model.zero_grad(), `p.grad = None`, `p.grad = t`). In every case a
-post-accumulate-grad hook copies the gradient that backward produced into its range and
-points `.grad` back at it (what torch DDP's reducer does): one copy, cheaper than zeroing the
-buffer and accumulating into zeros. `resync()` catches assignments made after backward. A
-parameter that received no gradient since the last zero_grad is shown to the optimizer with
-`.grad = None`, as in torch, so optimizers that skip gradient-less parameters (Adam and most
-others) behave exactly as before.
+`.grad` behaves as in torch: None until a backward gives the parameter a gradient, None again
+after zero_grad() (set_to_none). A post-accumulate-grad hook copies the gradient that
+backward produced into the range and points `.grad` at it (what torch DDP's reducer does):
+one copy, cheaper than zeroing the buffer and accumulating into zeros; later micro-batches
+accumulate in place. `p.grad = None` / `p.grad = t` / model.zero_grad() work too, and
+resync() brings in assignments made after backward. If the parameters are moved or cast
+after prepare() (model.to(...)), the buffers are rebuilt at the next step.
 """
 from __future__ import annotations
 
@@ -41,32 +40,60 @@ class GradGroup:
         self.offsets = offsets
         self.flat = torch.zeros(total, dtype=dtype, device=device)
         self.views = [self.flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
+        self.ptrs = [v.data_ptr() for v in self.views]
         self.touched = [False] * len(self.params)
         self.is_cuda = self.flat.device.type == "cuda"
         # pointers are taken once here; per-step kernel calls pass this object, not a tensor
         self.buf = None if self.is_cuda else _C.Buffer(self.flat)
         self.needs_unscale = False
-        self.found_inf = False  # CPU: bool; CUDA: float32 device tensor (see unscale)
+        self.found_inf = False  # CPU: bool; CUDA: float32 device tensor (see unscale_)
+        self.broken = False
         self.hooks = []
-        for i, (p, v) in enumerate(zip(self.params, self.views)):
-            p.grad = v
+        for i, p in enumerate(self.params):
+            if p.grad is not None:  # a gradient from before prepare() or a rebuild: bring it in
+                with torch.no_grad():
+                    self.views[i].copy_(p.grad)
+                p.grad = self.views[i]
+                self.touched[i] = True
             self.hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     def _make_hook(self, i):
         view = self.views[i]
 
         def hook(p):
+            if p.dtype != self.dtype or p.device != self.device:
+                self.broken = True  # cast or moved after prepare(): rebuilt at the next step
+                return
+            if not self.needs_unscale:  # first gradient since the last unscale: a new step
+                self.needs_unscale = True
+                self.found_inf = False
             self.touched[i] = True
-            self.needs_unscale = True
             g = p.grad
-            if g is not view:  # the grad was reset or replaced before this backward
+            # a new gradient tensor from backward: copy it in; one that carries a graph
+            # (backward(create_graph=True)) stays as it is until resync() at the step
+            if g is not view and not g.requires_grad:
                 view.copy_(g)
                 p.grad = view
 
         return hook
 
+    def intact(self) -> bool:
+        """False when the parameters were cast or moved after prepare() (model.to(...)
+        swaps `.grad.data` under the view, so the range would silently stop being used)."""
+        if self.broken:
+            return False
+        for p, v, ptr in zip(self.params, self.views, self.ptrs):
+            if p.dtype != self.dtype or p.device != self.device:
+                return False
+            if p.grad is v and v.data_ptr() != ptr:
+                return False
+        return True
+
+    @torch.no_grad()
     def resync(self):
-        """Brings `.grad` assignments made outside backward back into the buffer."""
+        """Brings `.grad` assignments made outside backward into the buffer; zeroes the ranges
+        of params without a gradient (their `.grad` stays None), so whole-buffer passes see
+        zeros there."""
         for i, (p, v) in enumerate(zip(self.params, self.views)):
             g = p.grad
             if g is v:
@@ -74,31 +101,35 @@ class GradGroup:
             if g is None:
                 v.zero_()
                 self.touched[i] = False
-            else:
-                if g.shape != v.shape:
-                    raise ValueError(f"a gradient of shape {tuple(g.shape)} was assigned to a parameter of shape "
-                                     f"{tuple(v.shape)}")
-                v.copy_(g)
-                self.touched[i] = True
+                continue
+            if g.shape != v.shape:
+                raise ValueError(f"a gradient of shape {tuple(g.shape)} was assigned to a parameter of shape "
+                                 f"{tuple(v.shape)}")
+            v.copy_(g)
             p.grad = v
+            self.touched[i] = True
 
     def zero_(self, indices=None, set_to_none: bool = True):
-        """set_to_none=True (torch's default): `.grad = None`, as torch does, and the range is
-        left stale; the next backward's hook copies the new gradient in (one read + one write,
-        instead of zeroing now and adding into zeros later: two passes saved per step), and
-        resync() zeroes the ranges of params that got none. set_to_none=False: zero in place,
-        the params keep (zero) gradients, as torch's zero_grad(set_to_none=False) does."""
+        """set_to_none=True (torch's default): `.grad = None`, and the ranges are left stale
+        (the next gradient is copied in over them; resync() zeroes those that get none).
+        set_to_none=False: params that have a gradient keep a zero one, in the buffer, as
+        torch's zero_grad(set_to_none=False) does."""
         full = indices is None or len(set(indices)) == len(self.params)
         idx = range(len(self.params)) if indices is None else indices
         if set_to_none:
             for i in idx:
                 self.params[i].grad = None
                 self.touched[i] = False
-        elif full:
-            self.flat.zero_()
         else:
+            if full:
+                self.flat.zero_()
             for i in idx:
-                self.views[i].zero_()
+                p, v = self.params[i], self.views[i]
+                if p.grad is None:
+                    continue
+                if not full:
+                    v.zero_()
+                p.grad = v  # a replaced gradient is dropped, as torch would zero it
         if full:  # nothing left that carries the loss scale; a partial zero leaves the rest as is
             self.needs_unscale = False
             self.found_inf = False
@@ -116,11 +147,14 @@ class GradGroup:
         """(sum of squares, max |g|, any non-finite) of the raw buffer (CPU only)."""
         return _C.stats(self.buf)
 
+    def stream(self):
+        return torch.cuda.current_stream(self.device).cuda_stream
+
     def scale_(self, factor: float):
         if factor == 1.0:
             return
         if self.is_cuda:
-            _C.cuda_scale_(self.flat, factor, None, torch.cuda.current_stream(self.device).cuda_stream)
+            _C.cuda_scale_(self.flat, factor, None, self.stream())
         else:
             _C.scale_(self.buf, factor)
 
@@ -129,12 +163,22 @@ class GradGroup:
         if self.is_cuda:
             inv = torch.full((1,), inv_scale, dtype=torch.float32, device=self.device)
             found = torch.zeros(1, dtype=torch.float32, device=self.device)
-            _C.cuda_unscale_check_(self.flat, inv, found, None, torch.cuda.current_stream(self.device).cuda_stream)
+            _C.cuda_unscale_check_(self.flat, inv, found, None, self.stream())
             self.found_inf = found  # stays on the device until the step needs it
         else:
             _, _, nonfinite = _C.scale_stats_(self.buf, inv_scale)
             self.found_inf = bool(nonfinite)
         self.needs_unscale = False
+
+    def found_in(self, indices) -> bool | torch.Tensor:
+        """Whether the (already unscaled) gradients of these params hold NaN/Inf: the group's
+        flag when they are the whole group, else a check of just their ranges, so one
+        optimizer's overflow does not skip another optimizer's step."""
+        if len(set(indices)) == len(self.params) or not (torch.is_tensor(self.found_inf) or self.found_inf):
+            return self.found_inf
+        if self.is_cuda:
+            return torch.stack([(~torch.isfinite(self.views[i])).any() for i in indices]).any().float()
+        return any(_C.nonfinite(self.views[i]) for i in indices)
 
 
 class GradManager:
@@ -147,22 +191,35 @@ class GradManager:
         self.loose: dict[int, list] = {}
 
     def add_model(self, model: torch.nn.Module):
+        self._add_params(list(model.parameters()))
+
+    def _add_params(self, params):
         by_key: dict = {}
-        for p in model.parameters():
+        for p in params:
             if not p.requires_grad or id(p) in self.where:
                 continue  # frozen params need no buffer; shared params are registered once
             if p.is_sparse or p.layout != torch.strided:
                 raise ValueError("sparse or non-strided parameters are not supported by the gradient buffers")
-            by_key.setdefault((p.dtype, p.device), [])
-            if all(q is not p for q in by_key[(p.dtype, p.device)]):
-                by_key[(p.dtype, p.device)].append(p)
-        for (dtype, device), params in by_key.items():
+            bucket = by_key.setdefault((p.dtype, p.device), [])
+            if all(q is not p for q in bucket):
+                bucket.append(p)
+        for (dtype, device), group_params in by_key.items():
             if dtype not in _FINITE_MAX:
                 continue  # e.g. float64: no C kernels; these stay ordinary torch gradients
-            g = GradGroup(params, dtype, device)
+            g = GradGroup(group_params, dtype, device)
             self.groups.append(g)
-            for i, p in enumerate(params):
+            for i, p in enumerate(group_params):
                 self.where[id(p)] = (g, i)
+
+    def ensure_intact(self):
+        """Rebuilds the groups whose parameters were cast or moved since prepare()."""
+        for g in [g for g in self.groups if not g.intact()]:
+            params = g.params
+            g.remove()
+            self.groups.remove(g)
+            for p in params:
+                self.where.pop(id(p), None)
+            self._add_params(params)
 
     def clear(self):
         for g in self.groups:
@@ -197,13 +254,16 @@ class GradManager:
         return touched, loose
 
     def full_groups(self, params):
-        """The groups exactly covered by `params`, or None if params cover a partial group or
-        include a trainable parameter we do not manage (then the generic path is used)."""
+        """The groups exactly covered by `params` (each param once), or None when params cover
+        part of a group, repeat a param (torch would count it twice), or include a param with a
+        gradient that we do not manage: then the generic torch path is used."""
+        if len({id(p) for p in params}) != len(params):
+            return None
         touched, loose = self.split(params)
         if any(p.grad is not None for p in loose):
             return None
         for g, idx in touched.items():
-            if len(set(idx)) != len(g.params):
+            if len(idx) != len(g.params):
                 return None
         return list(touched)
 
@@ -211,32 +271,35 @@ class GradManager:
         for g in self.groups if groups is None else groups:
             g.resync()
 
-    def unscale(self, groups, loose, inv_scale: float) -> bool:
-        """Unscales what still carries the loss scale; returns True if any value is non-finite.
-        CUDA flags are combined on the device first: one device->host sync per call."""
+    def unscale(self, touched: dict, loose, inv_scale: float) -> bool:
+        """Unscales what still carries the loss scale in the groups of `touched` ({group:
+        indices}) and the `loose` params; returns True if any of *these params'* gradients is
+        non-finite. CUDA flags are combined on the device: one device->host sync per call."""
         found, device_flags = False, []
-        for g in groups:
+        for g, idx in touched.items():
             if g.needs_unscale:
                 g.unscale_(inv_scale)
-            if torch.is_tensor(g.found_inf):
-                device_flags.append(g.found_inf)
+            f = g.found_in(idx)
+            if torch.is_tensor(f):
+                device_flags.append(f.reshape(()))
             else:
-                found = found or g.found_inf
+                found = found or f
         for p in loose:
             if p.grad is not None and self._loose_needs_unscale(p):
                 p.grad.mul_(inv_scale)
                 self.loose[id(p)][0] = False
-                found = found or not bool(torch.isfinite(p.grad).all())
+            if p.grad is not None and not found:
+                found = not bool(torch.isfinite(p.grad).all())
         if device_flags and not found:
-            found = bool(torch.stack([f.reshape(()) for f in device_flags]).sum().item())
+            found = bool(torch.stack(device_flags).sum().item())
         return found
 
     def clip_norm_fused(self, groups, max_norm: float, norm_type: float, inv_scale: float | None):
         """Total norm of the gradients in `groups` (unscaling first those that still carry the
         loss scale, when inv_scale is given) and clip them to max_norm, with
         torch.nn.utils.clip_grad_norm_'s formula. CPU: one read pass plus one scaling pass per
-        buffer. Returns the norm as a 0-dim float32 tensor (on the device for CUDA groups: no
-        host synchronisation). Returns None when the groups mix CPU and CUDA buffers."""
+        buffer. Returns the norm as a 0-dim tensor of the gradients' dtype (on the device for
+        CUDA groups: no host synchronisation), or None when the groups mix CPU and CUDA."""
         if all(g.is_cuda for g in groups) and groups:
             return self._clip_cuda(groups, max_norm, norm_type, inv_scale)
         if any(g.is_cuda for g in groups):
@@ -259,14 +322,17 @@ class GradManager:
         any_found = any(f for *_, f in per)
         if any_found:
             total = math.nan if any(math.isnan(s) for _, _, s, _, _ in per) else math.inf
-        # a non-finite norm leaves the values merely unscaled: the step will be skipped anyway
-        coef = 1.0 if any_found else min(1.0, max_norm / (total + 1e-6))
+        if any_found and inv_scale is not None:
+            coef = 1.0  # fp16: the step will be skipped; leave the values merely unscaled
+        else:
+            coef = min(1.0, max_norm / (total + 1e-6))  # torch's formula, inf/NaN included
         for g, inv, _, _, found in per:
             g.scale_(inv * coef)
             if inv != 1.0:
                 g.needs_unscale = False
                 g.found_inf = found
-        return torch.tensor(total, dtype=torch.float32)
+        dtypes = {g.dtype for g in groups}
+        return torch.tensor(total, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
 
     def _clip_cuda(self, groups, max_norm, norm_type, inv_scale):
         device = groups[0].device
@@ -280,27 +346,19 @@ class GradManager:
         total = acc[1] if norm_type == math.inf else acc[0].sqrt()
         total = torch.where(acc[2] > 0, torch.full_like(total, math.inf), total)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        coef = torch.where(acc[2] > 0, torch.ones_like(coef), coef).reshape(1)
+        if inv_scale is not None:
+            coef = torch.where(acc[2] > 0, torch.ones_like(coef), coef)
         for g in groups:
-            _C.cuda_scale_(g.flat, 1.0, coef, stream)
+            _C.cuda_scale_(g.flat, 1.0, coef.reshape(1), stream)
         return total
 
     def hide_untouched(self, params):
-        """Sets `.grad = None` on managed params that got no gradient since the last zero;
-        returns what to restore after the optimizer step."""
-        hidden = []
+        """Sets `.grad = None` on managed params that got no gradient since the last zero (as
+        torch would have them), so optimizers skip them."""
         for p in params:
             hit = self.where.get(id(p))
             if hit is not None and not hit[0].touched[hit[1]] and p.grad is hit[0].views[hit[1]]:
                 p.grad = None
-                hidden.append((p, hit[0].views[hit[1]]))
-        return hidden
-
-    @staticmethod
-    def restore(hidden):
-        for p, v in hidden:
-            if p.grad is None:
-                p.grad = v
 
     def zero(self, params, set_to_none: bool = True):
         touched, loose = self.split(params)

@@ -86,21 +86,16 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         params = self._params()
         found_inf = False
         if self._grads is not None:
+            self._grads.ensure_intact()
             touched, loose = self._grads.split(params)
-            groups = list(touched)
-            self._grads.resync(groups)
+            self._grads.resync(list(touched))
             if self.scaler is not None and self.scaler.is_enabled():
-                found_inf = self._grads.unscale(groups, loose, 1.0 / self.scaler.get_scale())
-        if found_inf:
-            self._is_overflow = True
-        else:
-            self._is_overflow = False
-            hidden = self._grads.hide_untouched(params) if self._grads is not None else []
-            try:
-                self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-            finally:
-                if hidden:
-                    self._grads.restore(hidden)
+                found_inf = self._grads.unscale(touched, loose, 1.0 / self.scaler.get_scale())
+        self._is_overflow = found_inf
+        if not found_inf:
+            if self._grads is not None:
+                self._grads.hide_untouched(params)
+            self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(found_inf)
 

@@ -30,6 +30,12 @@ def storage_ptr(t):
     return t.untyped_storage().data_ptr()
 
 
+def probe_backward(accelerator, model, inputs, targets):
+    """One backward to give every trainable parameter its gradient (None before, as in torch);
+    the caller zero_grad()s it away afterwards, so training is unaffected."""
+    accelerator.backward(loss_function(model(inputs), targets))
+
+
 def grads_share_one_storage(params):
     ptrs = {storage_ptr(p.grad) for p in params}
     return len(ptrs) == 1
@@ -51,10 +57,14 @@ def test_grads_are_views_of_one_flat_buffer():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     params = list(model.parameters())
+    assert all(p.grad is None for p in params)  # as in torch, until a backward
+    first_inputs, first_targets = next(iter(make_loader(n=4, batch_size=4)))
+    accelerator.backward(loss_function(model(first_inputs), first_targets))
     assert all(p.grad is not None and p.grad.shape == p.shape for p in params)
     assert grads_share_one_storage(params)
     assert_no_overlap(params)
     storage = storage_ptr(params[0].grad)
+    optimizer.zero_grad()
 
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
     for step, (inputs, targets) in enumerate(make_loader(n=12, batch_size=4)):
@@ -97,8 +107,10 @@ def test_float64_params_stay_ordinary_grads_and_train_like_torch():
     accelerator = Accelerator()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
-    assert model.b.weight.grad is None and model.a.weight.grad is not None
+    probe_backward(accelerator, model, *next(iter(make_loader(n=4, batch_size=4))))
+    assert model.b.weight.grad.dtype == torch.float64 and model.a.weight.grad is not None
     assert grads_share_one_storage(model.a.parameters())
+    optimizer.zero_grad()
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     for inputs, targets in batches_of(make_loader(n=16, batch_size=4)):
         optimizer.zero_grad()
@@ -127,10 +139,12 @@ def test_one_buffer_per_dtype_fp32_bf16_params_and_training_matches_torch():
     accelerator = Accelerator()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
+    probe_backward(accelerator, model, *next(iter(make_loader(n=4, batch_size=4))))
     assert grads_share_one_storage(model.a.parameters())
     assert grads_share_one_storage(model.b.parameters())
     assert storage_ptr(model.a.weight.grad) != storage_ptr(model.b.weight.grad)
     assert model.b.weight.grad.dtype == torch.bfloat16
+    optimizer.zero_grad()
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     for inputs, targets in make_loader(n=16, batch_size=4):
         optimizer.zero_grad()
@@ -177,12 +191,14 @@ def test_lora_frozen_params_get_no_buffer_and_no_grad(optim):
     accelerator = Accelerator()
     optimizer = make_optimizer(optim, trainable)
     model, optimizer = accelerator.prepare(model, optimizer)
+    probe_backward(accelerator, model, torch.randn(4, 64), torch.randn(4, 4))
     assert all(p.grad is None for p in frozen)
     assert grads_share_one_storage(trainable)
     buf_bytes = trainable[0].grad.untyped_storage().nbytes()
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
     assert trainable_bytes <= buf_bytes < frozen_bytes, (buf_bytes, trainable_bytes, frozen_bytes)
+    optimizer.zero_grad()
 
     ref_opt = make_optimizer(optim, [p for p in ref_model.parameters() if p.requires_grad])
     g = torch.Generator().manual_seed(5)
@@ -586,3 +602,143 @@ def test_clip_grad_norm_with_bf16_params_close_to_torch(norm_type):
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert p.grad.dtype == q.grad.dtype
         torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=2 ** -7, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# things users do that must not make the buffers silently diverge from torch
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cast", ["double", "bfloat16"])
+def test_model_cast_after_prepare_rebuilds_the_buffers(cast):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref = copy.deepcopy(model)
+    accelerator = Accelerator()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    getattr(model, cast)()
+    getattr(ref, cast)()
+    dtype = model.weight.dtype
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(5, 4, generator=g).to(dtype)
+        opt.zero_grad()
+        accelerator.backward(model(x).pow(2).sum())
+        norm = accelerator.clip_grad_norm_(model.parameters(), 0.01)
+        opt.step()
+        ref_opt.zero_grad()
+        ref(x).pow(2).sum().backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+        ref_opt.step()
+        torch.testing.assert_close(norm.double(), ref_norm.double(), rtol=1e-2 if cast == "bfloat16" else 1e-6,
+                                   atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-2 if cast == "bfloat16" else 1e-6, atol=1e-6)
+
+
+def test_parameter_shared_by_two_models_counts_twice_when_listed_twice():
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    a, b = nn.Sequential(shared, nn.Linear(4, 1)), nn.Sequential(shared, nn.Linear(4, 1))
+    ra, rb = copy.deepcopy((a, b))
+    accelerator = Accelerator()
+    opt = torch.optim.SGD(list(a.parameters()) + list(b[1].parameters()), lr=0.1)
+    a, b, opt = accelerator.prepare(a, b, opt)
+    x = torch.randn(3, 4)
+    accelerator.backward(a(x).sum() + b(x).sum())
+    norm = accelerator.clip_grad_norm_(list(a.parameters()) + list(b.parameters()), 0.1)
+    (ra(x).sum() + rb(x).sum()).backward()
+    ref = torch.nn.utils.clip_grad_norm_(list(ra.parameters()) + list(rb.parameters()), 0.1)
+    torch.testing.assert_close(norm, ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(a[0].weight.grad, ra[0].weight.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_grad_is_none_until_backward_and_for_params_without_gradient():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.a(x)
+
+    model = TwoHeads()
+    accelerator = Accelerator()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    assert model.a.weight.grad is None and model.b.weight.grad is None
+    accelerator.backward(model(torch.randn(3, 2)).sum())
+    opt.step()
+    assert model.a.weight.grad is not None and model.b.weight.grad is None  # as torch leaves them
+
+
+def test_create_graph_gradient_penalty_matches_torch():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    ref = copy.deepcopy(model)
+    accelerator = Accelerator()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(x).pow(2).sum().backward(create_graph=True)
+        assert m.weight.grad.requires_grad  # the graph survives, for a penalty on the gradient
+        penalty = m.weight.grad.pow(2).sum()
+        for p in m.parameters():
+            p.grad = None
+        penalty.backward()
+        o.step()
+    torch.testing.assert_close(model.weight, ref.weight, rtol=1e-6, atol=1e-7)
+
+
+def test_fp16_overflow_in_one_optimizers_params_skips_only_that_optimizer():
+    from accelerate_c.utils import GradScalerKwargs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    ref = copy.deepcopy(model)
+    accelerator = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=4.0)])
+    o1, o2 = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[1].parameters(), lr=0.1)
+    model, o1, o2 = accelerator.prepare(model, o1, o2)
+    x = torch.randn(3, 2)
+    accelerator.backward(model(x).sum())
+    with torch.no_grad():
+        model[1].weight.grad[0, 0] = float("inf")
+    o1.step()
+    o2.step()
+    assert not o1.step_was_skipped and o2.step_was_skipped
+    # torch: autocast fp16 + GradScaler, step + update per optimizer (what accelerate does)
+    r1, r2 = torch.optim.SGD(ref[0].parameters(), lr=0.1), torch.optim.SGD(ref[1].parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = ref(x)
+    scaler.scale(out.float().sum()).backward()
+    with torch.no_grad():
+        ref[1].weight.grad[0, 0] = float("inf")
+    scaler.step(r1)
+    scaler.update()
+    scaler.step(r2)
+    scaler.update()
+    assert accelerator.scaler.get_scale() == scaler.get_scale()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_zero_grad_keep_zeros_drops_a_replaced_gradient_like_torch():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    ref = copy.deepcopy(model)
+    accelerator = Accelerator()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    for m, o, back in ((model, opt, accelerator.backward), (ref, ref_opt, lambda l: l.backward())):
+        back(m(x).sum())
+        m.weight.grad = m.weight.grad * 3  # a library replaces the gradient
+        o.step()
+        o.zero_grad(set_to_none=False)
+        back(m(x).sum())
+        o.step()
+    torch.testing.assert_close(model.weight, ref.weight, rtol=1e-6, atol=1e-7)

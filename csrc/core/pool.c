@@ -153,6 +153,8 @@ static void atfork_child(void) {
 }
 static void register_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
 
+void ac_pool_init(void) { pthread_once(&atfork_once, register_atfork); }
+
 static int default_threads(void) {
   long n = sysconf(_SC_NPROCESSORS_ONLN);
   if (n < 1) n = 1;

@@ -2,6 +2,7 @@
 #include "pyac.h"
 
 #include "ac/cuda.h"
+#include "ac/pool.h"
 
 PyObject *pyac_raise(PyObject *module, ac_result_t r) {
   pyac_state *st = pyac_get_state(module);
@@ -14,7 +15,7 @@ PyObject *pyac_raise(PyObject *module, ac_result_t r) {
   PyObject *code = PyUnicode_FromString(ac_result_string(r));
   if (code) {
     /* e.code lets callers branch on the kind of failure without parsing the text */
-    PyObject_SetAttrString(exc, "code", code);
+    if (PyObject_SetAttrString(exc, "code", code) < 0) PyErr_Clear(); /* the message matters more */
     Py_DECREF(code);
   }
   PyErr_SetObject(st->core_error, exc);
@@ -25,6 +26,7 @@ PyObject *pyac_raise(PyObject *module, ac_result_t r) {
 
 static int module_exec(PyObject *m) {
   pyac_state *st = pyac_get_state(m);
+  ac_pool_init();
   st->core_error = PyErr_NewExceptionWithDoc(
       "accelerate_c.CoreError", "An error reported by the accelerate_c C core; `code` names its kind.",
       PyExc_RuntimeError, NULL);

@@ -17,6 +17,11 @@ extern "C" {
  * the caller. Tasks must be independent; they must not call ac_pool_run themselves. */
 typedef void (*ac_task_fn)(void *ctx, size_t task);
 
+/* Registers the fork handlers now (idempotent). Call it when the library is loaded: a child
+ * forked before the first ac_pool_run (a DataLoader worker) must still know it is a child and
+ * keep away from the parent's OpenMP team. */
+void ac_pool_init(void);
+
 /* Runs fn(ctx, i) for i in [0, ntasks) and returns when all are done. Uses at most
  * ac_pool_get_threads() threads including the caller. Concurrent callers are serialised.
  * Returns AC_ERR_NOMEM / AC_ERR_INTERNAL only if worker threads cannot be started, in which
