@@ -11,6 +11,7 @@ import torch
 
 from .autocast import AutocastForward, autocast_context
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
+from .ddp import broadcast_model
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
 from .scaler import LossScaler
@@ -306,14 +307,12 @@ class Accelerator:
             device_placement = self.device_placement
         if any(m is model for m in self._models):
             return model
-        if self.use_distributed and not evaluation_mode:
-            # never train N unsynchronised replicas: that would silently give wrong results
-            raise NotImplementedError(
-                f"training a model on {self.num_processes} processes needs the gradient reducer, which is not "
-                "built yet in accelerate_c; run one process, or prepare the model with evaluation_mode=True")
         self._models.append(model)
         if device_placement and not getattr(model, "hf_device_map", None):
             model.to(self.device)
+        if self.use_distributed:
+            self._check_ddp_options()
+            broadcast_model(model)  # every replica starts from rank 0's weights
         if self.native_amp and not hasattr(model, "_original_forward"):
             model._original_forward = model.forward
             kw = self.autocast_handler.to_kwargs() if self.autocast_handler is not None else None
@@ -327,6 +326,17 @@ class Accelerator:
         if not evaluation_mode:
             self._grads.add_model(model)
         return model
+
+    def _check_ddp_options(self):
+        h = self.ddp_handler
+        if h is None:
+            return
+        if str(h.comm_hook) in ("power_sgd", "batched_power_sgd"):
+            raise NotImplementedError(f"DistributedDataParallelKwargs(comm_hook={str(h.comm_hook)!r}): PowerSGD is "
+                                      "not supported by accelerate_c")
+        if str(h.comm_hook) != "no" or str(h.comm_wrapper) != "no":
+            raise NotImplementedError("DistributedDataParallelKwargs(comm_hook/comm_wrapper): 16-bit wire formats "
+                                      "are not supported yet by accelerate_c")
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         if isinstance(optimizer, AcceleratedOptimizer):
@@ -433,7 +443,7 @@ class Accelerator:
         for opt in self._opt_list(optimizer):
             params = opt._params() if isinstance(opt, AcceleratedOptimizer) else \
                 [p for g in opt.param_groups for p in g["params"]]
-            self._grads.ensure_intact()
+            self._grads.prepare_step()
             touched, loose = self._grads.split(params)
             self._grads.resync(list(touched))
             self._grads.unscale(touched, loose, inv)
@@ -448,7 +458,7 @@ class Accelerator:
         params = list(parameters)
         max_norm, norm_type = float(max_norm), float(norm_type)
         trainable = [p for p in params if p.requires_grad]
-        self._grads.ensure_intact()
+        self._grads.prepare_step()
         groups = self._grads.full_groups(trainable) if trainable else None
         if groups is not None and norm_type in (2.0, math.inf):
             self._grads.resync(groups)
@@ -462,7 +472,7 @@ class Accelerator:
     def clip_grad_value_(self, parameters, clip_value):
         self.unscale_gradients()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        self._grads.ensure_intact()
+        self._grads.prepare_step()
         self._grads.resync(list(self._grads.split(params)[0]))
         torch.nn.utils.clip_grad_value_(params, clip_value)
 
@@ -569,8 +579,9 @@ class Accelerator:
         return self.free_memory(*objects)
 
     def end_training(self):
-        """Ends the run: waits for every process (no trackers are configured)."""
-        self.wait_for_everyone()
+        """Ends the run (no trackers are configured yet): destroys the process group, as
+        accelerate does."""
+        self.state.destroy_process_group()
 
     def __repr__(self):
         return (f"Accelerator(device={self.device}, mixed_precision={self.mixed_precision!r}, "

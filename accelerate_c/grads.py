@@ -29,7 +29,8 @@ _FINITE_MAX = {torch.float32: torch.finfo(torch.float32).max, torch.float16: tor
 class GradGroup:
     """One flat buffer holding the gradients of parameters sharing a dtype and device."""
 
-    def __init__(self, params, dtype, device):
+    def __init__(self, params, dtype, device, manager=None):
+        self.manager = manager
         self.params = list(params)
         self.dtype = dtype
         self.device = device
@@ -68,6 +69,8 @@ class GradGroup:
                 self.needs_unscale = True
                 self.found_inf = False
             self.touched[i] = True
+            if self.manager is not None:
+                self.manager.synced = False
             g = p.grad
             # a new gradient tensor from backward: copy it in; one that carries a graph
             # (backward(create_graph=True)) stays as it is until resync() at the step
@@ -189,6 +192,9 @@ class GradManager:
         self.where: dict[int, tuple[GradGroup, int]] = {}  # id(param) -> (group, index)
         # params outside the buffers (not in a prepared model, or float64): id -> [needs_unscale, hook]
         self.loose: dict[int, list] = {}
+        # several processes: False once a backward produced gradients that are not all-reduced
+        self.synced = True
+        self.extra: list = []  # trainable params of prepared models that have no buffer
 
     def add_model(self, model: torch.nn.Module):
         self._add_params(list(model.parameters()))
@@ -205,11 +211,32 @@ class GradManager:
                 bucket.append(p)
         for (dtype, device), group_params in by_key.items():
             if dtype not in _FINITE_MAX:
-                continue  # e.g. float64: no C kernels; these stay ordinary torch gradients
-            g = GradGroup(group_params, dtype, device)
+                # e.g. float64: no C kernels; these stay ordinary torch gradients
+                self.extra += [p for p in group_params if all(q is not p for q in self.extra)]
+                continue
+            g = GradGroup(group_params, dtype, device, self)
             self.groups.append(g)
             for i, p in enumerate(group_params):
                 self.where[id(p)] = (g, i)
+
+    def prepare_step(self):
+        """What every entry point that reads gradients (clip, unscale, optimizer step) runs
+        first: rebuild groups invalidated by model.to(...), and on a sync step of a multi-process
+        run, all-reduce the gradients once (every rank reaches the same entry points)."""
+        self.ensure_intact()
+        if self.synced:
+            return
+        import torch.distributed as tdist
+
+        from .state import GradientState
+
+        if not (tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1):
+            self.synced = True
+            return
+        if GradientState().sync_gradients:
+            from .ddp import sync_gradients
+
+            sync_gradients(self)
 
     def ensure_intact(self):
         """Rebuilds the groups whose parameters were cast or moved since prepare()."""
@@ -220,13 +247,15 @@ class GradManager:
             for p in params:
                 self.where.pop(id(p), None)
             self._add_params(params)
+            self.synced = False  # a rebuilt group's gradients have not been reduced
 
     def clear(self):
         for g in self.groups:
             g.remove()
         for _, hook in self.loose.values():
             hook.remove()
-        self.groups, self.where, self.loose = [], {}, {}
+        self.groups, self.where, self.loose, self.extra = [], {}, {}, []
+        self.synced = True
 
     def _loose_needs_unscale(self, p) -> bool:
         """Whether a param outside the buffers got a (scaled) gradient since its last unscale;

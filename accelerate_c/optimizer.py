@@ -86,7 +86,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         params = self._params()
         found_inf = False
         if self._grads is not None:
-            self._grads.ensure_intact()
+            self._grads.prepare_step()
             touched, loose = self._grads.split(params)
             self._grads.resync(list(touched))
             if self.scaler is not None and self.scaler.is_enabled():

@@ -7,20 +7,12 @@ accelerate, constructing a new Accelerator re-initialises them instead of refusi
 """
 from __future__ import annotations
 
-import atexit
 import os
 from contextlib import contextmanager
 
 import torch
 
 from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, parse_flag_from_env
-
-
-def _destroy_process_group():
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _env_int(key: str, default: int) -> int:
@@ -70,9 +62,6 @@ class PartialState:
                 if kwargs.get("init_method") is not None:
                     init["init_method"] = kwargs["init_method"]
                 dist.init_process_group(**init)
-                # a process group left alive at interpreter exit can abort in C++ teardown
-                # ("terminate called without an active exception"): close it first
-                atexit.register(_destroy_process_group)
         else:
             self.num_processes = 1
             self.process_index = 0
@@ -109,6 +98,13 @@ class PartialState:
     @property
     def is_last_process(self) -> bool:
         return self.process_index == self.num_processes - 1
+
+    def destroy_process_group(self, group=None):
+        """Destroys the (default) process group, if one was initialised."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(group)
 
     def wait_for_everyone(self):
         """Barrier across processes (nothing to wait for on one process)."""

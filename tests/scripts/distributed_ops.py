@@ -8,6 +8,8 @@ import torch
 from accelerate_c import Accelerator
 from accelerate_c.utils import broadcast, gather_object
 
+from _exit import finish
+
 acc = Accelerator(cpu=True)
 n, r = acc.num_processes, acc.process_index
 assert n == int(os.environ["WORLD_SIZE"]) > 1, (n, os.environ.get("WORLD_SIZE"))
@@ -60,11 +62,11 @@ order = []
 with acc.main_process_first():
     order.append(r)
 acc.wait_for_everyone()
-# training on several processes is refused until the gradient reducer lands
+# a model whose shape differs on one rank: a clear error on every rank, not a hang
 try:
-    acc.prepare(torch.nn.Linear(2, 2))
-    raise AssertionError("prepare(model) on several processes did not raise")
-except NotImplementedError as e:
-    assert "gradient reducer" in str(e)
+    acc.prepare(torch.nn.Linear(2, 2 + (r == n - 1)))
+    raise AssertionError("prepare(model) with different shapes did not raise")
+except ValueError as e:
+    assert "the model differs across processes" in str(e) and "weight" in str(e), e
 acc.print(f"distributed ops OK on {n} processes")
-sys.exit(0)
+finish(0)
