@@ -12,3 +12,17 @@ def test_n_ranks_match_one_process_with_n_times_the_batch(n):
                   os.path.join(SCRIPTS, "ddp_equivalence.py")], timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert f"ddp equivalence OK on {n} processes" in res.stdout
+
+
+def test_a_rank_that_raises_mid_step_ends_the_job_with_an_error():
+    res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "faults.py"), "raise"], timeout=120)
+    assert res.returncode != 0
+    assert "rank failure injected by the test" in res.stderr
+
+
+def test_collective_timeout_raises_instead_of_hanging():
+    res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "faults.py"), "timeout"], timeout=120)
+    assert "rank 0 timed out as expected" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+    assert res.returncode != 0
