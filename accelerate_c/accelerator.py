@@ -39,8 +39,8 @@ _split_batches = object()  # sentinel: tells "not passed" from False, as acceler
 _HANDLERS = (AutocastKwargs, GradScalerKwargs, DistributedDataParallelKwargs, InitProcessGroupKwargs)
 
 
-def _not_supported(name: str, value, when: str = "yet"):
-    raise NotImplementedError(f"Accelerator({name}={value!r}): not supported {when} by accelerate_c; "
+def _not_supported(name: str, value):
+    raise NotImplementedError(f"Accelerator({name}={value!r}): not supported yet by accelerate_c; "
                               f"leave {name} at its default")
 
 
@@ -441,12 +441,7 @@ class Accelerator:
             return
         inv = 1.0 / self.scaler.get_scale()
         for opt in self._opt_list(optimizer):
-            params = opt._params() if isinstance(opt, AcceleratedOptimizer) else \
-                [p for g in opt.param_groups for p in g["params"]]
-            self._grads.prepare_step()
-            touched, loose = self._grads.split(params)
-            self._grads.resync(list(touched))
-            self._grads.unscale(touched, loose, inv)
+            self._grads.ready([p for g in opt.param_groups for p in g["params"]], inv)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Unscales (fp16) and clips the gradients' total norm; returns that norm (before
@@ -472,8 +467,7 @@ class Accelerator:
     def clip_grad_value_(self, parameters, clip_value):
         self.unscale_gradients()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        self._grads.prepare_step()
-        self._grads.resync(list(self._grads.split(params)[0]))
+        self._grads.ready(params)
         torch.nn.utils.clip_grad_value_(params, clip_value)
 
     # ---- collectives (identity on one process) ----------------------------------------

@@ -7,23 +7,19 @@ import inspect
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
-from .sharding_data import BatchSamplerShard, IterableDatasetShard
+from .sharding_data import BatchSamplerShard, IterableDatasetShard, check_split_batches
 from .state import GradientState, PartialState
 from .utils.operations import send_to_device
 from .utils.random import synchronize_rng_states
 
-# DataLoader's own constructor arguments, read off this torch (so new ones carry over).
-_DL_PARAMS = [k for k in inspect.signature(DataLoader.__init__).parameters if k not in ("self", "dataset")]
-_IGNORED = {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"}
+# DataLoader's own constructor arguments and defaults, read off this torch (so new ones carry
+# over), less those the sampler rebuild decides.
+_DL_DEFAULTS = {k: p.default for k, p in inspect.signature(DataLoader.__init__).parameters.items()
+                if k not in ("self", "dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")}
 
 
 def _dataloader_kwargs(dataloader: DataLoader) -> dict:
-    sig = inspect.signature(DataLoader.__init__).parameters
-    kwargs = {}
-    for k in _DL_PARAMS:
-        if k in _IGNORED:
-            continue
-        kwargs[k] = getattr(dataloader, k, sig[k].default)
+    kwargs = {k: getattr(dataloader, k, default) for k, default in _DL_DEFAULTS.items()}
     if kwargs.get("num_workers", 0) == 0:
         kwargs["prefetch_factor"] = None  # torch refuses a prefetch_factor without workers
     return kwargs
@@ -211,9 +207,7 @@ def prepare_data_loader(dataloader: DataLoader, device=None, num_processes=None,
             getattr(dataloader.batch_sampler, "batch_size", None)
         if bs is None:
             raise ValueError("split_batches needs a batch_size on the DataLoader or its batch_sampler")
-        if bs > 1 and bs % num_processes != 0:
-            raise ValueError(f"To use split_batches, the batch size ({bs}) must be a multiple of the number of "
-                             f"processes ({num_processes}).")
+        check_split_batches(bs, num_processes)
     sampler = get_sampler(dataloader) if not isinstance(dataset, IterableDataset) else None
     if isinstance(sampler, RandomSampler) and use_seedable_sampler:
         sampler = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,

@@ -17,16 +17,31 @@ import torch
 import torch.distributed as dist
 
 
+_WIRE: dict = {}  # (backend, dtype) -> the dtype that backend all-reduces it in
+
+
+def _wire_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype to all-reduce `t` in: its own if the backend takes it (gloo in torch 2.13 takes
+    fp16/bf16), else fp32. Decided once per backend and dtype with a 1-element probe, which
+    behaves the same on every rank; real failures of real collectives are never retried."""
+    key = (dist.get_backend(), t.dtype)
+    if key not in _WIRE:
+        try:
+            dist.all_reduce(torch.zeros(1, dtype=t.dtype, device=t.device))
+            _WIRE[key] = t.dtype
+        except RuntimeError:
+            _WIRE[key] = torch.float32
+    return _WIRE[key]
+
+
 def _allreduce_(t: torch.Tensor):
-    try:
+    wire = _wire_dtype(t)
+    if wire == t.dtype:
         dist.all_reduce(t)
-    except RuntimeError as e:  # a backend without this dtype: reduce in fp32 on the wire
-        if t.dtype == torch.float32:
-            raise
-        wide = t.float()
+    else:
+        wide = t.to(wire)
         dist.all_reduce(wide)
         t.copy_(wide)
-        del e
 
 
 def sync_gradients(manager) -> None:
@@ -34,26 +49,27 @@ def sync_gradients(manager) -> None:
     same step, in the same group order) and averages."""
     world = dist.get_world_size()
     manager.resync()
+    # which params have a gradient on any rank: one small all-reduce for everything
+    flags = [p.grad is v for g in manager.groups for p, v in zip(g.params, g.views)]
+    flags += [p.grad is not None for p in manager.extra]
+    device = manager.groups[0].device if manager.groups and manager.groups[0].is_cuda else torch.device("cpu")
+    used = torch.tensor(flags, dtype=torch.int32, device=device)
+    dist.all_reduce(used)
+    used = used.tolist()
+    k = 0
     for g in manager.groups:
-        used = torch.tensor([1 if t else 0 for t in g.touched], dtype=torch.int32)
-        if g.is_cuda:
-            used = used.to(g.device)
-        dist.all_reduce(used)
         _allreduce_(g.flat)
         g.scale_(1.0 / world)
-        for i, n in enumerate(used.tolist()):
-            if n and not g.touched[i]:
-                g.touched[i] = True
-                g.params[i].grad = g.views[i]
+        for p, v in zip(g.params, g.views):
+            if used[k] and p.grad is None:  # used on another rank: its (reduced) gradient
+                p.grad = v
+            k += 1
     for p in manager.extra:  # parameters without a buffer (float64): one all-reduce each
-        used = torch.tensor([0 if p.grad is None else 1], dtype=torch.int32, device=p.device)
-        dist.all_reduce(used)
-        if not used.item():
-            continue
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(grad)
-        grad.div_(world)
-        p.grad = grad
+        if used[k]:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad)
+            p.grad = grad.div_(world)
+        k += 1
     manager.synced = True
 
 

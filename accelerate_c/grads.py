@@ -6,7 +6,8 @@ overflow, measures and clips all gradients in one or two passes per buffer inste
 small kernel per tensor. The multi-process reducer buckets the same buffers.
 
 `.grad` behaves as in torch: None until a backward gives the parameter a gradient, None again
-after zero_grad() (set_to_none). A post-accumulate-grad hook copies the gradient that
+after zero_grad() (set_to_none). Whether a parameter has a gradient is never stored apart:
+after resync() it is exactly `p.grad is view`. A post-accumulate-grad hook copies the gradient that
 backward produced into the range and points `.grad` at it (what torch DDP's reducer does):
 one copy, cheaper than zeroing the buffer and accumulating into zeros; later micro-batches
 accumulate in place. `p.grad = None` / `p.grad = t` / model.zero_grad() work too, and
@@ -29,7 +30,7 @@ _FINITE_MAX = {torch.float32: torch.finfo(torch.float32).max, torch.float16: tor
 class GradGroup:
     """One flat buffer holding the gradients of parameters sharing a dtype and device."""
 
-    def __init__(self, params, dtype, device, manager=None):
+    def __init__(self, params, dtype, device, manager):
         self.manager = manager
         self.params = list(params)
         self.dtype = dtype
@@ -42,10 +43,12 @@ class GradGroup:
         self.flat = torch.zeros(total, dtype=dtype, device=device)
         self.views = [self.flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
         self.ptrs = [v.data_ptr() for v in self.views]
-        self.touched = [False] * len(self.params)
         self.is_cuda = self.flat.device.type == "cuda"
         # pointers are taken once here; per-step kernel calls pass this object, not a tensor
-        self.buf = None if self.is_cuda else _C.Buffer(self.flat)
+        self.buf = _C.Buffer(self.flat)
+        if self.is_cuda:  # device scalars of GradScaler's unscale, allocated once
+            self.inv_dev = torch.ones(1, dtype=torch.float32, device=device)
+            self.found_dev = torch.zeros(1, dtype=torch.float32, device=device)
         self.needs_unscale = False
         self.found_inf = False  # CPU: bool; CUDA: float32 device tensor (see unscale_)
         self.broken = False
@@ -55,7 +58,6 @@ class GradGroup:
                 with torch.no_grad():
                     self.views[i].copy_(p.grad)
                 p.grad = self.views[i]
-                self.touched[i] = True
             self.hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     def _make_hook(self, i):
@@ -68,9 +70,7 @@ class GradGroup:
             if not self.needs_unscale:  # first gradient since the last unscale: a new step
                 self.needs_unscale = True
                 self.found_inf = False
-            self.touched[i] = True
-            if self.manager is not None:
-                self.manager.synced = False
+            self.manager.synced = False
             g = p.grad
             # a new gradient tensor from backward: copy it in; one that carries a graph
             # (backward(create_graph=True)) stays as it is until resync() at the step
@@ -102,15 +102,13 @@ class GradGroup:
             if g is v:
                 continue
             if g is None:
-                v.zero_()
-                self.touched[i] = False
+                v.zero_()  # stale since the last zero_grad; whole-buffer passes must see zeros
                 continue
             if g.shape != v.shape:
                 raise ValueError(f"a gradient of shape {tuple(g.shape)} was assigned to a parameter of shape "
                                  f"{tuple(v.shape)}")
             v.copy_(g)
             p.grad = v
-            self.touched[i] = True
 
     def zero_(self, indices=None, set_to_none: bool = True):
         """set_to_none=True (torch's default): `.grad = None`, and the ranges are left stale
@@ -122,7 +120,6 @@ class GradGroup:
         if set_to_none:
             for i in idx:
                 self.params[i].grad = None
-                self.touched[i] = False
         else:
             if full:
                 self.flat.zero_()
@@ -146,10 +143,6 @@ class GradGroup:
                 p.grad = v.clone()
 
     # ---- kernels ------------------------------------------------------------------------
-    def stats(self):
-        """(sum of squares, max |g|, any non-finite) of the raw buffer (CPU only)."""
-        return _C.stats(self.buf)
-
     def stream(self):
         return torch.cuda.current_stream(self.device).cuda_stream
 
@@ -157,17 +150,17 @@ class GradGroup:
         if factor == 1.0:
             return
         if self.is_cuda:
-            _C.cuda_scale_(self.flat, factor, None, self.stream())
+            _C.cuda_scale_(self.buf, factor, None, self.stream())
         else:
             _C.scale_(self.buf, factor)
 
     def unscale_(self, inv_scale: float):
         """GradScaler's unscale_ over the whole buffer: one pass that scales and checks."""
         if self.is_cuda:
-            inv = torch.full((1,), inv_scale, dtype=torch.float32, device=self.device)
-            found = torch.zeros(1, dtype=torch.float32, device=self.device)
-            _C.cuda_unscale_check_(self.flat, inv, found, None, self.stream())
-            self.found_inf = found  # stays on the device until the step needs it
+            self.inv_dev.fill_(inv_scale)
+            self.found_dev.zero_()
+            _C.cuda_unscale_check_(self.buf, self.inv_dev, self.found_dev, None, self.stream())
+            self.found_inf = self.found_dev  # stays on the device until the step needs it
         else:
             _, _, nonfinite = _C.scale_stats_(self.buf, inv_scale)
             self.found_inf = bool(nonfinite)
@@ -300,6 +293,16 @@ class GradManager:
         for g in self.groups if groups is None else groups:
             g.resync()
 
+    def ready(self, params, inv_scale: float | None = None) -> bool:
+        """Brings the gradients of `params` up to date for a consumer (optimizer step,
+        unscale_gradients, clip_grad_value_): groups rebuilt if needed, all-reduced on a sync
+        step, assignments resynced, and unscaled when inv_scale is given. Returns whether any
+        of these params' gradients is non-finite (only checked when unscaling)."""
+        self.prepare_step()
+        touched, loose = self.split(params)
+        self.resync(list(touched))
+        return self.unscale(touched, loose, inv_scale) if inv_scale is not None else False
+
     def unscale(self, touched: dict, loose, inv_scale: float) -> bool:
         """Unscales what still carries the loss scale in the groups of `touched` ({group:
         indices}) and the `loose` params; returns True if any of *these params'* gradients is
@@ -341,7 +344,7 @@ class GradManager:
                 sumsq, nonfinite = _C.sumsq(g.buf)
                 maxabs = 0.0
             else:
-                sumsq, maxabs, nonfinite = g.stats()
+                sumsq, maxabs, nonfinite = _C.stats(g.buf)
             found = bool(nonfinite) or maxabs * inv > _FINITE_MAX[g.dtype]
             per.append((g, inv, sumsq * inv * inv, maxabs * inv, found))
         if norm_type == math.inf:
@@ -364,30 +367,21 @@ class GradManager:
         return torch.tensor(total, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
 
     def _clip_cuda(self, groups, max_norm, norm_type, inv_scale):
-        device = groups[0].device
-        stream = torch.cuda.current_stream(device).cuda_stream
+        device, stream = groups[0].device, groups[0].stream()
         for g in groups:
             if inv_scale is not None and g.needs_unscale:
                 g.unscale_(inv_scale)
         acc = torch.zeros(3, dtype=torch.float32, device=device)  # sumsq, maxabs, non-finite
         for g in groups:
-            _C.cuda_stats_(g.flat, acc, stream)
+            _C.cuda_stats_(g.buf, acc, stream)
         total = acc[1] if norm_type == math.inf else acc[0].sqrt()
         total = torch.where(acc[2] > 0, torch.full_like(total, math.inf), total)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if inv_scale is not None:
             coef = torch.where(acc[2] > 0, torch.ones_like(coef), coef)
         for g in groups:
-            _C.cuda_scale_(g.flat, 1.0, coef.reshape(1), stream)
+            _C.cuda_scale_(g.buf, 1.0, coef.reshape(1), stream)
         return total
-
-    def hide_untouched(self, params):
-        """Sets `.grad = None` on managed params that got no gradient since the last zero (as
-        torch would have them), so optimizers skip them."""
-        for p in params:
-            hit = self.where.get(id(p))
-            if hit is not None and not hit[0].touched[hit[1]] and p.grad is hit[0].views[hit[1]]:
-                p.grad = None
 
     def zero(self, params, set_to_none: bool = True):
         touched, loose = self.split(params)

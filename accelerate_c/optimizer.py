@@ -13,8 +13,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     - step() and zero_grad() act only when gradients are synchronised (end of accumulation);
     - under fp16, step() unscales (once: clip_grad_norm_ may have done it already), skips the
       update when a gradient is non-finite and updates the loss scale;
-    - zero_grad() zeroes the buffers in place (the `.grad` views survive), and parameters left
-      without a gradient are shown as `.grad = None` during the step, as set_to_none would."""
+    - zero_grad() sets `.grad = None` as torch does (set_to_none=False: zeros, in the buffer)."""
 
     def __init__(self, optimizer, device_placement: bool = True, scaler=None, grads=None):
         self.optimizer = optimizer
@@ -83,18 +82,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if not self.gradient_state.sync_gradients:
             return
-        params = self._params()
         found_inf = False
         if self._grads is not None:
-            self._grads.prepare_step()
-            touched, loose = self._grads.split(params)
-            self._grads.resync(list(touched))
-            if self.scaler is not None and self.scaler.is_enabled():
-                found_inf = self._grads.unscale(touched, loose, 1.0 / self.scaler.get_scale())
+            inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
+            found_inf = self._grads.ready(self._params(), inv)
         self._is_overflow = found_inf
         if not found_inf:
-            if self._grads is not None:
-                self._grads.hide_untouched(params)
             self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(found_inf)

@@ -11,15 +11,21 @@ from __future__ import annotations
 from torch.utils.data import BatchSampler, IterableDataset
 
 
+def check_split_batches(batch_size, num_processes: int):
+    """split_batches cuts every batch into num_processes equal slices."""
+    if batch_size is not None and batch_size > 1 and batch_size % num_processes != 0:
+        raise ValueError(f"To use split_batches, the batch size ({batch_size}) must be a multiple of the number of "
+                         f"processes ({num_processes}).")
+
+
 class BatchSamplerShard(BatchSampler):
     """This process's batches of a batch sampler."""
 
     def __init__(self, batch_sampler, num_processes: int = 1, process_index: int = 0, split_batches: bool = False,
                  even_batches: bool = True):
         bs = getattr(batch_sampler, "batch_size", None)
-        if split_batches and bs is not None and bs % num_processes != 0:
-            raise ValueError(f"To use split_batches, the batch size ({bs}) must be a multiple of the number of "
-                             f"processes ({num_processes}).")
+        if split_batches:
+            check_split_batches(bs, num_processes)
         self.batch_sampler = batch_sampler
         self.num_processes = num_processes
         self.process_index = process_index
@@ -129,9 +135,8 @@ class IterableDatasetShard(IterableDataset):
 
     def __init__(self, dataset, batch_size: int = 1, drop_last: bool = False, num_processes: int = 1,
                  process_index: int = 0, split_batches: bool = False):
-        if split_batches and batch_size > 1 and batch_size % num_processes != 0:
-            raise ValueError(f"To use split_batches, the batch size ({batch_size}) must be a multiple of the "
-                             f"number of processes ({num_processes}).")
+        if split_batches:
+            check_split_batches(batch_size, num_processes)
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last

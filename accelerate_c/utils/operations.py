@@ -165,7 +165,7 @@ def reduce(tensor, reduction: str = "sum"):
         _check_same_shape(dist, out, "reduce")
         dist.all_reduce(out, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM)
         if reduction == "mean":
-            out = out / dist.get_world_size() if not out.is_floating_point() else out.div_(dist.get_world_size())
+            out = out / dist.get_world_size()  # integer sums become floating means
         return out
 
     return recursively_apply(one, tensor, error_on_other_type=True)

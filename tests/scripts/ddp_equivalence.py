@@ -107,6 +107,17 @@ for mp, accum, clip, opt_name in itertools.product(["no", "bf16", "fp16"], [1, 2
     w = acc.gather(model.head.weight.detach().reshape(1, -1))
     if not bool((w == w[0]).all()):
         fails.append(f"{mp} accum={accum} clip={clip} {opt_name}: ranks disagree")
+# bf16 parameters: the gradient buffer itself is bf16 and is all-reduced in bf16 (or in fp32
+# on a backend that lacks it: accelerate_c/ddp.py picks the wire dtype)
+torch.manual_seed(0)
+base = Net().to(torch.bfloat16)
+g = torch.Generator().manual_seed(2)
+data = TensorDataset(torch.randn(8 * B * 3, 6, generator=g).bfloat16(), torch.randn(8 * B * 3, 3, generator=g).bfloat16())
+model, acc = ours(copy.deepcopy(base), data, 1, "no", None, OPTS["sgd"])
+ref = reference(copy.deepcopy(base), data, acc.num_processes, 1, "no", None, OPTS["sgd"])
+for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    if not torch.allclose(p.float(), q.float(), rtol=2e-2, atol=2e-3):
+        fails.append(f"bf16 parameters: {name} max diff {(p.float() - q.float()).abs().max().item():.3e}")
 if fails:
     print("\n".join(fails[:20]), file=sys.stderr)
     finish(1)
