@@ -11,7 +11,7 @@ import torch
 
 from .autocast import AutocastForward, autocast_context
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
-from .ddp import broadcast_model
+from .ddp import BucketComm, broadcast_model, register_buffer_broadcast
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
 from .scaler import LossScaler
@@ -311,8 +311,12 @@ class Accelerator:
         if device_placement and not getattr(model, "hf_device_map", None):
             model.to(self.device)
         if self.use_distributed:
-            self._check_ddp_options()
+            if self._grads.comm is None:
+                h = self.ddp_handler
+                self._grads.configure(BucketComm(self._grads, h), h.bucket_cap_mb if h is not None else None)
             broadcast_model(model)  # every replica starts from rank 0's weights
+            if self.ddp_handler is None or self.ddp_handler.broadcast_buffers:
+                register_buffer_broadcast(model, self._grads)
         if self.native_amp and not hasattr(model, "_original_forward"):
             model._original_forward = model.forward
             kw = self.autocast_handler.to_kwargs() if self.autocast_handler is not None else None
@@ -326,17 +330,6 @@ class Accelerator:
         if not evaluation_mode:
             self._grads.add_model(model)
         return model
-
-    def _check_ddp_options(self):
-        h = self.ddp_handler
-        if h is None:
-            return
-        if str(h.comm_hook) in ("power_sgd", "batched_power_sgd"):
-            raise NotImplementedError(f"DistributedDataParallelKwargs(comm_hook={str(h.comm_hook)!r}): PowerSGD is "
-                                      "not supported by accelerate_c")
-        if str(h.comm_hook) != "no" or str(h.comm_wrapper) != "no":
-            raise NotImplementedError("DistributedDataParallelKwargs(comm_hook/comm_wrapper): 16-bit wire formats "
-                                      "are not supported yet by accelerate_c")
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         if isinstance(optimizer, AcceleratedOptimizer):
@@ -389,7 +382,11 @@ class Accelerator:
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        loss.backward(**kwargs)
+        try:
+            loss.backward(**kwargs)
+        except BaseException:
+            self._grads.abort_backward()  # a failed backward must not leave buckets half-marked
+            raise
 
     def _do_sync(self):
         if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
@@ -412,15 +409,22 @@ class Accelerator:
 
     @contextlib.contextmanager
     def no_sync(self, model):
-        """Skips gradient communication for the steps inside (a no-op on one process)."""
-        ctx = getattr(model, "no_sync", None) if self.use_distributed else None
-        with (ctx() if callable(ctx) else contextlib.nullcontext()):
+        """Backward inside does not communicate: gradients accumulate locally in the buffers
+        until a backward outside reduces the sum (a no-op on one process)."""
+        self._grads.no_sync_depth += 1
+        try:
             yield
+        finally:
+            self._grads.no_sync_depth -= 1
 
     @contextlib.contextmanager
     def trigger_sync_in_backward(self, model):
-        """Forces gradient sync on the next backward inside (a no-op on one process)."""
-        yield
+        """Backward inside reduces gradients even under no_sync() or on an accumulation step."""
+        self._grads.force_sync += 1
+        try:
+            yield
+        finally:
+            self._grads.force_sync -= 1
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler: AutocastKwargs | None = None):

@@ -1,21 +1,31 @@
-"""Gradient synchronisation across processes (the reducer's Python side).
+"""Gradient synchronisation across processes: the reducer's Python glue.
 
-This first version reduces each flat gradient buffer with one all-reduce when the step needs
-the gradients (clip, unscale, optimizer step) on a sync step: correct on any number of
-processes and backends, but without overlap with backward. The bucketed reducer (C bucket
-plan, buckets launched from the hooks while backward runs) replaces the launch schedule, not
-these semantics:
+Each flat gradient buffer (grads.GradGroup) is cut into buckets by the C bucket plan
+(_C.Reducer): contiguous ranges in the order gradients are expected to arrive in backward,
+the first one small (1 MiB) so communication starts early, the rest `bucket_cap_mb`. The
+parameters' post-accumulate-grad hooks are C callables; on a sync step they call
+`BucketComm.launch` as soon as a bucket is complete (always in bucket order, so every rank
+issues the same collectives in the same sequence), which starts an asynchronous all-reduce
+while backward goes on. At the end of backward (an autograd engine callback, so a raw
+`loss.backward()` works too) `BucketComm.finish` waits for the buckets in order and runs one
+C pass per buffer that averages (x 1/world) and measures the result (sum of squares, max,
+non-finite), which clip_grad_norm_ then reuses. After the first reduced backward the buffer
+is re-laid once in the order gradients actually arrived, the order taken from rank 0.
 
+Semantics (torch DDP's):
 - SUM across ranks, then x 1/world (gloo has no AVG);
-- a parameter has a gradient after the step if any rank gave it one (torch DDP's "globally
-  used" rule); ranges without a gradient on a rank count as zeros;
-- nothing is communicated on no_sync / accumulation steps: gradients accumulate locally.
+- nothing is communicated under no_sync() / on accumulation steps: gradients accumulate locally
+  in the buffer and the next sync backward reduces the sum;
+- without find_unused_parameters every parameter must get a gradient in a sync backward (a
+  clear error names the ones that did not); with it, the missing ones count as zeros and a
+  parameter has a gradient afterwards if any rank gave it one.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from . import _C
 
 _WIRE: dict = {}  # (backend, dtype) -> the dtype that backend all-reduces it in
 
@@ -44,33 +54,170 @@ def _allreduce_(t: torch.Tensor):
         t.copy_(wide)
 
 
-def sync_gradients(manager) -> None:
-    """All-reduces every group of `manager` (all ranks call this at the same point of the
-    same step, in the same group order) and averages."""
+def _comm_hook_dtype(handler):
+    """The 16-bit wire format asked for by DistributedDataParallelKwargs.comm_hook, or None."""
+    if handler is None:
+        return None
+    hook = str(getattr(handler.comm_hook, "value", handler.comm_hook)).lower()
+    wrapper = str(getattr(handler.comm_wrapper, "value", handler.comm_wrapper)).lower()
+    if hook in ("power_sgd", "batched_power_sgd"):
+        raise NotImplementedError(f"DistributedDataParallelKwargs(comm_hook={hook!r}): PowerSGD is not supported "
+                                  "by accelerate_c (use comm_hook='fp16' or 'bf16' for a smaller wire format)")
+    if hook not in ("no", "fp16", "bf16"):
+        raise ValueError(f"DistributedDataParallelKwargs(comm_hook={hook!r}): expected one of 'no', 'fp16', "
+                         "'bf16', 'power_sgd', 'batched_power_sgd'")
+    if wrapper not in ("no", "fp16", "bf16"):
+        raise ValueError(f"DistributedDataParallelKwargs(comm_wrapper={wrapper!r}): expected 'no', 'fp16' or 'bf16'")
+    # as in accelerate, the wrapper only wraps a hook; around fp16/bf16 the hook's cast is the last
+    return {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}[hook]
+
+
+class BucketComm:
+    """Launches and completes the all-reduce of the buckets of every gradient group."""
+
+    def __init__(self, manager, handler=None):
+        self.manager = manager
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.find_unused = bool(handler.find_unused_parameters) if handler is not None else False
+        self.hook_dtype = _comm_hook_dtype(handler)
+
+    def launch(self, g, first: int, last: int):
+        """Starts the all-reduce of buckets [first, last) of group g (called from a hook)."""
+        for b in range(first, last):
+            start, count = g.reducer.range(b)
+            t = g.flat[start:start + count]
+            wire = None
+            if self.hook_dtype is not None and self.hook_dtype != t.dtype:
+                # comm_hook fp16/bf16: the 16-bit copy is cast in C and pre-divided, as torch's
+                # fp16_compress_hook does, so the sum cannot overflow where torch's would not
+                wire = torch.empty(count, dtype=self.hook_dtype, device=t.device)
+                self._cast(wire, t, g.is_cuda)
+                wire.div_(self.world)
+            elif _wire_dtype(t) != t.dtype:
+                wire = t.to(_wire_dtype(t))
+            try:
+                work = dist.all_reduce(t if wire is None else wire, async_op=True)
+            except RuntimeError as e:
+                raise RuntimeError(self._where(g, b, count) + f" could not start: {e}") from e
+            g.works.append((b, work, t, wire))
+
+    @staticmethod
+    def _cast(dst, src, is_cuda):
+        if is_cuda:
+            _C.cuda_cast_(dst, src, torch.cuda.current_stream(dst.device).cuda_stream)
+        else:
+            _C.cast_(dst, src)
+
+    def _where(self, g, b, count) -> str:
+        start, n = g.reducer.range(b)
+        names = [self.manager.name_of(p) for p, o in zip(g.params, g.offsets) if start <= o < start + n]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return (f"rank {self.rank}/{self.world}: the all-reduce of gradient bucket {b} ({count} {g.dtype} "
+                f"elements: {shown})")
+
+    @torch.no_grad()
+    def finish(self, g):
+        """End of a sync backward for group g: launch what is left, wait for every bucket in
+        order, average and measure the buffer, re-lay it once in arrival order."""
+        pending = g.reducer.pending()
+        if pending:
+            if not self.find_unused:
+                names = [self.manager.name_of(g.params[i]) for i in pending]
+                shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+                raise RuntimeError(
+                    f"rank {self.rank}: {len(names)} parameter(s) received no gradient in this backward: {shown}. "
+                    "Every trainable parameter of a prepared model must take part in the loss on a sync step; "
+                    "pass kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)] to "
+                    "Accelerator if some parameters are legitimately unused, or freeze them "
+                    "(requires_grad=False).")
+            used = [True] * len(g.params)
+            for i in pending:
+                p, v = g.params[i], g.views[i]
+                if p.grad is None:  # unused here: zeros in the sum, and no .grad unless used elsewhere
+                    v.zero_()
+                    used[i] = False
+                elif p.grad is not v:  # assigned during backward
+                    v.copy_(p.grad)
+                    p.grad = v
+                first, last = g.reducer.mark_ready(i)
+                self.launch(g, first, last)
+        self._wait(g)
+        if g.is_cuda:
+            g.scale_(1.0 / self.world if self.hook_dtype is None else 1.0)
+            g.stats = None
+        else:
+            factor = 1.0 / self.world if self.hook_dtype is None else 1.0
+            sumsq, maxabs, nonfinite = _C.scale_stats_(g.buf, factor)
+            g.stats = (g.flat._version, sumsq, maxabs, nonfinite)
+        if self.find_unused:
+            self._agree_used(g, used if pending else [True] * len(g.params))
+        g.pending_sync = False
+        if not g.relaid:
+            self._relayout(g)
+
+    def _wait(self, g):
+        for b, work, t, wire in g.works:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise RuntimeError(self._where(g, b, t.numel()) + f" failed or timed out: {e}") from e
+            if wire is not None:
+                if self.hook_dtype is not None and wire.dtype == self.hook_dtype:
+                    self._cast(t, wire, g.is_cuda)
+                else:
+                    t.copy_(wire)
+        g.works = []
+
+    def _agree_used(self, g, used):
+        """find_unused_parameters: a parameter has a gradient if any rank gave it one."""
+        flags = torch.tensor(used, dtype=torch.int32, device=g.flat.device)
+        dist.all_reduce(flags)
+        for p, v, n in zip(g.params, g.views, flags.tolist()):
+            if n and p.grad is None:
+                p.grad = v
+
+    def _relayout(self, g):
+        """Once, after the first reduced backward: the order gradients arrived in on rank 0
+        becomes the layout on every rank, so buckets fill (and launch) in backward order."""
+        order = torch.tensor(g.reducer.arrival_order(len(g.params)), dtype=torch.int64)
+        if g.is_cuda and dist.get_backend() == "nccl":
+            order = order.to(g.device)
+        dist.broadcast(order, src=0)
+        order = order.tolist()
+        if order != g.order:
+            g.relayout(order)
+        g.relaid = True
+
+
+def sync_gradients(manager, groups, extras) -> None:
+    """All-reduces whole buffers (and float64 params) that missed the bucketed reduction, with
+    one collective each; all ranks call this at the same point with the same groups."""
     world = dist.get_world_size()
-    manager.resync()
-    # which params have a gradient on any rank: one small all-reduce for everything
-    flags = [p.grad is v for g in manager.groups for p, v in zip(g.params, g.views)]
-    flags += [p.grad is not None for p in manager.extra]
-    device = manager.groups[0].device if manager.groups and manager.groups[0].is_cuda else torch.device("cpu")
+    manager.resync(groups)
+    flags = [p.grad is v for g in groups for p, v in zip(g.params, g.views)]
+    flags += [p.grad is not None for p in extras]
+    device = groups[0].device if groups and groups[0].is_cuda else torch.device("cpu")
     used = torch.tensor(flags, dtype=torch.int32, device=device)
     dist.all_reduce(used)
     used = used.tolist()
     k = 0
-    for g in manager.groups:
+    for g in groups:
         _allreduce_(g.flat)
         g.scale_(1.0 / world)
+        g.stats = None
         for p, v in zip(g.params, g.views):
             if used[k] and p.grad is None:  # used on another rank: its (reduced) gradient
                 p.grad = v
             k += 1
-    for p in manager.extra:  # parameters without a buffer (float64): one all-reduce each
+        g.pending_sync = False
+    for p in extras:  # parameters without a buffer (float64): one all-reduce each
         if used[k]:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(grad)
             p.grad = grad.div_(world)
         k += 1
-    manager.synced = True
+    manager.extra_pending = False
 
 
 def broadcast_model(model: torch.nn.Module, src: int = 0) -> None:
@@ -91,3 +238,34 @@ def broadcast_model(model: torch.nn.Module, src: int = 0) -> None:
     with torch.no_grad():
         for _, _, t in tensors:
             dist.broadcast(t.data, src=src)
+
+
+def register_buffer_broadcast(model: torch.nn.Module, manager):
+    """DistributedDataParallelKwargs(broadcast_buffers=True), torch DDP's default: before a
+    forward, every rank takes rank 0's buffers (e.g. BatchNorm running statistics), one
+    broadcast per dtype and device."""
+    if not any(True for _ in model.buffers()):
+        return None
+
+    state = {"sync": True}
+
+    def pre_hook(module, args):
+        # torch DDP's rule: buffers are broadcast before a forward that follows a forward run
+        # with grad enabled outside no_sync() (and before the first one)
+        sync, state["sync"] = state["sync"], torch.is_grad_enabled() and manager.no_sync_depth == 0
+        if not sync:
+            return
+        with torch.no_grad():
+            by_dtype: dict = {}
+            for b in module.buffers():
+                by_dtype.setdefault((b.dtype, b.device), []).append(b)
+            for bufs in by_dtype.values():
+                flat = torch.cat([b.reshape(-1) for b in bufs])
+                dist.broadcast(flat, src=0)
+                offset = 0
+                for b in bufs:
+                    n = b.numel()
+                    b.copy_(flat[offset:offset + n].view_as(b))
+                    offset += n
+
+    return model.register_forward_pre_hook(pre_hook)

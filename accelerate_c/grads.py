@@ -30,55 +30,116 @@ _FINITE_MAX = {torch.float32: torch.finfo(torch.float32).max, torch.float16: tor
 class GradGroup:
     """One flat buffer holding the gradients of parameters sharing a dtype and device."""
 
-    def __init__(self, params, dtype, device, manager):
+    def __init__(self, params, dtype, device, manager, order=None):
         self.manager = manager
         self.params = list(params)
         self.dtype = dtype
         self.device = device
-        offsets, total = [], 0
-        for p in self.params:
-            offsets.append(total)
-            total += (p.numel() + _ALIGN - 1) // _ALIGN * _ALIGN
-        self.offsets = offsets
-        self.flat = torch.zeros(total, dtype=dtype, device=device)
-        self.views = [self.flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
-        self.ptrs = [v.data_ptr() for v in self.views]
-        self.is_cuda = self.flat.device.type == "cuda"
-        # pointers are taken once here; per-step kernel calls pass this object, not a tensor
-        self.buf = _C.Buffer(self.flat)
-        if self.is_cuda:  # device scalars of GradScaler's unscale, allocated once
-            self.inv_dev = torch.ones(1, dtype=torch.float32, device=device)
-            self.found_dev = torch.zeros(1, dtype=torch.float32, device=device)
+        self.is_cuda = torch.device(device).type == "cuda"
         self.needs_unscale = False
         self.found_inf = False  # CPU: bool; CUDA: float32 device tensor (see unscale_)
         self.broken = False
+        # a backward on a sync step of a multi-process run whose buckets were not reduced yet
+        self.pending_sync = False
+        # (buffer version, sumsq, maxabs, nonfinite) of the buffer as the reducer's averaging
+        # pass left it: clip_grad_norm_ reuses it instead of reading the buffer again
+        self.stats = None
+        self.relaid = False  # the layout follows the order gradients arrived in (after step 1)
+        self.comm = None  # ddp.BucketComm on multi-process runs
+        self.works = []  # buckets in flight: (bucket, work, range, wire tensor or None)
         self.hooks = []
+        self._build(list(range(len(self.params)))[::-1] if order is None else order)
         for i, p in enumerate(self.params):
             if p.grad is not None:  # a gradient from before prepare() or a rebuild: bring it in
                 with torch.no_grad():
                     self.views[i].copy_(p.grad)
                 p.grad = self.views[i]
-            self.hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
-    def _make_hook(self, i):
+    def _build(self, order):
+        """Lays the buffer out with the C bucket plan (gradients in `order`, the order they are
+        expected to arrive in backward) and hooks every parameter to its range."""
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        first_cap, cap = self.manager.bucket_caps
+        self.order = list(order)
+        self.reducer = _C.Reducer([p.numel() for p in self.params], self.order, esize, first_cap, cap, _ALIGN,
+                                  self._on_first, self._launch, self._slow)
+        offsets, _ = self.reducer.layout()
+        self.offsets = offsets
+        self.flat = torch.zeros(self.reducer.total(), dtype=self.dtype, device=self.device)
+        self.views = [self.flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
+        self.ptrs = [v.data_ptr() for v in self.views]
+        # pointers are taken once here; per-step kernel calls pass this object, not a tensor
+        self.buf = _C.Buffer(self.flat)
+        if self.is_cuda:  # device scalars of GradScaler's unscale, allocated once
+            self.inv_dev = torch.ones(1, dtype=torch.float32, device=self.device)
+            self.found_dev = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for h in self.hooks:
+            h.remove()
+        # the hooks are C callables (_C.GradHook): a gradient that already is its view is
+        # marked ready without running Python; the rest goes to _slow
+        self.hooks = [p.register_post_accumulate_grad_hook(self.reducer.hook(i, v))
+                      for i, (p, v) in enumerate(zip(self.params, self.views))]
+
+    @torch.no_grad()
+    def relayout(self, order):
+        """Re-lays the buffer in `order` (every rank passes the same), keeping every
+        parameter's gradient and `.grad` state."""
+        old_views = self.views
+        had = [p.grad is v for p, v in zip(self.params, old_views)]
+        self._build(order)
+        for p, old, new, h in zip(self.params, old_views, self.views, had):
+            new.copy_(old)
+            if h:
+                p.grad = new
+        self.stats = None
+        self.relaid = True
+
+    # ---- what the hooks call ------------------------------------------------------------
+    def _on_first(self):
+        """The first gradient of this group in a backward: a new step for the unscale state;
+        decides whether buckets are reduced while this backward runs, and queues the end of
+        backward (also for a raw loss.backward())."""
+        if not self.needs_unscale:  # first gradient since the last unscale: a new step
+            self.needs_unscale = True
+            self.found_inf = False
+        self.stats = None
+        launching = self.comm is not None and self.manager.sync_now()
+        self.reducer.launching = launching
+        self.pending_sync = self.pending_sync or launching
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _launch(self, first, last):
+        self.comm.launch(self, first, last)
+
+    def _end_of_backward(self):
+        try:
+            if self.reducer.launching and not self.broken:
+                self.comm.finish(self)
+        finally:
+            self.works = []
+            self.reducer.launching = False
+            self.reducer.reset()
+
+    def _slow(self, i, p) -> bool:
+        """A gradient that is not the parameter's view (the first backward after zero_grad
+        set it to None, or .grad was assigned): copy it in and re-point `.grad`, as torch DDP's
+        reducer does. Returns False when the parameter was cast or moved after prepare()."""
+        if p.dtype != self.dtype or p.device != self.device:
+            self.broken = True  # rebuilt at the next step
+            return False
+        g = p.grad
+        if g.requires_grad:
+            # backward(create_graph=True): the gradient carries a graph; it stays as it is until
+            # resync() at the step. Buckets cannot be reduced without it.
+            if self.reducer.launching:
+                raise RuntimeError("backward(create_graph=True) is not supported with several processes: the "
+                                   "gradient of a parameter carries a graph and cannot be reduced in its bucket")
+            return True
         view = self.views[i]
-
-        def hook(p):
-            if p.dtype != self.dtype or p.device != self.device:
-                self.broken = True  # cast or moved after prepare(): rebuilt at the next step
-                return
-            if not self.needs_unscale:  # first gradient since the last unscale: a new step
-                self.needs_unscale = True
-                self.found_inf = False
-            self.manager.synced = False
-            g = p.grad
-            # a new gradient tensor from backward: copy it in; one that carries a graph
-            # (backward(create_graph=True)) stays as it is until resync() at the step
-            if g is not view and not g.requires_grad:
-                view.copy_(g)
-                p.grad = view
-
-        return hook
+        with torch.no_grad():
+            view.copy_(g)
+        p.grad = view
+        return True
 
     def intact(self) -> bool:
         """False when the parameters were cast or moved after prepare() (model.to(...)
@@ -166,6 +227,13 @@ class GradGroup:
             self.found_inf = bool(nonfinite)
         self.needs_unscale = False
 
+    def cached_stats(self):
+        """(sumsq, maxabs, nonfinite) of the buffer if nothing wrote to it since the reducer's
+        averaging pass measured it (any in-place change through a view bumps the version)."""
+        if self.stats is not None and self.stats[0] == self.flat._version:
+            return self.stats[1:]
+        return None
+
     def found_in(self, indices) -> bool | torch.Tensor:
         """Whether the (already unscaled) gradients of these params hold NaN/Inf: the group's
         flag when they are the whole group, else a check of just their ranges, so one
@@ -185,14 +253,46 @@ class GradManager:
         self.where: dict[int, tuple[GradGroup, int]] = {}  # id(param) -> (group, index)
         # params outside the buffers (not in a prepared model, or float64): id -> [needs_unscale, hook]
         self.loose: dict[int, list] = {}
-        # several processes: False once a backward produced gradients that are not all-reduced
-        self.synced = True
         self.extra: list = []  # trainable params of prepared models that have no buffer
+        self.extra_hooks: list = []
+        self.extra_pending = False  # an extra param got a gradient on a sync step, not reduced yet
+        self.names: dict[int, str] = {}  # id(param) -> its name in the model, for error messages
+        # bucket sizes of the reducer: torch DDP's (first bucket 1 MiB, then bucket_cap_mb)
+        self.bucket_caps = (1024 * 1024, 25 * 1024 * 1024)
+        self.comm = None  # ddp.BucketComm when several processes train
+        self.no_sync_depth = 0  # inside Accelerator.no_sync(): backward does not communicate
+        self.force_sync = 0  # inside Accelerator.trigger_sync_in_backward()
+
+    def configure(self, comm=None, bucket_cap_mb: float | None = None):
+        """Multi-process runs: the communicator and the bucket cap (DistributedDataParallelKwargs)."""
+        if bucket_cap_mb is not None and bucket_cap_mb != 25:
+            # as torch DDP: a cap given by the user applies to the first bucket too (accelerate
+            # passes only non-default values on, so 25 means torch's defaults)
+            if not bucket_cap_mb > 0:
+                raise ValueError(f"DistributedDataParallelKwargs(bucket_cap_mb={bucket_cap_mb!r}) must be > 0")
+            cap = max(1, int(bucket_cap_mb * 1024 * 1024))
+            self.bucket_caps = (cap, cap)
+        self.comm = comm
+        for g in self.groups:
+            g.comm = comm
+
+    def sync_now(self) -> bool:
+        """Whether a backward starting now reduces gradients across processes."""
+        from .state import GradientState
+
+        if self.force_sync:
+            return True
+        return self.no_sync_depth == 0 and GradientState().sync_gradients
 
     def add_model(self, model: torch.nn.Module):
+        for name, p in model.named_parameters():
+            self.names.setdefault(id(p), name)
         self._add_params(list(model.parameters()))
 
-    def _add_params(self, params):
+    def name_of(self, p) -> str:
+        return self.names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
+
+    def _add_params(self, params, pending_sync=False):
         by_key: dict = {}
         for p in params:
             if not p.requires_grad or id(p) in self.where:
@@ -205,31 +305,42 @@ class GradManager:
         for (dtype, device), group_params in by_key.items():
             if dtype not in _FINITE_MAX:
                 # e.g. float64: no C kernels; these stay ordinary torch gradients
-                self.extra += [p for p in group_params if all(q is not p for q in self.extra)]
+                for p in group_params:
+                    if all(q is not p for q in self.extra):
+                        self.extra.append(p)
+                        self.extra_hooks.append(p.register_post_accumulate_grad_hook(self._extra_hook))
                 continue
             g = GradGroup(group_params, dtype, device, self)
+            g.comm = self.comm
+            g.pending_sync = pending_sync
             self.groups.append(g)
             for i, p in enumerate(group_params):
                 self.where[id(p)] = (g, i)
 
+    def abort_backward(self):
+        """After a backward that raised: forget half-marked buckets so the next one starts clean."""
+        for g in self.groups:
+            g.works = []
+            g.reducer.launching = False
+            g.reducer.reset()
+
+    def _extra_hook(self, p):
+        if self.comm is not None and self.sync_now():
+            self.extra_pending = True
+
     def prepare_step(self):
         """What every entry point that reads gradients (clip, unscale, optimizer step) runs
-        first: rebuild groups invalidated by model.to(...), and on a sync step of a multi-process
-        run, all-reduce the gradients once (every rank reaches the same entry points)."""
+        first: rebuild groups invalidated by model.to(...); on a sync step of a multi-process
+        run, reduce what the bucketed reducer could not (groups rebuilt mid-step, float64
+        params) with one all-reduce each (every rank reaches the same entry points)."""
         self.ensure_intact()
-        if self.synced:
+        if self.comm is None or not self.sync_now():
             return
-        import torch.distributed as tdist
-
-        from .state import GradientState
-
-        if not (tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1):
-            self.synced = True
-            return
-        if GradientState().sync_gradients:
+        todo = [g for g in self.groups if g.pending_sync]
+        if todo or self.extra_pending:
             from .ddp import sync_gradients
 
-            sync_gradients(self)
+            sync_gradients(self, todo, self.extra if self.extra_pending else [])
 
     def ensure_intact(self):
         """Rebuilds the groups whose parameters were cast or moved since prepare()."""
@@ -239,16 +350,18 @@ class GradManager:
             self.groups.remove(g)
             for p in params:
                 self.where.pop(id(p), None)
-            self._add_params(params)
-            self.synced = False  # a rebuilt group's gradients have not been reduced
+            # a group broken during a sync backward missed its bucketed reduction
+            self._add_params(params, pending_sync=g.pending_sync)
 
     def clear(self):
         for g in self.groups:
             g.remove()
         for _, hook in self.loose.values():
             hook.remove()
-        self.groups, self.where, self.loose, self.extra = [], {}, {}, []
-        self.synced = True
+        for h in self.extra_hooks:
+            h.remove()
+        self.groups, self.where, self.loose, self.extra, self.extra_hooks = [], {}, {}, [], []
+        self.extra_pending = False
 
     def _loose_needs_unscale(self, p) -> bool:
         """Whether a param outside the buffers got a (scaled) gradient since its last unscale;
@@ -330,7 +443,8 @@ class GradManager:
         """Total norm of the gradients in `groups` (unscaling first those that still carry the
         loss scale, when inv_scale is given) and clip them to max_norm, with
         torch.nn.utils.clip_grad_norm_'s formula. CPU: one read pass plus one scaling pass per
-        buffer. Returns the norm as a 0-dim tensor of the gradients' dtype (on the device for
+        buffer; on multi-process sync steps only the scaling pass (the reducer's averaging pass
+        measured the buffer already). Returns the norm as a 0-dim tensor of the gradients' dtype (on the device for
         CUDA groups: no host synchronisation), or None when the groups mix CPU and CUDA."""
         if all(g.is_cuda for g in groups) and groups:
             return self._clip_cuda(groups, max_norm, norm_type, inv_scale)
@@ -339,7 +453,10 @@ class GradManager:
         per = []
         for g in groups:
             inv = inv_scale if (inv_scale is not None and g.needs_unscale) else 1.0
-            if norm_type == 2.0 and inv <= 1.0:
+            cached = g.cached_stats()
+            if cached is not None:  # the reducer's averaging pass measured the buffer as it is
+                sumsq, maxabs, nonfinite = cached
+            elif norm_type == 2.0 and inv <= 1.0:
                 # unscaling by <= 1 cannot overflow: the memory-bound pass suffices
                 sumsq, nonfinite = _C.sumsq(g.buf)
                 maxabs = 0.0

@@ -25,4 +25,18 @@ def test_collective_timeout_raises_instead_of_hanging():
     res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
                   os.path.join(SCRIPTS, "faults.py"), "timeout"], timeout=120)
     assert "rank 0 timed out as expected" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+    # the error names the rank and the bucket (and its parameters)
+    assert "rank 0/2: the all-reduce of gradient bucket 0" in res.stdout, res.stdout[-2000:]
+    assert "weight" in res.stdout.split("gradient bucket 0", 1)[1]
     assert res.returncode != 0
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bucketed_reducer_matches_torch_ddp(n):
+    """tests/scripts/reducer.py: torch DDP agreement, the bucket plan (caps, re-layout in arrival
+    order, identical on all ranks, launched during backward), raw loss.backward(), no_sync, two
+    backwards in a step, unused parameters, 16-bit comm hooks, broadcast_buffers, PowerSGD."""
+    res = launch(["--num_processes", str(n), "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "reducer.py")], timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    assert f"reducer OK on {n} processes" in res.stdout

@@ -103,6 +103,7 @@ fail:
 }
 
 size_t ac_bucket_count(const ac_bucket_plan_t *p) { return p ? p->nbuckets : 0; }
+size_t ac_bucket_nparams(const ac_bucket_plan_t *p) { return p ? p->nparams : 0; }
 size_t ac_bucket_total(const ac_bucket_plan_t *p) { return p ? p->total : 0; }
 
 ac_result_t ac_bucket_range(const ac_bucket_plan_t *p, size_t b, size_t *first, size_t *count) {
@@ -145,6 +146,8 @@ ac_result_t ac_bucket_mark_ready(ac_bucket_plan_t *p, size_t param, size_t *from
   *to = p->launched;
   return AC_OK;
 }
+
+size_t ac_bucket_ready_count(const ac_bucket_plan_t *p) { return p ? p->narrived : 0; }
 
 size_t ac_bucket_pending(const ac_bucket_plan_t *p, size_t *out, size_t cap) {
   if (!p) return 0;

@@ -38,6 +38,13 @@ static int module_exec(PyObject *m) {
   int rc = PyModule_AddObjectRef(m, "LossScaler", scaler);
   Py_DECREF(scaler);
   if (rc < 0) return -1;
+  PyObject *reducer = PyType_FromModuleAndSpec(m, &pyac_reducer_spec, NULL);
+  if (!reducer) return -1;
+  rc = PyModule_AddObjectRef(m, "Reducer", reducer);
+  Py_DECREF(reducer);
+  if (rc < 0) return -1;
+  st->hook_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &pyac_hook_spec, NULL);
+  if (!st->hook_type || PyModule_AddObjectRef(m, "GradHook", (PyObject *)st->hook_type) < 0) return -1;
   if (PyModule_AddObjectRef(m, "has_cuda", ac_cuda_built() ? Py_True : Py_False) < 0) return -1;
   if (PyModule_AddStringConstant(m, "dlpack_version", "1.0") < 0) return -1;
   return 0;
@@ -47,6 +54,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
   pyac_state *st = pyac_get_state(m);
   Py_VISIT(st->core_error);
   Py_VISIT(st->buffer_type);
+  Py_VISIT(st->hook_type);
   return 0;
 }
 
@@ -54,6 +62,7 @@ static int module_clear(PyObject *m) {
   pyac_state *st = pyac_get_state(m);
   Py_CLEAR(st->core_error);
   Py_CLEAR(st->buffer_type);
+  Py_CLEAR(st->hook_type);
   return 0;
 }
 

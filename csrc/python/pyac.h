@@ -13,6 +13,7 @@
 typedef struct {
   PyObject *core_error;    /* accelerate_c.CoreError (subclass of RuntimeError) */
   PyTypeObject *buffer_type; /* accelerate_c._C.Buffer */
+  PyTypeObject *hook_type;   /* accelerate_c._C.GradHook (made by Reducer.hook) */
 } pyac_state;
 
 static inline pyac_state *pyac_get_state(PyObject *module) {
@@ -48,6 +49,8 @@ void pyac_view_release(pyac_view *v);
 /* Buffer type spec and the kernel function table (defined in their own files). */
 extern PyType_Spec pyac_buffer_spec;
 extern PyType_Spec pyac_scaler_spec;
+extern PyType_Spec pyac_reducer_spec;
+extern PyType_Spec pyac_hook_spec;
 extern PyMethodDef pyac_kernel_methods[];
 
 #endif

@@ -12,6 +12,7 @@ TEST(layout_worked_example) {
   CHECK_OK(ac_bucket_plan_create(&p, 5, numel, order, 4, 64, 128, 4));
   if (!p) return;
   CHECK_EQ_INT(ac_bucket_count(p), 4);
+  CHECK_EQ_INT(ac_bucket_nparams(p), 5);
   CHECK_EQ_INT(ac_bucket_total(p), 76);
   size_t want_off[] = {72, 64, 24, 20, 0}, want_b[] = {3, 3, 2, 1, 0};
   for (size_t i = 0; i < 5; i++) {
@@ -43,8 +44,10 @@ TEST(launch_in_order) {
     ac_bucket_reset(p);
     size_t marks[] = {3, 4, 0, 2, 1};
     size_t want_from[] = {0, 0, 2, 2, 3}, want_to[] = {0, 2, 2, 3, 4};
+    CHECK_EQ_INT(ac_bucket_ready_count(p), 0);
     for (int k = 0; k < 5; k++) {
       size_t from = 99, to = 99;
+      CHECK_EQ_INT(ac_bucket_ready_count(p), k); /* 0 tells the reducer a backward starts */
       CHECK_OK(ac_bucket_mark_ready(p, marks[k], &from, &to));
       CHECK_MSG(from == want_from[k] && to == want_to[k], "mark %zu: [%zu, %zu) want [%zu, %zu)", marks[k], from,
                 to, want_from[k], want_to[k]);

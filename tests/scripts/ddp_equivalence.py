@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_c import Accelerator
 from accelerate_c.state import AcceleratorState, GradientState
+from accelerate_c.utils import DistributedDataParallelKwargs
 
 from _exit import finish
 
@@ -19,13 +20,14 @@ B = 4  # per-rank batch
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, with_unused=True):
         super().__init__()
         self.frozen = nn.Linear(6, 6)
         self.frozen.requires_grad_(False)
         self.body = nn.Linear(6, 16)
         self.head = nn.Linear(16, 3)
-        self.unused = nn.Linear(16, 3)  # never in the graph: no gradient anywhere
+        if with_unused:
+            self.unused = nn.Linear(16, 3)  # never in the graph: no gradient anywhere
 
     def forward(self, x):
         return self.head(torch.relu(self.body(self.frozen(x))))
@@ -57,10 +59,11 @@ def reference(model, data, n, accum, mp, clip, make_opt):
     return model
 
 
-def ours(model, data, accum, mp, clip, make_opt):
+def ours(model, data, accum, mp, clip, make_opt, find_unused=False, bucket_cap_mb=25):
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    acc = Accelerator(cpu=True, mixed_precision=mp, gradient_accumulation_steps=accum)
+    kw = DistributedDataParallelKwargs(find_unused_parameters=find_unused, bucket_cap_mb=bucket_cap_mb)
+    acc = Accelerator(cpu=True, mixed_precision=mp, gradient_accumulation_steps=accum, kwargs_handlers=[kw])
     opt = make_opt(model)
     dl = DataLoader(data, batch_size=B)
     model, opt, dl = acc.prepare(model, opt, dl)
@@ -84,11 +87,15 @@ fails = []
 n = None
 for mp, accum, clip, opt_name in itertools.product(["no", "bf16", "fp16"], [1, 2], [None, 0.3], ["sgd", "adamw"]):
     torch.manual_seed(0)
-    base = Net()
+    # AdamW runs get a module no rank uses (find_unused_parameters=True); SGD runs use every
+    # parameter and the default reducer, with a tiny bucket cap so gradients span buckets
+    unused = opt_name == "adamw"
+    base = Net(with_unused=unused)
     g = torch.Generator().manual_seed(1)
     n_samples = 8 * B * 3  # every rank count used (2, 3) divides the steps evenly
     data = TensorDataset(torch.randn(n_samples, 6, generator=g), torch.randn(n_samples, 3, generator=g))
-    model, acc = ours(copy.deepcopy(base), data, accum, mp, clip, OPTS[opt_name])
+    model, acc = ours(copy.deepcopy(base), data, accum, mp, clip, OPTS[opt_name], find_unused=unused,
+                      bucket_cap_mb=25 if unused else 0.0002)
     n = acc.num_processes
     ref = reference(copy.deepcopy(base), data, n, accum, mp, clip, OPTS[opt_name])
     # fp32: the 1e-6 relative + 1e-7 absolute. 16-bit autocast rounds activations
@@ -102,7 +109,8 @@ for mp, accum, clip, opt_name in itertools.product(["no", "bf16", "fp16"], [1, 2
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         if not torch.allclose(p, q, rtol=rtol, atol=atol):
             fails.append(f"{mp} accum={accum} clip={clip} {opt_name}: {name} max diff {(p - q).abs().max().item():.3e}")
-    assert model.unused.weight.grad is None, "a parameter no rank used must keep grad None"
+    if unused:
+        assert model.unused.weight.grad is None, "a parameter no rank used must keep grad None"
     # every rank holds the same parameters
     w = acc.gather(model.head.weight.detach().reshape(1, -1))
     if not bool((w == w[0]).all()):
@@ -110,7 +118,7 @@ for mp, accum, clip, opt_name in itertools.product(["no", "bf16", "fp16"], [1, 2
 # bf16 parameters: the gradient buffer itself is bf16 and is all-reduced in bf16 (or in fp32
 # on a backend that lacks it: accelerate_c/ddp.py picks the wire dtype)
 torch.manual_seed(0)
-base = Net().to(torch.bfloat16)
+base = Net(with_unused=False).to(torch.bfloat16)
 g = torch.Generator().manual_seed(2)
 data = TensorDataset(torch.randn(8 * B * 3, 6, generator=g).bfloat16(), torch.randn(8 * B * 3, 3, generator=g).bfloat16())
 model, acc = ours(copy.deepcopy(base), data, 1, "no", None, OPTS["sgd"])

@@ -1,8 +1,8 @@
 """Run through the launcher with a mode argument:
-- raise:   the last rank raises mid-step (before the gradient all-reduce); the others are blocked
-           in it; the job must end non-zero, not hang.
-- timeout: InitProcessGroupKwargs(timeout=3 s); the last rank is late to a collective; rank 0's
-           collective must raise (a timeout naming the operation) instead of waiting forever."""
+- raise:   the last rank raises mid-step (before its backward); the others are blocked in the
+           gradient all-reduce that backward starts; the job must end non-zero, not hang.
+- timeout: InitProcessGroupKwargs(timeout=3 s); the last rank is late to the backward; rank 0's
+           bucket all-reduce must raise, naming the rank and the bucket, instead of waiting forever."""
 import datetime
 import sys
 import time
@@ -19,7 +19,7 @@ model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model, opt = acc.prepare(model, opt)
 last = acc.process_index == acc.num_processes - 1
-acc.backward(model(torch.randn(3, 4)).sum())
+loss = model(torch.randn(3, 4)).sum()
 if mode == "raise" and last:
     raise RuntimeError("rank failure injected by the test")
 if mode == "timeout":
@@ -27,9 +27,10 @@ if mode == "timeout":
         time.sleep(8)
         sys.exit(0)
     try:
-        opt.step()  # the gradient all-reduce: the last rank never joins in time
+        acc.backward(loss)  # the buckets' all-reduce: the last rank never joins in time
     except RuntimeError as e:
-        print(f"rank {acc.process_index} timed out as expected: {type(e).__name__}", flush=True)
+        print(f"rank {acc.process_index} timed out as expected: {type(e).__name__}: {e}", flush=True)
         sys.exit(7)
     sys.exit(0)
+acc.backward(loss)
 opt.step()

@@ -30,6 +30,8 @@ ac_result_t ac_bucket_plan_create(ac_bucket_plan_t **out, size_t nparams, const 
 void ac_bucket_plan_destroy(ac_bucket_plan_t *plan); /* NULL is a no-op */
 
 size_t ac_bucket_count(const ac_bucket_plan_t *plan);
+/* Number of gradients the plan was created for. */
+size_t ac_bucket_nparams(const ac_bucket_plan_t *plan);
 /* Total elements of the flat buffer the plan lays out (padding included). */
 size_t ac_bucket_total(const ac_bucket_plan_t *plan);
 /* Bucket b covers elements [*first, *first + *count) of the flat buffer. */
@@ -44,6 +46,9 @@ void ac_bucket_reset(ac_bucket_plan_t *plan);
  * bucket has been launched. Marking a gradient twice in one backward is AC_ERR_STATE, naming
  * it (a second backward after buckets launched must not silently double-count). */
 ac_result_t ac_bucket_mark_ready(ac_bucket_plan_t *plan, size_t param, size_t *from, size_t *to);
+/* How many gradients have been marked ready since the last reset (0: the next mark is the
+ * first of a backward). */
+size_t ac_bucket_ready_count(const ac_bucket_plan_t *plan);
 /* Writes up to `cap` indices of gradients not ready yet into out; returns how many there are
  * in all (for "parameter X got no gradient" errors and find_unused_parameters). */
 size_t ac_bucket_pending(const ac_bucket_plan_t *plan, size_t *out, size_t cap);

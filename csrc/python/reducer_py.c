@@ -1,0 +1,436 @@
+/* reducer_py.c — Reducer (the C bucket plan as a Python type) and GradHook, the per-parameter
+ * post-accumulate-grad hook that is a C callable.
+ *
+ * The hot path of a hook (the gradient already is the parameter's view of the flat buffer)
+ * never runs Python bytecode: one attribute read, one C call that marks the gradient ready,
+ * and, when buckets became launchable on a sync step, one call of the launch function the
+ * Python glue registered. Rare cases (a new gradient tensor to copy in, a model cast after
+ * prepare) go to the glue's `slow` function. The core itself never calls Python (DESIGN §1);
+ * the calls back into Python are made here, in the extension layer. */
+#include "pyac.h"
+
+#include "ac/bucket.h"
+
+typedef struct {
+  PyObject_HEAD
+  ac_bucket_plan_t *plan;
+  PyObject *on_first; /* on_first(): the first gradient of a backward is about to be marked */
+  PyObject *launch;   /* launch(from, to): buckets [from, to) may start their all-reduce */
+  PyObject *slow;     /* slow(i, param) -> bool: handles a gradient that is not the view; False: skip */
+  PyObject *grad_name; /* interned "grad" */
+  int launching;      /* set by the glue for sync steps of multi-process runs */
+} ReducerObject;
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *reducer; /* ReducerObject */
+  PyObject *view;    /* the parameter's range of the flat buffer, shaped like it */
+  size_t index;
+} HookObject;
+
+static PyObject *module_of(PyObject *self) { return PyType_GetModule(Py_TYPE(self)); }
+
+/* ---- sequences of sizes ----------------------------------------------------------------- */
+
+static int sizes_from(PyObject *seq, const char *what, size_t **out, Py_ssize_t *n) {
+  PyObject *fast = PySequence_Fast(seq, what);
+  if (!fast) return -1;
+  *n = PySequence_Fast_GET_SIZE(fast);
+  *out = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof(size_t));
+  if (!*out) {
+    Py_DECREF(fast);
+    PyErr_NoMemory();
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < *n; i++) {
+    PyObject *it = PySequence_Fast_GET_ITEM(fast, i);
+    size_t v = PyLong_AsSize_t(it);
+    if (v == (size_t)-1 && PyErr_Occurred()) {
+      PyErr_Format(PyExc_ValueError, "%s[%zd] must be a non-negative int", what, i);
+      PyMem_Free(*out);
+      *out = NULL;
+      Py_DECREF(fast);
+      return -1;
+    }
+    (*out)[i] = v;
+  }
+  Py_DECREF(fast);
+  return 0;
+}
+
+static PyObject *size_list(const size_t *v, size_t n) {
+  PyObject *l = PyList_New((Py_ssize_t)n);
+  if (!l) return NULL;
+  for (size_t i = 0; i < n; i++) {
+    PyObject *x = PyLong_FromSize_t(v[i]);
+    if (!x) {
+      Py_DECREF(l);
+      return NULL;
+    }
+    PyList_SET_ITEM(l, (Py_ssize_t)i, x);
+  }
+  return l;
+}
+
+/* ---- Reducer ---------------------------------------------------------------------------- */
+
+static int reducer_init(PyObject *op, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"numel", "order", "esize", "first_cap_bytes", "cap_bytes", "align",
+                           "on_first", "launch", "slow", NULL};
+  ReducerObject *self = (ReducerObject *)op;
+  PyObject *numel_o, *order_o, *on_first = Py_None, *launch = Py_None, *slow = Py_None;
+  Py_ssize_t esize, first_cap, cap, align;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnnnn|OOO:Reducer", kwlist, &numel_o, &order_o, &esize, &first_cap,
+                                   &cap, &align, &on_first, &launch, &slow))
+    return -1;
+  if (esize <= 0 || first_cap <= 0 || cap <= 0 || align <= 0) {
+    PyErr_Format(PyExc_ValueError, "Reducer: esize, caps and align must be > 0 (got %zd, %zd, %zd, %zd)", esize,
+                 first_cap, cap, align);
+    return -1;
+  }
+  size_t *numel = NULL, *order = NULL;
+  Py_ssize_t n1, n2;
+  if (sizes_from(numel_o, "numel", &numel, &n1) < 0) return -1;
+  if (sizes_from(order_o, "order", &order, &n2) < 0) {
+    PyMem_Free(numel);
+    return -1;
+  }
+  if (n1 != n2) {
+    PyErr_Format(PyExc_ValueError, "Reducer: %zd sizes but an order of %zd", n1, n2);
+    PyMem_Free(numel);
+    PyMem_Free(order);
+    return -1;
+  }
+  ac_bucket_plan_t *plan = NULL;
+  ac_result_t r = ac_bucket_plan_create(&plan, (size_t)n1, numel, order, (size_t)esize, (size_t)first_cap,
+                                        (size_t)cap, (size_t)align);
+  PyMem_Free(numel);
+  PyMem_Free(order);
+  if (r != AC_OK) {
+    pyac_raise(module_of(op), r);
+    return -1;
+  }
+  ac_bucket_plan_destroy(self->plan);
+  self->plan = plan;
+  Py_XSETREF(self->on_first, on_first == Py_None ? NULL : Py_NewRef(on_first));
+  Py_XSETREF(self->launch, launch == Py_None ? NULL : Py_NewRef(launch));
+  Py_XSETREF(self->slow, slow == Py_None ? NULL : Py_NewRef(slow));
+  if (!self->grad_name && !(self->grad_name = PyUnicode_InternFromString("grad"))) return -1;
+  self->launching = 0;
+  return 0;
+}
+
+static int reducer_traverse(PyObject *op, visitproc visit, void *arg) {
+  ReducerObject *self = (ReducerObject *)op;
+  Py_VISIT(Py_TYPE(op));
+  Py_VISIT(self->on_first);
+  Py_VISIT(self->launch);
+  Py_VISIT(self->slow);
+  return 0;
+}
+
+static int reducer_clear(PyObject *op) {
+  ReducerObject *self = (ReducerObject *)op;
+  Py_CLEAR(self->on_first);
+  Py_CLEAR(self->launch);
+  Py_CLEAR(self->slow);
+  return 0;
+}
+
+static void reducer_dealloc(PyObject *op) {
+  ReducerObject *self = (ReducerObject *)op;
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  reducer_clear(op);
+  Py_CLEAR(self->grad_name);
+  ac_bucket_plan_destroy(self->plan);
+  self->plan = NULL;
+  tp->tp_free(op);
+  Py_DECREF(tp);
+}
+
+static int has_plan(ReducerObject *self) {
+  if (self->plan) return 1;
+  PyErr_SetString(PyExc_RuntimeError, "Reducer was not initialised");
+  return 0;
+}
+
+static PyObject *reducer_count(PyObject *op, PyObject *unused) {
+  (void)unused;
+  if (!has_plan((ReducerObject *)op)) return NULL;
+  return PyLong_FromSize_t(ac_bucket_count(((ReducerObject *)op)->plan));
+}
+
+static PyObject *reducer_total(PyObject *op, PyObject *unused) {
+  (void)unused;
+  if (!has_plan((ReducerObject *)op)) return NULL;
+  return PyLong_FromSize_t(ac_bucket_total(((ReducerObject *)op)->plan));
+}
+
+static PyObject *reducer_range(PyObject *op, PyObject *arg) {
+  ReducerObject *self = (ReducerObject *)op;
+  if (!has_plan(self)) return NULL;
+  size_t b = PyLong_AsSize_t(arg), first, count;
+  if (b == (size_t)-1 && PyErr_Occurred()) return NULL;
+  ac_result_t r = ac_bucket_range(self->plan, b, &first, &count);
+  if (r != AC_OK) return pyac_raise(module_of(op), r);
+  return Py_BuildValue("(nn)", (Py_ssize_t)first, (Py_ssize_t)count);
+}
+
+static PyObject *reducer_layout(PyObject *op, PyObject *unused) {
+  (void)unused;
+  ReducerObject *self = (ReducerObject *)op;
+  if (!has_plan(self)) return NULL;
+  /* (offsets per gradient, bucket per gradient) in one call: the glue lays out views with it */
+  size_t n = ac_bucket_nparams(self->plan);
+  size_t *off = PyMem_Malloc((n ? n : 1) * sizeof(size_t)), *bk = PyMem_Malloc((n ? n : 1) * sizeof(size_t));
+  if (!off || !bk) {
+    PyMem_Free(off);
+    PyMem_Free(bk);
+    return PyErr_NoMemory();
+  }
+  for (size_t i = 0; i < n; i++) (void)ac_bucket_param(self->plan, i, &off[i], &bk[i]);
+  PyObject *a = size_list(off, n), *b = size_list(bk, n);
+  PyMem_Free(off);
+  PyMem_Free(bk);
+  if (!a || !b) {
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return NULL;
+  }
+  return Py_BuildValue("(NN)", a, b);
+}
+
+static PyObject *reducer_reset(PyObject *op, PyObject *unused) {
+  (void)unused;
+  ac_bucket_reset(((ReducerObject *)op)->plan);
+  Py_RETURN_NONE;
+}
+
+static PyObject *reducer_ready_count(PyObject *op, PyObject *unused) {
+  (void)unused;
+  return PyLong_FromSize_t(ac_bucket_ready_count(((ReducerObject *)op)->plan));
+}
+
+static PyObject *reducer_mark_ready(PyObject *op, PyObject *arg) {
+  ReducerObject *self = (ReducerObject *)op;
+  if (!has_plan(self)) return NULL;
+  size_t i = PyLong_AsSize_t(arg), from, to;
+  if (i == (size_t)-1 && PyErr_Occurred()) return NULL;
+  ac_result_t r = ac_bucket_mark_ready(self->plan, i, &from, &to);
+  if (r != AC_OK) return pyac_raise(module_of(op), r);
+  return Py_BuildValue("(nn)", (Py_ssize_t)from, (Py_ssize_t)to);
+}
+
+static PyObject *reducer_pending(PyObject *op, PyObject *unused) {
+  (void)unused;
+  ReducerObject *self = (ReducerObject *)op;
+  if (!has_plan(self)) return NULL;
+  size_t n = ac_bucket_pending(self->plan, NULL, 0);
+  size_t *v = PyMem_Malloc((n ? n : 1) * sizeof(size_t));
+  if (!v) return PyErr_NoMemory();
+  ac_bucket_pending(self->plan, v, n);
+  PyObject *l = size_list(v, n);
+  PyMem_Free(v);
+  return l;
+}
+
+static PyObject *reducer_arrival_order(PyObject *op, PyObject *arg) {
+  ReducerObject *self = (ReducerObject *)op;
+  if (!has_plan(self)) return NULL;
+  size_t n = PyLong_AsSize_t(arg);
+  if (n == (size_t)-1 && PyErr_Occurred()) return NULL;
+  size_t *v = PyMem_Malloc((n ? n : 1) * sizeof(size_t));
+  if (!v) return PyErr_NoMemory();
+  ac_result_t r = ac_bucket_arrival_order(self->plan, v, n);
+  if (r != AC_OK) {
+    PyMem_Free(v);
+    return pyac_raise(module_of(op), r);
+  }
+  PyObject *l = size_list(v, n);
+  PyMem_Free(v);
+  return l;
+}
+
+static PyObject *reducer_hook(PyObject *op, PyObject *const *a, Py_ssize_t n) {
+  if (n != 2) {
+    PyErr_Format(PyExc_TypeError, "hook(index, view) takes 2 arguments, %zd given", n);
+    return NULL;
+  }
+  size_t i = PyLong_AsSize_t(a[0]);
+  if (i == (size_t)-1 && PyErr_Occurred()) return NULL;
+  PyObject *mod = module_of(op);
+  pyac_state *st = pyac_get_state(mod);
+  HookObject *h = PyObject_GC_New(HookObject, st->hook_type);
+  if (!h) return NULL;
+  h->reducer = Py_NewRef(op);
+  h->view = Py_NewRef(a[1]);
+  h->index = i;
+  PyObject_GC_Track((PyObject *)h);
+  return (PyObject *)h;
+}
+
+static PyObject *reducer_get_launching(PyObject *op, void *c) {
+  (void)c;
+  return PyBool_FromLong(((ReducerObject *)op)->launching);
+}
+
+static int reducer_set_launching(PyObject *op, PyObject *v, void *c) {
+  (void)c;
+  if (!v) {
+    PyErr_SetString(PyExc_AttributeError, "launching cannot be deleted");
+    return -1;
+  }
+  int t = PyObject_IsTrue(v);
+  if (t < 0) return -1;
+  ((ReducerObject *)op)->launching = t;
+  return 0;
+}
+
+static PyMethodDef reducer_methods[] = {
+    {"count", reducer_count, METH_NOARGS, "count() -> number of buckets"},
+    {"total", reducer_total, METH_NOARGS, "total() -> elements of the flat buffer, padding included"},
+    {"range", reducer_range, METH_O, "range(b) -> (first, count): bucket b's elements"},
+    {"layout", reducer_layout, METH_NOARGS, "layout() -> (offsets, buckets), one entry per gradient"},
+    {"reset", reducer_reset, METH_NOARGS, "reset(): a new backward; nothing ready, nothing launched"},
+    {"ready_count", reducer_ready_count, METH_NOARGS, "ready_count() -> gradients marked since reset()"},
+    {"mark_ready", reducer_mark_ready, METH_O, "mark_ready(i) -> (from, to): buckets now launchable"},
+    {"pending", reducer_pending, METH_NOARGS, "pending() -> gradients not marked ready in this backward"},
+    {"arrival_order", reducer_arrival_order, METH_O, "arrival_order(n) -> the order gradients were marked"},
+    {"hook", (PyCFunction)(void (*)(void))reducer_hook, METH_FASTCALL,
+     "hook(i, view) -> a GradHook for gradient i, to pass to register_post_accumulate_grad_hook"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef reducer_getset[] = {
+    {"launching", reducer_get_launching, reducer_set_launching,
+     "whether hooks call launch() for buckets that become complete (sync steps of multi-process runs)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot reducer_slots[] = {
+    {Py_tp_init, reducer_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_dealloc, reducer_dealloc},
+    {Py_tp_traverse, reducer_traverse},
+    {Py_tp_clear, reducer_clear},
+    {Py_tp_methods, reducer_methods},
+    {Py_tp_getset, reducer_getset},
+    {Py_tp_doc, "Reducer(numel, order, esize, first_cap_bytes, cap_bytes, align, on_first=None, launch=None, "
+                "slow=None): the bucket plan of one flat gradient buffer and readiness tracking for its hooks."},
+    {0, NULL},
+};
+
+PyType_Spec pyac_reducer_spec = {
+    .name = "accelerate_c._C.Reducer",
+    .basicsize = sizeof(ReducerObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
+    .slots = reducer_slots,
+};
+
+/* ---- GradHook --------------------------------------------------------------------------- */
+
+static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwds) {
+  HookObject *h = (HookObject *)op;
+  ReducerObject *red = (ReducerObject *)h->reducer;
+  if (kwds && PyDict_GET_SIZE(kwds)) {
+    PyErr_SetString(PyExc_TypeError, "GradHook takes no keyword arguments");
+    return NULL;
+  }
+  if (PyTuple_GET_SIZE(args) != 1) {
+    PyErr_Format(PyExc_TypeError, "GradHook takes 1 argument (the parameter), %zd given", PyTuple_GET_SIZE(args));
+    return NULL;
+  }
+  if (!has_plan(red)) return NULL;
+  PyObject *param = PyTuple_GET_ITEM(args, 0);
+  if (ac_bucket_ready_count(red->plan) == 0 && red->on_first) {
+    PyObject *r = PyObject_CallNoArgs(red->on_first);
+    if (!r) return NULL;
+    Py_DECREF(r);
+  }
+  PyObject *g = PyObject_GetAttr(param, red->grad_name);
+  if (!g) return NULL;
+  int is_view = g == h->view;
+  Py_DECREF(g);
+  if (!is_view) {
+    if (!red->slow) {
+      PyErr_SetString(PyExc_RuntimeError, "GradHook: the gradient is not the buffer's view and no slow path is set");
+      return NULL;
+    }
+    PyObject *idx = PyLong_FromSize_t(h->index);
+    if (!idx) return NULL;
+    PyObject *r = PyObject_CallFunctionObjArgs(red->slow, idx, param, NULL);
+    Py_DECREF(idx);
+    if (!r) return NULL;
+    int keep = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (keep < 0) return NULL;
+    if (!keep) Py_RETURN_NONE;
+  }
+  size_t from, to;
+  ac_result_t rc = ac_bucket_mark_ready(red->plan, h->index, &from, &to);
+  if (rc != AC_OK) return pyac_raise(module_of(h->reducer), rc);
+  if (red->launching && to > from && red->launch) {
+    PyObject *r = PyObject_CallFunction(red->launch, "nn", (Py_ssize_t)from, (Py_ssize_t)to);
+    if (!r) return NULL;
+    Py_DECREF(r);
+  }
+  Py_RETURN_NONE;
+}
+
+static int hook_traverse(PyObject *op, visitproc visit, void *arg) {
+  HookObject *h = (HookObject *)op;
+  Py_VISIT(Py_TYPE(op));
+  Py_VISIT(h->reducer);
+  Py_VISIT(h->view);
+  return 0;
+}
+
+static int hook_clear(PyObject *op) {
+  HookObject *h = (HookObject *)op;
+  Py_CLEAR(h->reducer);
+  Py_CLEAR(h->view);
+  return 0;
+}
+
+static void hook_dealloc(PyObject *op) {
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  hook_clear(op);
+  tp->tp_free(op);
+  Py_DECREF(tp);
+}
+
+static PyObject *hook_get_index(PyObject *op, void *c) {
+  (void)c;
+  return PyLong_FromSize_t(((HookObject *)op)->index);
+}
+
+static PyGetSetDef hook_getset[] = {
+    {"index", hook_get_index, NULL, "the gradient's index in its Reducer", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyObject *hook_new_disallowed(PyTypeObject *t, PyObject *a, PyObject *k) {
+  (void)t, (void)a, (void)k;
+  PyErr_SetString(PyExc_TypeError, "GradHook objects are made by Reducer.hook(i, view)");
+  return NULL;
+}
+
+static PyType_Slot hook_slots[] = {
+    {Py_tp_new, hook_new_disallowed},
+    {Py_tp_call, hook_call},
+    {Py_tp_dealloc, hook_dealloc},
+    {Py_tp_traverse, hook_traverse},
+    {Py_tp_clear, hook_clear},
+    {Py_tp_getset, hook_getset},
+    {Py_tp_doc, "GradHook: the post-accumulate-grad hook of one parameter (Reducer.hook(i, view))."},
+    {0, NULL},
+};
+
+PyType_Spec pyac_hook_spec = {
+    .name = "accelerate_c._C.GradHook",
+    .basicsize = sizeof(HookObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
+    .slots = hook_slots,
+};
