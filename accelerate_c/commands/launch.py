@@ -1,10 +1,12 @@
-"""`accelerate-c launch`: runs a training script on one or several processes.
+"""`accelerate-c launch`: runs a training script on one or several processes, on one or several machines.
 
 One process: the script runs directly. Several: torch.distributed.run (torchrun) starts them,
 so rendezvous, failure handling (a rank that dies stops the job, non-zero exit) and the
-RANK/LOCAL_RANK/WORLD_SIZE variables are torchrun's, as PyTorch users know them. Settings reach
-the processes as the ACCELERATE_* variables the Accelerator reads, as with accelerate's
-launcher. Unlike accelerate, `--cpu` with several processes runs that many gloo processes.
+RANK/LOCAL_RANK/WORLD_SIZE variables are torchrun's, as PyTorch users know them. Settings come
+from the config file (`--config_file`, else accelerate's default one when it exists) with the
+command-line flags taking precedence, and reach the processes as the ACCELERATE_* variables the
+Accelerator reads, as with accelerate's launcher. Unlike accelerate, `--cpu` with several
+processes runs that many gloo processes.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import socket
 import subprocess
 import sys
 
+from ..utils.config import ConfigError, config_in_effect, load_config_from_file, unsupported
+from ..utils.config_schema import CLUSTER_KEYS
 from ..utils.dataclasses import PrecisionType
 
 
@@ -23,45 +27,138 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_env(args) -> dict:
-    env = os.environ.copy()
-    env["ACCELERATE_USE_CPU"] = str(bool(args.cpu))
+def _fail(msg: str):
+    raise SystemExit(f"accelerate-c launch: {msg}")
+
+
+def resolve(args) -> dict:
+    """The settings in effect: built-in defaults < config file < command-line flags. Validates
+    them and refuses what accelerate_c cannot run yet. Sets args.config_path."""
+    # accelerate's rule: with --cpu and no --config_file, the default config file is not read
+    path = args.config_file if args.config_file is not None else (None if args.cpu else config_in_effect(None))
+    args.config_path = path
+    if path is not None:
+        try:
+            values = dict(load_config_from_file(path).values)
+        except ConfigError as e:
+            _fail(str(e))
+    else:
+        values = {name: key.default for name, key in CLUSTER_KEYS.items()}
+        values.update(distributed_type="NO", num_processes=1)
+        values.update({n: {} for n, k in CLUSTER_KEYS.items() if "dict" in k.types})
+
     if args.mixed_precision is not None:
         mp = args.mixed_precision.lower()
         if mp not in PrecisionType.list():
-            raise SystemExit(f"accelerate-c launch: unknown --mixed_precision {args.mixed_precision!r}; "
-                             f"choose from {PrecisionType.list()}")
-        env["ACCELERATE_MIXED_PRECISION"] = mp
+            _fail(f"unknown --mixed_precision {args.mixed_precision!r}; choose from {PrecisionType.list()}")
+        values["mixed_precision"] = mp
+    for name in ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
+                 "rdzv_backend", "gpu_ids"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.same_network:
+        values["same_network"] = True
+    if args.cpu:
+        values["use_cpu"] = True
+    if values["mixed_precision"] is None:
+        values["mixed_precision"] = "no"
+
+    problems = unsupported(values, path or "<command line>")
+    if problems:
+        where = f"config file {path}" if path else "settings"
+        _fail(f"{where}: {problems[0]}" if len(problems) == 1 else f"{where}:\n  " + "\n  ".join(problems))
+
+    src = f" (from {path})" if path else ""
+    n, m, r = values["num_processes"], values["num_machines"], values["machine_rank"]
+    if n == -1:
+        _fail(f"num_processes is -1{src}: pass --num_processes")
+    if n < 1:
+        _fail(f"--num_processes must be >= 1, got {n}")
+    if m < 1:
+        _fail(f"--num_machines must be >= 1, got {m}")
+    if not 0 <= r < m:
+        _fail(f"--machine_rank must be in [0, num_machines - 1 = {m - 1}], got {r}")
+    if n % m:
+        _fail(f"num_processes ({n}) is the total over all machines and must be a multiple of num_machines ({m})")
+    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps < 1:
+        _fail(f"--gradient_accumulation_steps must be >= 1, got {args.gradient_accumulation_steps}")
+    port = values["main_process_port"]
+    if port is not None and not 0 <= port <= 65535:
+        _fail(f"--main_process_port must be in [0, 65535], got {port}")
+    if values["rdzv_backend"] is None:
+        values["rdzv_backend"] = "static"
+    if values["rdzv_backend"] not in CLUSTER_KEYS["rdzv_backend"].choices:
+        _fail(f"unknown --rdzv_backend {values['rdzv_backend']!r}; choose from "
+              f"{list(CLUSTER_KEYS['rdzv_backend'].choices)}")
+    if m > 1:
+        if not values["main_process_ip"]:
+            _fail(f"num_machines is {m}{src}: pass --main_process_ip (the address of the machine of rank 0)")
+        if port is None:
+            _fail(f"num_machines is {m}{src}: pass --main_process_port (the same on every machine)")
+        if port == 0:
+            _fail("--main_process_port 0 (a free port) only works on one machine: every machine must use the same "
+                  "port")
+    gpu_ids = values["gpu_ids"]
+    if gpu_ids is not None:
+        import re
+
+        gpu_ids = str(gpu_ids).replace(" ", "")
+        if not re.fullmatch(CLUSTER_KEYS["gpu_ids"].pattern, gpu_ids):
+            _fail(f"--gpu_ids must be 'all' or a comma-separated list of GPU ids such as '0,1', got {gpu_ids!r}")
+        values["gpu_ids"] = gpu_ids
+    if values["distributed_type"] == "MULTI_CPU":
+        values["use_cpu"] = True
+    return values
+
+
+def build_env(args, values: dict) -> dict:
+    env = os.environ.copy()
+    env["ACCELERATE_USE_CPU"] = str(bool(values["use_cpu"]))
+    env["ACCELERATE_MIXED_PRECISION"] = values["mixed_precision"]
     if args.gradient_accumulation_steps is not None:
-        if args.gradient_accumulation_steps < 1:
-            raise SystemExit("accelerate-c launch: --gradient_accumulation_steps must be >= 1, got "
-                             f"{args.gradient_accumulation_steps}")
         env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(args.gradient_accumulation_steps)
+    # as accelerate's launcher sets them (dynamo itself is refused by resolve() unless its backend is NO)
+    dynamo = values["dynamo_config"]
+    env["ACCELERATE_DYNAMO_BACKEND"] = str(dynamo.get("dynamo_backend", "NO")).upper()
+    env["ACCELERATE_DYNAMO_MODE"] = str(dynamo.get("dynamo_mode", "default"))
+    for flag in ("use_fullgraph", "use_dynamic", "use_regional_compilation"):
+        env[f"ACCELERATE_DYNAMO_{flag.upper()}"] = str(bool(dynamo.get("dynamo_" + flag, False)))
+    if values["gpu_ids"] not in (None, "all"):
+        env["CUDA_VISIBLE_DEVICES"] = values["gpu_ids"]
+    local = values["num_processes"] // values["num_machines"]
     if args.num_cpu_threads_per_process is not None:
         env["OMP_NUM_THREADS"] = str(args.num_cpu_threads_per_process)
-    elif args.num_processes > 1 and "OMP_NUM_THREADS" not in env:
+    elif local > 1 and "OMP_NUM_THREADS" not in env:
         # N processes x all cores each oversubscribes the machine
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.num_processes))
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
     return env
 
 
-def build_command(args) -> list:
+def build_command(args, values: dict) -> list:
     if args.no_python and args.module:
-        raise SystemExit("accelerate-c launch: --module and --no_python cannot be used together")
-    if args.num_processes < 1:
-        raise SystemExit(f"accelerate-c launch: --num_processes must be >= 1, got {args.num_processes}")
+        _fail("--module and --no_python cannot be used together")
     script = [args.training_script, *args.training_script_args]
-    if args.num_processes == 1:
+    n, m = values["num_processes"], values["num_machines"]
+    if n == 1 and m == 1:
         if args.no_python:
             return script
         return [sys.executable, *(["-m"] if args.module else []), *script]
-    port = args.main_process_port
+    port = values["main_process_port"]
     if port is None:
         port = 29500
     elif port == 0:
         port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.num_processes),
-           "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n // m), "--nnodes", str(m)]
+    backend, ip = values["rdzv_backend"], values["main_process_ip"]
+    if m == 1:
+        cmd += ["--master_addr", ip or "127.0.0.1", "--master_port", str(port)]
+    elif backend == "static" and values["same_network"]:
+        cmd += ["--node_rank", str(values["machine_rank"]), "--master_addr", ip, "--master_port", str(port)]
+    else:
+        # as accelerate: a rendezvous endpoint (static: node ranks as given; c10d/etcd: assigned on arrival)
+        if backend == "static":
+            cmd += ["--node_rank", str(values["machine_rank"])]
+        cmd += ["--rdzv_backend", backend, "--rdzv_endpoint", f"{ip}:{port}"]
     if args.module:
         cmd.append("--module")
     if args.no_python:
@@ -70,8 +167,9 @@ def build_command(args) -> list:
 
 
 def run(args) -> int:
-    cmd = build_command(args)
-    env = build_env(args)
+    values = resolve(args)
+    cmd = build_command(args, values)
+    env = build_env(args, values)
     proc = subprocess.Popen(cmd, env=env)
     try:
         return proc.wait()
@@ -81,13 +179,26 @@ def run(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("launch", help="Launch a training script on one or several processes.")
-    p.add_argument("--num_processes", type=int, default=1, help="processes on this machine (default 1)")
+    p = sub.add_parser("launch", help="Launch a training script on one or several processes.",
+                       description="Flags override the config file (--config_file, else accelerate's default "
+                                   "config file when it exists and --cpu is not given).")
+    p.add_argument("--config_file", default=None, help="config file to read the settings from")
+    p.add_argument("--num_processes", type=int, default=None,
+                   help="processes in total, over all machines (default: config file, else 1)")
     p.add_argument("--cpu", action="store_true", help="train on CPU (gloo) even if GPUs are present")
     p.add_argument("--mixed_precision", default=None, help="no, fp16 or bf16")
     p.add_argument("--gradient_accumulation_steps", type=int, default=None)
-    p.add_argument("--main_process_port", type=int, default=None, help="rendezvous port; 0 picks a free one")
     p.add_argument("--num_cpu_threads_per_process", type=int, default=None, help="OMP_NUM_THREADS per process")
+    p.add_argument("--gpu_ids", default=None, help="GPUs to use on this machine: 'all' or a list such as 0,1")
+    multi = p.add_argument_group("several machines")
+    multi.add_argument("--num_machines", type=int, default=None, help="machines taking part (default 1)")
+    multi.add_argument("--machine_rank", type=int, default=None, help="rank of this machine, 0 to num_machines-1")
+    multi.add_argument("--main_process_ip", default=None, help="address of the machine of rank 0")
+    multi.add_argument("--main_process_port", type=int, default=None,
+                       help="rendezvous port (default 29500); 0 picks a free one (one machine only)")
+    multi.add_argument("--rdzv_backend", default=None, help="torchrun rendezvous backend: static (default) or c10d")
+    multi.add_argument("--same_network", action="store_true",
+                       help="the machines share a local network: static rendezvous through master_addr/port")
     p.add_argument("-m", "--module", action="store_true", help="the script is a Python module name")
     p.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
     p.add_argument("training_script", help="the script (or module, with -m) to run")

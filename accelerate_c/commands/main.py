@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from . import env, launch
+from . import config, env, launch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -10,7 +10,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="accelerate-c",
         description="accelerate_c command line: accelerate's CLI, backed by a C core.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{env,launch}")
+    sub = parser.add_subparsers(dest="command", metavar="{config,env,launch}")
+    config.register(sub)
     env.register(sub)
     launch.register(sub)
     return parser
