@@ -81,6 +81,28 @@ class BucketComm:
         self.rank = dist.get_rank()
         self.find_unused = bool(handler.find_unused_parameters) if handler is not None else False
         self.hook_dtype = _comm_hook_dtype(handler)
+        self.nccl = None  # _C.NcclComm: CUDA buckets are launched from the C hooks, no Python
+        self.comm_stream = None
+
+    def attach(self, g):
+        """Called for every group (and again after a re-layout): on the NCCL backend, CUDA
+        groups hand their buffer and a comm stream to the C reducer, which then launches
+        complete buckets itself. 16-bit comm hooks keep the Python path (their cast lives there)."""
+        if not (g.is_cuda and dist.get_backend() == "nccl" and self.hook_dtype is None):
+            return
+        if self.nccl is None:
+            from . import nccl
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self.nccl = nccl.make_comm(_get_default_store(), self.rank, self.world)
+            self.comm_stream = torch.cuda.Stream(device=g.device)
+        g.reducer.attach_nccl(self.nccl, g.buf, self.comm_stream.cuda_stream)
+        g.nccl = True
+
+    def start(self, g):
+        """Start of a reduced backward: the C launches wait for the stream backward runs on."""
+        if g.nccl:
+            g.reducer.set_compute_stream(torch.cuda.current_stream(g.device).cuda_stream)
 
     def launch(self, g, first: int, last: int):
         """Starts the all-reduce of buckets [first, last) of group g (called from a hook)."""
@@ -141,7 +163,12 @@ class BucketComm:
                     v.copy_(p.grad)
                     p.grad = v
                 first, last = g.reducer.mark_ready(i)
-                self.launch(g, first, last)
+                if g.nccl:
+                    g.reducer.nccl_launch(first, last)
+                else:
+                    self.launch(g, first, last)
+        if g.nccl:
+            g.reducer.nccl_wait()  # the compute stream waits for the comm stream; the host does not
         self._wait(g)
         if g.is_cuda:
             g.scale_(1.0 / self.world if self.hook_dtype is None else 1.0)

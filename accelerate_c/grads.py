@@ -46,6 +46,7 @@ class GradGroup:
         self.stats = None
         self.relaid = False  # the layout follows the order gradients arrived in (after step 1)
         self.comm = None  # ddp.BucketComm on multi-process runs
+        self.nccl = False  # buckets launched by the C reducer over NCCL (ddp.BucketComm.attach)
         self.works = []  # buckets in flight: (bucket, work, range, wire tensor or None)
         self.hooks = []
         self._build(list(range(len(self.params)))[::-1] if order is None else order)
@@ -93,6 +94,8 @@ class GradGroup:
                 p.grad = new
         self.stats = None
         self.relaid = True
+        if self.comm is not None:
+            self.comm.attach(self)
 
     # ---- what the hooks call ------------------------------------------------------------
     def _on_first(self):
@@ -105,6 +108,8 @@ class GradGroup:
         self.stats = None
         launching = self.comm is not None and self.manager.sync_now()
         self.reducer.launching = launching
+        if launching:
+            self.comm.start(self)
         self.pending_sync = self.pending_sync or launching
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
@@ -275,6 +280,8 @@ class GradManager:
         self.comm = comm
         for g in self.groups:
             g.comm = comm
+            if comm is not None:
+                comm.attach(g)
 
     def sync_now(self) -> bool:
         """Whether a backward starting now reduces gradients across processes."""
@@ -312,6 +319,8 @@ class GradManager:
                 continue
             g = GradGroup(group_params, dtype, device, self)
             g.comm = self.comm
+            if self.comm is not None:
+                self.comm.attach(g)
             g.pending_sync = pending_sync
             self.groups.append(g)
             for i, p in enumerate(group_params):

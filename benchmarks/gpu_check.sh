@@ -12,6 +12,8 @@ ACCELERATE_C_CUDA_ARCHS="90" pip install --no-build-isolation --no-deps -q -e . 
 python -c "from accelerate_c import _C; print('has_cuda', _C.has_cuda, 'devices', _C.cuda_device_count())"
 echo "== CUDA tests"
 timeout 180 python -m pytest -q -x tests/test_cuda.py 2>&1 | tail -15
+echo "== NCCL from C (one rank)"
+timeout 90 python benchmarks/nccl_check.py 2>&1 | tail -8
 echo "== benchmarks"
 timeout 150 python benchmarks/bench_step.py --device cuda --repeats 3 --steps 10 2>&1 | tail -30
 echo "== done $(date -u)"

@@ -40,6 +40,18 @@ ac_result_t ac_cuda_cast(ac_dtype_t src_dt, const void *src, ac_dtype_t dst_dt, 
   return NOT_BUILT();
 }
 
+ac_result_t ac_cuda_event_create(void **event) {
+  if (event) *event = NULL;
+  return NOT_BUILT();
+}
+
+void ac_cuda_event_destroy(void *event) { (void)event; }
+
+ac_result_t ac_cuda_stream_wait(void *waiter, void *waitee, void *event) {
+  (void)waiter, (void)waitee, (void)event;
+  return NOT_BUILT();
+}
+
 #else
 typedef int ac_cuda_stub_unused_t; /* ISO C forbids an empty translation unit */
 #endif

@@ -47,6 +47,9 @@ static int module_exec(PyObject *m) {
   if (!st->hook_type || PyModule_AddObjectRef(m, "GradHook", (PyObject *)st->hook_type) < 0) return -1;
   if (PyModule_AddObjectRef(m, "has_cuda", ac_cuda_built() ? Py_True : Py_False) < 0) return -1;
   if (PyModule_AddStringConstant(m, "dlpack_version", "1.0") < 0) return -1;
+  st->comm_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &pyac_comm_spec, NULL);
+  if (!st->comm_type || PyModule_AddObjectRef(m, "NcclComm", (PyObject *)st->comm_type) < 0) return -1;
+  if (PyModule_AddFunctions(m, pyac_comm_methods) < 0) return -1;
   return 0;
 }
 
@@ -55,6 +58,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
   Py_VISIT(st->core_error);
   Py_VISIT(st->buffer_type);
   Py_VISIT(st->hook_type);
+  Py_VISIT(st->comm_type);
   return 0;
 }
 
@@ -63,6 +67,7 @@ static int module_clear(PyObject *m) {
   Py_CLEAR(st->core_error);
   Py_CLEAR(st->buffer_type);
   Py_CLEAR(st->hook_type);
+  Py_CLEAR(st->comm_type);
   return 0;
 }
 

@@ -14,6 +14,7 @@ typedef struct {
   PyObject *core_error;    /* accelerate_c.CoreError (subclass of RuntimeError) */
   PyTypeObject *buffer_type; /* accelerate_c._C.Buffer */
   PyTypeObject *hook_type;   /* accelerate_c._C.GradHook (made by Reducer.hook) */
+  PyTypeObject *comm_type;   /* accelerate_c._C.NcclComm */
 } pyac_state;
 
 static inline pyac_state *pyac_get_state(PyObject *module) {
@@ -35,7 +36,7 @@ typedef struct {
 } pyac_view;
 
 enum { PYAC_READ = 0, PYAC_WRITE = 1 };
-enum { PYAC_ON_CPU = 0, PYAC_ON_CUDA = 1 };
+enum { PYAC_ON_CPU = 0, PYAC_ON_CUDA = 1, PYAC_ON_ANY = 2 };
 
 /* Fills *v from `obj`: an accelerate_c._C.Buffer, a DLPack capsule ("dltensor" or
  * "dltensor_versioned", consumed and renamed "used_..."), or any object with __dlpack__ (asked
@@ -51,6 +52,11 @@ extern PyType_Spec pyac_buffer_spec;
 extern PyType_Spec pyac_scaler_spec;
 extern PyType_Spec pyac_reducer_spec;
 extern PyType_Spec pyac_hook_spec;
+extern PyType_Spec pyac_comm_spec;
+extern PyMethodDef pyac_comm_methods[];
+
+/* The NCCL communicator behind an accelerate_c._C.NcclComm (NULL after close()). */
+struct ac_comm *pyac_comm_handle(PyObject *obj);
 extern PyMethodDef pyac_kernel_methods[];
 
 #endif

@@ -10,6 +10,8 @@
 #include "pyac.h"
 
 #include "ac/bucket.h"
+#include "ac/comm.h"
+#include "ac/cuda.h"
 
 typedef struct {
   PyObject_HEAD
@@ -19,6 +21,14 @@ typedef struct {
   PyObject *slow;     /* slow(i, param) -> bool: handles a gradient that is not the view; False: skip */
   PyObject *grad_name; /* interned "grad" */
   int launching;      /* set by the glue for sync steps of multi-process runs */
+  /* NCCL: buckets are launched from the hook in C, no Python on the way */
+  PyObject *comm;     /* NcclComm, or NULL: the Python `launch` function is used */
+  PyObject *buffer;   /* the Buffer whose memory the plan lays out */
+  void *base;
+  ac_dtype_t dt;
+  void *comm_stream, *compute_stream;
+  void *ev_ready;     /* comm stream waits for the compute stream */
+  void *ev_done;      /* compute stream waits for the comm stream */
 } ReducerObject;
 
 typedef struct {
@@ -123,6 +133,8 @@ static int reducer_init(PyObject *op, PyObject *args, PyObject *kwds) {
 static int reducer_traverse(PyObject *op, visitproc visit, void *arg) {
   ReducerObject *self = (ReducerObject *)op;
   Py_VISIT(Py_TYPE(op));
+  Py_VISIT(self->comm);
+  Py_VISIT(self->buffer);
   Py_VISIT(self->on_first);
   Py_VISIT(self->launch);
   Py_VISIT(self->slow);
@@ -131,6 +143,8 @@ static int reducer_traverse(PyObject *op, visitproc visit, void *arg) {
 
 static int reducer_clear(PyObject *op) {
   ReducerObject *self = (ReducerObject *)op;
+  Py_CLEAR(self->comm);
+  Py_CLEAR(self->buffer);
   Py_CLEAR(self->on_first);
   Py_CLEAR(self->launch);
   Py_CLEAR(self->slow);
@@ -145,6 +159,8 @@ static void reducer_dealloc(PyObject *op) {
   Py_CLEAR(self->grad_name);
   ac_bucket_plan_destroy(self->plan);
   self->plan = NULL;
+  ac_cuda_event_destroy(self->ev_ready);
+  ac_cuda_event_destroy(self->ev_done);
   tp->tp_free(op);
   Py_DECREF(tp);
 }
@@ -270,6 +286,95 @@ static PyObject *reducer_hook(PyObject *op, PyObject *const *a, Py_ssize_t n) {
   return (PyObject *)h;
 }
 
+static int stream_arg(PyObject *o, void **out) {
+  unsigned long long v = PyLong_AsUnsignedLongLong(o);
+  if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+  *out = (void *)(uintptr_t)v;
+  return 0;
+}
+
+static PyObject *reducer_attach_nccl(PyObject *op, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"comm", "buffer", "comm_stream", "use_events", NULL};
+  ReducerObject *self = (ReducerObject *)op;
+  PyObject *comm, *buffer, *stream_o;
+  int use_events = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|p:attach_nccl", kwlist, &comm, &buffer, &stream_o, &use_events))
+    return NULL;
+  pyac_state *st = pyac_get_state(module_of(op));
+  if (!PyObject_TypeCheck(comm, st->comm_type)) {
+    PyErr_SetString(PyExc_TypeError, "attach_nccl: comm must be an NcclComm");
+    return NULL;
+  }
+  if (!PyObject_TypeCheck(buffer, st->buffer_type)) {
+    PyErr_SetString(PyExc_TypeError, "attach_nccl: buffer must be a Buffer (of the flat gradient buffer)");
+    return NULL;
+  }
+  void *stream;
+  if (stream_arg(stream_o, &stream) < 0) return NULL;
+  pyac_view v;
+  if (pyac_view_from(module_of(op), buffer, PYAC_WRITE, PYAC_ON_ANY, "buffer", &v) < 0) return NULL;
+  size_t n = v.n;
+  void *base = v.data;
+  ac_dtype_t dt = v.dt;
+  pyac_view_release(&v);
+  if (n < ac_bucket_total(self->plan)) {
+    PyErr_Format(PyExc_ValueError, "attach_nccl: the buffer has %zu elements, the plan lays out %zu", n,
+                 ac_bucket_total(self->plan));
+    return NULL;
+  }
+  if (use_events && !self->ev_ready) {
+    ac_result_t r = ac_cuda_event_create(&self->ev_ready);
+    if (r == AC_OK) r = ac_cuda_event_create(&self->ev_done);
+    if (r != AC_OK) return pyac_raise(module_of(op), r);
+  }
+  Py_XSETREF(self->comm, Py_NewRef(comm));
+  Py_XSETREF(self->buffer, Py_NewRef(buffer));
+  self->base = base;
+  self->dt = dt;
+  self->comm_stream = stream;
+  Py_RETURN_NONE;
+}
+
+static PyObject *reducer_set_compute_stream(PyObject *op, PyObject *arg) {
+  return stream_arg(arg, &((ReducerObject *)op)->compute_stream) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+static PyObject *reducer_launch_nccl(ReducerObject *self, size_t from, size_t to) {
+  ac_comm_t *c = pyac_comm_handle(self->comm);
+  if (!c) {
+    PyErr_SetString(PyExc_ValueError, "the Reducer's NcclComm is closed");
+    return NULL;
+  }
+  ac_result_t r = ac_comm_launch_buckets(c, self->plan, self->base, self->dt, from, to, self->compute_stream,
+                                         self->comm_stream, self->ev_ready);
+  if (r != AC_OK) return pyac_raise(module_of((PyObject *)self), r);
+  Py_RETURN_NONE;
+}
+
+static PyObject *reducer_nccl_launch(PyObject *op, PyObject *args) {
+  Py_ssize_t from, to;
+  if (!PyArg_ParseTuple(args, "nn:nccl_launch", &from, &to)) return NULL;
+  ReducerObject *self = (ReducerObject *)op;
+  if (!self->comm || from < 0 || to < from) {
+    PyErr_SetString(PyExc_ValueError, "nccl_launch: no NcclComm attached, or a bad range");
+    return NULL;
+  }
+  return reducer_launch_nccl(self, (size_t)from, (size_t)to);
+}
+
+static PyObject *reducer_nccl_wait(PyObject *op, PyObject *unused) {
+  (void)unused;
+  ReducerObject *self = (ReducerObject *)op;
+  if (!self->comm) {
+    PyErr_SetString(PyExc_ValueError, "nccl_wait: no NcclComm attached");
+    return NULL;
+  }
+  if (!self->ev_done) Py_RETURN_NONE; /* no events (the fake-NCCL tests): nothing to order */
+  ac_result_t r = ac_cuda_stream_wait(self->compute_stream, self->comm_stream, self->ev_done);
+  if (r != AC_OK) return pyac_raise(module_of(op), r);
+  Py_RETURN_NONE;
+}
+
 static PyObject *reducer_get_launching(PyObject *op, void *c) {
   (void)c;
   return PyBool_FromLong(((ReducerObject *)op)->launching);
@@ -297,6 +402,14 @@ static PyMethodDef reducer_methods[] = {
     {"mark_ready", reducer_mark_ready, METH_O, "mark_ready(i) -> (from, to): buckets now launchable"},
     {"pending", reducer_pending, METH_NOARGS, "pending() -> gradients not marked ready in this backward"},
     {"arrival_order", reducer_arrival_order, METH_O, "arrival_order(n) -> the order gradients were marked"},
+    {"attach_nccl", (PyCFunction)(void (*)(void))reducer_attach_nccl, METH_VARARGS | METH_KEYWORDS,
+     "attach_nccl(comm, buffer, comm_stream, use_events=True): hooks launch complete buckets with NCCL "
+     "from C on comm_stream, after the compute stream's work"},
+    {"set_compute_stream", reducer_set_compute_stream, METH_O,
+     "set_compute_stream(stream): the stream backward runs on (read at each backward)"},
+    {"nccl_launch", reducer_nccl_launch, METH_VARARGS, "nccl_launch(from, to): launch buckets [from, to)"},
+    {"nccl_wait", reducer_nccl_wait, METH_NOARGS,
+     "nccl_wait(): the compute stream waits for every all-reduce launched so far (no host wait)"},
     {"hook", (PyCFunction)(void (*)(void))reducer_hook, METH_FASTCALL,
      "hook(i, view) -> a GradHook for gradient i, to pass to register_post_accumulate_grad_hook"},
     {NULL, NULL, 0, NULL},
@@ -370,6 +483,7 @@ static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwds) {
   size_t from, to;
   ac_result_t rc = ac_bucket_mark_ready(red->plan, h->index, &from, &to);
   if (rc != AC_OK) return pyac_raise(module_of(h->reducer), rc);
+  if (red->launching && to > from && red->comm) return reducer_launch_nccl(red, from, to);
   if (red->launching && to > from && red->launch) {
     PyObject *r = PyObject_CallFunction(red->launch, "nn", (Py_ssize_t)from, (Py_ssize_t)to);
     if (!r) return NULL;

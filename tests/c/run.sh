@@ -25,7 +25,7 @@ for f in csrc/core/*.c; do CORE+=("$(basename "$f" .c)"); done
 for c in error pool kernels kernels_scalar kernels_avx2 cuda_stub; do
   [ -f "csrc/core/$c.c" ] || { echo "FAILED: csrc/core/$c.c is missing"; exit 1; }
 done
-TESTS=(test_error test_pool test_kernels test_bucket)
+TESTS=(test_error test_pool test_kernels test_bucket test_comm)
 
 # LeakSanitizer is part of ASan on x86-64 Linux (gcc and clang); detect_leaks=1 makes it
 # explicit. Caller-supplied options are kept (ours come first, theirs win).
@@ -49,6 +49,13 @@ if [ "$status" -ne 0 ]; then
 fi
 OBJS=()
 for c in "${CORE[@]}"; do OBJS+=("$BIN/obj/$c.o"); done
+
+# A stand-in libnccl (one rank, host memory) for test_comm: this machine has no NCCL or GPU.
+if ! "${CCV[@]}" "${CFLAGS[@]}" -shared -fPIC tests/c/fake_nccl.c -o "$BIN/libfake_nccl.so"; then
+  echo "FAILED: building tests/c/fake_nccl.c"
+  exit 1
+fi
+export AC_FAKE_NCCL="$ROOT/$BIN/libfake_nccl.so"
 
 selected=()
 for t in "${TESTS[@]}"; do

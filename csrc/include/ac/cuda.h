@@ -40,6 +40,13 @@ ac_result_t ac_cuda_unscale_check(ac_dtype_t dt, void *data, size_t n, const flo
 ac_result_t ac_cuda_cast(ac_dtype_t src_dt, const void *src, ac_dtype_t dst_dt, void *dst, size_t n,
                          void *stream);
 
+/* Events for ordering streams (the reducer's comm stream against the compute stream). */
+ac_result_t ac_cuda_event_create(void **event); /* a cudaEvent_t without timing */
+void ac_cuda_event_destroy(void *event);        /* NULL is a no-op */
+/* `waiter` waits for the work queued so far on `waitee` (record `event` on waitee, then
+ * cudaStreamWaitEvent); nothing blocks on the host. */
+ac_result_t ac_cuda_stream_wait(void *waiter, void *waitee, void *event);
+
 #ifdef __cplusplus
 }
 #endif
