@@ -8,7 +8,7 @@ PIP     := $(VENV)/bin/pip
 TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all venv install test test-c test-py demo bench clean
+.PHONY: all venv install test test-c test-py demo bench fuzz clean
 
 all: test
 
@@ -37,6 +37,11 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/bench_kernels.py
+
+# bounded fuzzing of the safetensors header parser (libFuzzer when clang has it, else the
+# target's own mutation driver), under AddressSanitizer + UBSan
+fuzz:
+	bash tests/c/fuzz.sh $(or $(FUZZ_SECONDS),25)
 
 clean:
 	rm -rf build tests/c/bin accelerate_c/_C*.so *.egg-info

@@ -5,10 +5,12 @@ import contextlib
 import gc
 import math
 import os
+import warnings
 from types import MethodType
 
 import torch
 
+from . import _C
 from .autocast import AutocastForward, autocast_context
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
 from .ddp import BucketComm, broadcast_model, register_buffer_broadcast
@@ -37,6 +39,20 @@ from .utils.operations import convert_outputs_to_fp32, recursively_apply
 _split_batches = object()  # sentinel: tells "not passed" from False, as accelerate does
 
 _HANDLERS = (AutocastKwargs, GradScalerKwargs, DistributedDataParallelKwargs, InitProcessGroupKwargs)
+
+
+def _batch_sampler_shard(dataloader):
+    """The BatchSamplerShard that shards a prepared map-style data loader, or None (iterable
+    datasets, one process)."""
+    from .sharding_data import BatchSamplerShard
+
+    for candidate in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "sampler", None)):
+        if isinstance(candidate, BatchSamplerShard):
+            return candidate
+        inner = getattr(candidate, "batch_sampler", None)  # skip_first_batches' SkipBatchSampler
+        if isinstance(inner, BatchSamplerShard):
+            return inner
+    return None
 
 
 def _not_supported(name: str, value):
@@ -178,6 +194,9 @@ class Accelerator:
 
         self.step = 0
         self._grads = GradManager()
+        # the C kernels use as many threads as torch's intra-op pool (the launcher sets
+        # OMP_NUM_THREADS per process): never more threads than the cores the process was given
+        _C.set_num_threads(max(1, torch.get_num_threads()))
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._custom_objects = []
         self.flag_tensor = None
@@ -375,6 +394,55 @@ class Accelerator:
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         return skip_first_batches(dataloader, num_batches=num_batches)
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables, even_batches=None):
+        """Training on data loaders that give the processes different numbers of batches.
+
+        `even_batches`, when given, overrides the Accelerator's for the prepared map-style
+        data loaders inside the block (iterable ones warn, as in accelerate). With uneven
+        batches, torch `Joinable`s among `joinables` (a DistributedDataParallel model, a
+        ZeroRedundancyOptimizer) go through torch's Join, which shadows their collectives on
+        the processes that ran out of data. Unlike accelerate, this works on several CPU (gloo)
+        processes too; accelerate only does it on GPUs and warns elsewhere."""
+        from torch.distributed.algorithms import Join, Joinable
+
+        if not (self.use_distributed and self.distributed_type in (DistributedType.MULTI_GPU,
+                                                                    DistributedType.MULTI_CPU)):
+            if self.distributed_type != DistributedType.NO:
+                warnings.warn("Joining uneven inputs is only supported for multi-GPU training, as a result "
+                              "`join_uneven_inputs` will have no effect.")
+            yield
+            return
+        saved = []
+        if even_batches is not None:
+            iterable_seen = False
+            for dl in self._dataloaders:
+                shard = _batch_sampler_shard(dl)
+                if shard is None:
+                    iterable_seen = True
+                    continue
+                saved.append((shard, shard.even_batches))
+                shard.even_batches = even_batches
+            if iterable_seen:
+                warnings.warn("Overriding even_batches is only supported for map-style datasets, yet some "
+                              "dataloaders given were iterable")
+        else:
+            even_batches = self.even_batches
+        try:
+            torch_joinables = [j for j in joinables if isinstance(j, Joinable)]
+            # the gradient reducer's Joinable, once it provides one (see accelerate_c/ddp.py)
+            reducer = getattr(self._grads, "joinable", None)
+            if reducer is not None and any(any(j is m for m in self._models) for j in joinables):
+                torch_joinables.append(reducer() if callable(reducer) else reducer)
+            if torch_joinables and not even_batches:
+                with Join(torch_joinables, enable=True, throw_on_early_termination=False):
+                    yield
+            else:
+                yield
+        finally:
+            for shard, value in saved:
+                shard.even_batches = value
 
     # ---- the step -----------------------------------------------------------------------
     def backward(self, loss, **kwargs):

@@ -8,6 +8,7 @@ accelerate, constructing a new Accelerator re-initialises them instead of refusi
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -74,6 +75,20 @@ class PartialState:
             else:
                 self.device = torch.device("cpu")
         self.use_cpu = self.device.type == "cpu"
+        # accelerate's debug mode; accelerate_c checks collective shapes whatever its value
+        self.debug = parse_flag_from_env("ACCELERATE_DEBUG_MODE")
+
+    _known_attrs = ("backend", "debug", "device", "distributed_type", "fork_launched", "local_process_index",
+                    "num_processes", "process_index", "use_cpu")
+
+    def __getattr__(self, name: str):
+        # only reached when the shared state lacks `name`: say why, as accelerate does
+        cls = type(self).__name__
+        if name in self._known_attrs:
+            raise AttributeError(f"`{cls}` object has no attribute `{name}`. This happens if "
+                                 f"`{cls}._reset_state()` was called and an `Accelerator` or `PartialState` was "
+                                 "not reinitialized.")
+        raise AttributeError(f"'{cls}' object has no attribute '{name}'")
 
     @property
     def initialized(self) -> bool:
@@ -179,7 +194,21 @@ class PartialState:
                 f"Device: {self.device}\n")
 
 
+def _is_hf_dataset(obj) -> bool:
+    """A Hugging Face datasets.Dataset (checked without importing datasets)."""
+    ds = sys.modules.get("datasets")
+    cls = getattr(ds, "Dataset", None) if ds is not None else None
+    return isinstance(cls, type) and isinstance(obj, cls)
+
+
 def _split(inputs, n: int, rank: int, pad: bool):
+    if _is_hf_dataset(inputs):  # rows by index, as accelerate does (slicing one gives a dict of columns)
+        per, extra = divmod(len(inputs), n)
+        start = rank * per + min(rank, extra)
+        idx = list(range(start, start + per + (1 if rank < extra else 0)))
+        if pad and len(inputs):
+            idx += [len(inputs) - 1] * (per + (1 if extra else 0) - len(idx))
+        return inputs.select(idx)
     if isinstance(inputs, dict):
         lengths = {len(v) for v in inputs.values()}
         if len(lengths) > 1:
@@ -200,6 +229,7 @@ class AcceleratorState(PartialState):
     """PartialState plus the training configuration (mixed precision)."""
 
     _shared: dict = PartialState._shared
+    _known_attrs = PartialState._known_attrs + ("mixed_precision",)
 
     def __init__(self, mixed_precision: str | None = None, cpu: bool = False, _from_accelerator: bool = False,
                  **kwargs):

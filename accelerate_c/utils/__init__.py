@@ -15,8 +15,10 @@ from .dataclasses import (
 )
 from .operations import (
     broadcast,
+    DistributedOperationException,
     broadcast_object_list,
     convert_outputs_to_fp32,
+    copy_tensor_to_devices,
     convert_to_fp32,
     gather,
     gather_object,
@@ -26,4 +28,4 @@ from .operations import (
     reduce,
     send_to_device,
 )
-from .random import set_seed
+from .random import set_seed, synchronize_rng_state, synchronize_rng_states

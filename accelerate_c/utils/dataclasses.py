@@ -27,11 +27,23 @@ class _ChoiceEnum(str, enum.Enum):
 
 
 class DistributedType(_ChoiceEnum):
+    """accelerate 1.15's members, all of them, so code comparing against any of them runs;
+    accelerate_c itself only ever reports NO, MULTI_CPU and MULTI_GPU."""
+
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
     DEEPSPEED = "DEEPSPEED"
     FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
 
 
 class PrecisionType(_ChoiceEnum):

@@ -96,15 +96,23 @@ def pad_tensor(tensor, size: int, dim: int = 0, pad_index=0, pad_first: bool = F
 
 
 # ---- collectives over torch.distributed (identity on one process) ---------------------------
+class DistributedOperationException(Exception):
+    """A collective cannot run because the processes passed incompatible tensors (shapes).
+    accelerate raises it only in debug mode; accelerate_c checks shapes always."""
+
+
+class DistributedShapeError(DistributedOperationException, ValueError):
+    """Tensors differ in shape across processes (also a ValueError, as accelerate_c raised before)."""
+
+
 def _dist():
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
-def _check_same_shape(dist, t, what: str):
-    """All ranks must pass the same shape: compare them first (one small all_gather), so a
-    mismatch is a clear error naming the shapes instead of a hang or garbage."""
+def _all_shapes(dist, t, what: str) -> list:
+    """Every rank's shape of `t` (one small all_gather)."""
     dims = torch.full((9,), -1, dtype=torch.int64)
     if t.dim() > 8:
         raise ValueError(f"{what}: tensors of more than 8 dimensions are not supported")
@@ -113,11 +121,17 @@ def _check_same_shape(dist, t, what: str):
     dims = dims.to(t.device)
     allv = [torch.empty_like(dims) for _ in range(dist.get_world_size())]
     dist.all_gather(allv, dims)
-    shapes = [tuple(v[1:1 + int(v[0])].tolist()) for v in allv]
+    return [tuple(v[1:1 + int(v[0])].tolist()) for v in allv]
+
+
+def _check_same_shape(dist, t, what: str):
+    """All ranks must pass the same shape: compare them first (one small all_gather), so a
+    mismatch is a clear error naming the shapes instead of a hang or garbage."""
+    shapes = _all_shapes(dist, t, what)
     if len(set(shapes)) > 1:
-        raise ValueError(f"{what}: tensors differ in shape across processes: "
-                         + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
-                         + " (use pad_across_processes first)")
+        raise DistributedShapeError(f"{what}: tensors differ in shape across processes: "
+                                    + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
+                                    + " (use pad_across_processes first)")
 
 
 def gather(tensor):
@@ -185,6 +199,31 @@ def broadcast(tensor, from_process: int = 0):
     return recursively_apply(one, tensor, error_on_other_type=True)
 
 
+def copy_tensor_to_devices(tensor=None):
+    """The tensor that exactly one process holds (the others pass None), on every process:
+    unlike broadcast(), the receivers need not know its shape or dtype."""
+    dist = _dist()
+    if dist is None:
+        if tensor is None:
+            raise ValueError("copy_tensor_to_devices: no process passed a tensor")
+        return tensor
+    from ..state import PartialState
+
+    meta = [None if tensor is None else (tuple(tensor.shape), tensor.dtype)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, meta[0])
+    holders = [r for r, m in enumerate(everyone) if m is not None]
+    if len(holders) != 1:
+        raise ValueError(f"copy_tensor_to_devices: exactly one process must pass a tensor, got ranks {holders}")
+    shape, dtype = everyone[holders[0]]
+    if tensor is None:
+        tensor = torch.empty(shape, dtype=dtype, device=PartialState().device)
+    else:
+        tensor = tensor.contiguous()
+    dist.broadcast(tensor, src=holders[0])
+    return tensor
+
+
 def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
     dist = _dist()
     if dist is not None:
@@ -202,9 +241,10 @@ def pad_across_processes(tensor, dim: int = 0, pad_index=0, pad_first: bool = Fa
         d = dim if dim >= 0 else t.dim() + dim
         if not 0 <= d < t.dim():
             raise ValueError(f"pad_across_processes: dim {dim} out of range for a {t.dim()}-d tensor")
-        size = torch.tensor([t.shape[d]], dtype=torch.int64, device=t.device)
-        sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
-        dist.all_gather(sizes, size)
-        return pad_tensor(t, int(max(s.item() for s in sizes)), d, pad_index, pad_first)
+        shapes = _all_shapes(dist, t, "pad_across_processes")
+        if len({len(s) for s in shapes}) > 1:
+            raise DistributedShapeError("pad_across_processes: tensors differ in number of dimensions across "
+                                        "processes: " + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes)))
+        return pad_tensor(t, max(s[d] for s in shapes), d, pad_index, pad_first)
 
     return recursively_apply(one, tensor, error_on_other_type=True)

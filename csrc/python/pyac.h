@@ -58,5 +58,6 @@ extern PyMethodDef pyac_comm_methods[];
 /* The NCCL communicator behind an accelerate_c._C.NcclComm (NULL after close()). */
 struct ac_comm *pyac_comm_handle(PyObject *obj);
 extern PyMethodDef pyac_kernel_methods[];
+extern PyMethodDef pyac_safetensors_methods[];
 
 #endif

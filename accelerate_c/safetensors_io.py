@@ -1,0 +1,150 @@
+"""safetensors files through the C engine: atomic, fsynced, multithreaded writes and strictly
+validated reads straight into tensor memory.
+
+Files are byte-compatible with the ``safetensors`` package both ways. Errors about the file
+(a corrupt header, an I/O failure) raise ``accelerate_c.CoreError`` whose ``code`` is
+``"AC_ERR_FORMAT"`` or ``"AC_ERR_IO"`` and whose message names the file and the tensor.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from . import _C
+
+__all__ = ["TensorInfo", "save_file", "load_file", "load_into", "list_tensors", "read_metadata",
+           "DTYPES"]
+
+# safetensors dtype names <-> torch dtypes (every byte-sized type the format and torch share)
+DTYPES: Dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "C64": torch.complex64,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                     ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                     ("F8_E8M0", "float8_e8m0fnu")):
+    if hasattr(torch, _attr):  # newer torch only
+        DTYPES[_name] = getattr(torch, _attr)
+
+
+class TensorInfo(NamedTuple):
+    """One header entry: dtype name ("F32"), shape, and data_offsets relative to the data region."""
+    dtype: str
+    shape: Tuple[int, ...]
+    data_offsets: Tuple[int, int]
+
+
+def _cpu_contiguous(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
+
+
+def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dict[str, str]] = None,
+              *, threads: int = 0) -> None:
+    """Writes ``tensors`` to ``filename`` (like ``safetensors.torch.save_file``).
+
+    GPU or non-contiguous tensors are first copied to contiguous CPU memory; others are written
+    from their own memory. The file appears under its name only once complete and fsynced (a
+    temporary file is renamed into place); on failure nothing is left behind and an existing
+    file is untouched. ``metadata`` (str -> str) becomes the header's ``__metadata__``.
+    Tensors sharing memory are each written in full (``save_model`` drops tied aliases)."""
+    if not isinstance(tensors, dict):
+        raise TypeError(f"tensors must be a dict of name -> tensor, got {type(tensors).__name__}")
+    names = list(tensors)
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"tensor names must be str, got {type(n).__name__}: {n!r}")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError(f"metadata must map str to str; got {k!r}: {v!r}")
+    values = [_cpu_contiguous(n, tensors[n]) for n in names]
+    _C.st_save(os.fspath(filename), names, values, metadata, int(threads))
+
+
+def _header(filename) -> dict:
+    return _C.st_header(os.fspath(filename))
+
+
+def list_tensors(filename) -> Dict[str, TensorInfo]:
+    """Reads and validates only the header: ``{name: TensorInfo(dtype, shape, data_offsets)}``
+    in file (offset) order."""
+    return {n: TensorInfo(dt, tuple(shape), (b, e)) for n, dt, shape, b, e in _header(filename)["tensors"]}
+
+
+def read_metadata(filename) -> Optional[Dict[str, str]]:
+    """The header's ``__metadata__`` dict, or None when the file has none."""
+    return _header(filename)["metadata"]
+
+
+def _torch_dtype(filename, name: str, dt: str) -> torch.dtype:
+    try:
+        return DTYPES[dt]
+    except KeyError:
+        raise TypeError(f"{os.fspath(filename)}: tensor {name!r} has dtype {dt}, which this torch "
+                        f"({torch.__version__}) has no dtype for") from None
+
+
+def load_file(filename, device="cpu", *, threads: int = 0) -> Dict[str, torch.Tensor]:
+    """Loads every tensor (like ``safetensors.torch.load_file``): allocates CPU tensors, reads the
+    file straight into them, then moves them to ``device`` if it is not the CPU."""
+    out = {}
+    for name, dt, shape, _b, _e in _header(filename)["tensors"]:
+        out[name] = torch.empty(tuple(shape), dtype=_torch_dtype(filename, name, dt))
+    _C.st_load_into(os.fspath(filename), out, int(threads))
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if dev.type != "cpu":
+        out = {k: v.to(dev) for k, v in out.items()}
+    return out
+
+
+def _writable_direct(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
+
+
+def load_into(filename, tensors: Dict[str, torch.Tensor], *, threads: int = 0) -> None:
+    """Reads the named tensors of the file into the given tensors, in place.
+
+    Each target must have the file's shape. Contiguous CPU targets of the file's dtype are
+    read into directly (no extra copy); others (GPU, non-contiguous, another dtype) go through a
+    CPU buffer and ``copy_`` (which casts). Raises KeyError naming the tensors the file lacks."""
+    infos = list_tensors(filename)
+    missing = [n for n in tensors if n not in infos]
+    if missing:
+        raise KeyError(f"{os.fspath(filename)}: no tensor named {', '.join(map(repr, missing))} in the file")
+    direct, staged = {}, {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        info = infos[name]
+        if tuple(t.shape) != info.shape:
+            raise ValueError(f"{os.fspath(filename)}: tensor {name!r} has shape {list(info.shape)} in the file "
+                             f"but {list(t.shape)} in the destination")
+        dtype = _torch_dtype(filename, name, info.dtype)
+        if _writable_direct(t, dtype):
+            direct[name] = t.detach()
+        else:
+            staged[name] = (t, torch.empty(info.shape, dtype=dtype))
+    targets = dict(direct)
+    targets.update({n: buf for n, (_t, buf) in staged.items()})
+    _C.st_load_into(os.fspath(filename), targets, int(threads))
+    if staged:
+        with torch.no_grad():
+            for _n, (t, buf) in staged.items():
+                t.copy_(buf)

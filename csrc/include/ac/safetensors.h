@@ -1,0 +1,179 @@
+/* safetensors.h — the safetensors checkpoint format: a parallel, durable, atomic writer and a
+ * strictly validating reader that reads straight into caller-owned memory.
+ *
+ * File layout (the published format): an 8-byte little-endian unsigned header length N, then N
+ * bytes of UTF-8 JSON, then the data region. The JSON is one object mapping each tensor name to
+ * {"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]} (offsets relative to the data
+ * region) plus an optional "__metadata__" object of string -> string. Tensor data is C-order,
+ * little-endian. Files written here load with the `safetensors` package and vice versa.
+ *
+ * Nothing here is collective: every function is called by one process on its own files.
+ * All functions are thread-safe for distinct handles; a reader handle may be read from several
+ * threads at once (reads use pread and never move a file position). */
+#ifndef AC_SAFETENSORS_H
+#define AC_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ac/ac.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Largest header accepted by the reader (the safetensors package uses the same cap): the header
+ * is parsed in memory, so an absurd length in a corrupt file must not turn into a huge malloc. */
+#define AC_ST_MAX_HEADER ((uint64_t)100000000)
+
+/* Element types, named as in the file ("F32", ...). Only byte-sized types: the sub-byte ones of
+ * newer safetensors versions (F4, F6_*) are rejected as unsupported. Values are stable and in the
+ * safetensors package's dtype order (the writer's layout depends on it). */
+typedef enum {
+  AC_ST_BOOL = 0,
+  AC_ST_U8 = 1,
+  AC_ST_I8 = 2,
+  AC_ST_F8_E5M2 = 3,
+  AC_ST_F8_E4M3 = 4,
+  AC_ST_F8_E8M0 = 5,
+  AC_ST_I16 = 6,
+  AC_ST_U16 = 7,
+  AC_ST_F16 = 8,
+  AC_ST_BF16 = 9,
+  AC_ST_I32 = 10,
+  AC_ST_U32 = 11,
+  AC_ST_F32 = 12,
+  AC_ST_C64 = 13,
+  AC_ST_F64 = 14,
+  AC_ST_I64 = 15,
+  AC_ST_U64 = 16,
+  AC_ST_NUM_DTYPES = 17
+} ac_st_dtype_t;
+
+/* "F32" for AC_ST_F32, ...; "?" for a value out of range. Never NULL. */
+const char *ac_st_dtype_name(ac_st_dtype_t dt);
+/* Bytes per element (1, 2, 4 or 8); 0 for a value out of range. */
+size_t ac_st_dtype_size(ac_st_dtype_t dt);
+/* Parses a dtype name ("BF16"); AC_ERR_FORMAT if unknown (the message names it). */
+ac_result_t ac_st_dtype_from_name(const char *name, ac_st_dtype_t *out);
+
+/* ---- writing ------------------------------------------------------------------------------- */
+
+/* One tensor to write. `data` points to dtype_size * prod(shape) bytes of C-order, little-endian
+ * memory that must stay valid and unmodified during ac_st_save. The caller keeps ownership of
+ * every pointer. ndim == 0 is a scalar (one element). */
+typedef struct {
+  const char *name;      /* UTF-8, unique, not "__metadata__" */
+  ac_st_dtype_t dtype;
+  int32_t ndim;
+  const int64_t *shape;  /* ndim entries, each >= 0 */
+  const void *data;      /* may be NULL only when the tensor has no bytes */
+} ac_st_tensor_t;
+
+/* One "__metadata__" entry (UTF-8 strings, keys unique). */
+typedef struct {
+  const char *key;
+  const char *value;
+} ac_st_kv_t;
+
+/* Writes a safetensors file at `path`, durably and atomically:
+ *   1. every argument is validated before any file is created;
+ *   2. the file is written under a hidden temporary name in the same directory
+ *      (".<name>.<pid>.<n>.tmp", so the final rename never crosses file systems), its data by
+ *      up to `threads` threads with pwritev in jobs of <= 8 MiB (0 = one thread: the kernel
+ *      serialises buffered writes to one file, so more threads only contend; several files
+ *      written at once do scale);
+ *   3. the file is fsynced, renamed onto `path` (replacing an existing file atomically) and the
+ *      directory is fsynced, so after a crash `path` is either the old file or the new one.
+ * On any failure the temporary file is removed and `path` is untouched.
+ * Tensors are laid out by dtype (in the package's order, which has non-increasing element
+ * sizes), then by name, so every tensor starts at a multiple of its element size (the header is
+ * space-padded to a multiple of 8); the bytes equal what the safetensors package writes. When nmeta > 0
+ * the header carries a "__metadata__" object with those entries (models use {"format": "pt"},
+ * which transformers' loader checks). Errors: AC_ERR_INVALID_ARG (bad argument: the message names
+ * the tensor or key), AC_ERR_IO (an OS call failed: the message names the call, file and errno),
+ * AC_ERR_NOMEM, AC_ERR_UNSUPPORTED (big-endian host). */
+ac_result_t ac_st_save(const char *path, const ac_st_tensor_t *tensors, size_t ntensors,
+                       const ac_st_kv_t *metadata, size_t nmeta, int threads);
+
+/* ---- parsing and reading ------------------------------------------------------------------- */
+
+/* What the header says about one tensor. Pointers belong to the header and live as long as it. */
+typedef struct {
+  const char *name;
+  ac_st_dtype_t dtype;
+  int32_t ndim;
+  const int64_t *shape;
+  uint64_t begin, end;   /* data_offsets as written: relative to the data region */
+  uint64_t file_offset;  /* absolute offset of the first byte in the file (data start + begin) */
+  uint64_t nbytes;       /* end - begin == dtype size * prod(shape) (validated) */
+} ac_st_info_t;
+
+/* A parsed and validated header. */
+typedef struct ac_st_header ac_st_header_t;
+
+/* Parses and validates a header from memory. `buf` holds the first `len` bytes of a file whose
+ * total size is `file_size` (len <= file_size); it must contain at least the 8-byte length and
+ * the whole JSON header. `label` names the file in error messages (NULL: "<memory>").
+ * Validation, each failure an AC_ERR_FORMAT naming the file and the tensor or key:
+ *   the 8-byte length is present, <= AC_ST_MAX_HEADER and inside the file; the JSON is
+ *   well-formed UTF-8 starting with '{', one object followed only by whitespace; keys are
+ *   unique; "__metadata__" is an object of strings; every other entry is an object with exactly
+ *   "dtype" (a known name), "shape" (array of integers >= 0) and "data_offsets" (two integers,
+ *   begin <= end); end - begin == dtype size * prod(shape) with no overflow; every range lies in
+ *   the data region; sorted by offset the ranges start at 0, neither overlap nor leave holes, and
+ *   end exactly at the end of the file.
+ * On success *out owns a new header (free it with ac_st_header_destroy); on failure *out is NULL. */
+ac_result_t ac_st_header_parse(ac_st_header_t **out, const void *buf, size_t len,
+                               uint64_t file_size, const char *label);
+
+/* Frees a header; NULL is a no-op. */
+void ac_st_header_destroy(ac_st_header_t *h);
+
+/* Number of tensors; they are indexed 0..count-1 in data-offset order. */
+size_t ac_st_header_count(const ac_st_header_t *h);
+/* Fills *out for tensor i; AC_ERR_INVALID_ARG if i is out of range. */
+ac_result_t ac_st_header_info(const ac_st_header_t *h, size_t i, ac_st_info_t *out);
+/* Index of the tensor called `name`; AC_ERR_INVALID_ARG (naming it) if there is none. */
+ac_result_t ac_st_header_find(const ac_st_header_t *h, const char *name, size_t *index);
+/* Absolute file offset of the data region (8 + header length). */
+uint64_t ac_st_header_data_start(const ac_st_header_t *h);
+/* 1 if the file has a "__metadata__" object (possibly empty), else 0. */
+int ac_st_header_has_metadata(const ac_st_header_t *h);
+/* Number of "__metadata__" entries, and entry i (in file order; pointers owned by the header). */
+size_t ac_st_header_metadata_count(const ac_st_header_t *h);
+ac_result_t ac_st_header_metadata(const ac_st_header_t *h, size_t i, const char **key,
+                                  const char **value);
+
+/* An open file with its validated header. */
+typedef struct ac_st_reader ac_st_reader_t;
+
+/* Opens `path`, reads the header with pread and validates it as ac_st_header_parse does.
+ * On success *out owns the reader (ac_st_reader_destroy closes it); on failure *out is NULL and
+ * the error is AC_ERR_IO (open/read failed) or AC_ERR_FORMAT (bad file). */
+ac_result_t ac_st_reader_create(ac_st_reader_t **out, const char *path);
+/* Closes the file and frees the header; NULL is a no-op. */
+void ac_st_reader_destroy(ac_st_reader_t *r);
+/* The reader's header (owned by the reader). */
+const ac_st_header_t *ac_st_reader_header(const ac_st_reader_t *r);
+
+/* One read: tensor `index` of the header into `dst`, which must be exactly `nbytes` long and
+ * equal the tensor's byte size (the caller checks dtype and shape; the core checks the size). */
+typedef struct {
+  size_t index;
+  void *dst;
+  size_t nbytes;
+} ac_st_read_t;
+
+/* Reads the requested tensors straight into caller memory with pread/preadv, using up to
+ * `threads` threads (0 = choose: online CPUs, at most 8; buffered reads of one file do run in
+ * parallel). A tensor may be requested at most once; destinations must not
+ * overlap. On failure (AC_ERR_IO: a short read means the file shrank after it was opened,
+ * AC_ERR_INVALID_ARG: a bad request) some destinations may have been partly written. */
+ac_result_t ac_st_reader_read(ac_st_reader_t *r, const ac_st_read_t *reqs, size_t nreqs,
+                              int threads);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* AC_SAFETENSORS_H */

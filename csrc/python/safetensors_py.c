@@ -1,0 +1,451 @@
+/* safetensors_py.c — Python entry points of the safetensors engine: tensors of any dtype in
+ * through DLPack, the GIL released around all file I/O, core errors out as CoreError. */
+#include "pyac.h"
+
+#include <string.h>
+
+#include "ac/safetensors.h"
+
+/* DLPack 1.1 float8 type codes (declared here rather than in dlpack.h, which only carries what
+ * the kernels consume); torch exports its float8 dtypes with these. */
+enum { DL_FLOAT8_E4M3FN = 10, DL_FLOAT8_E5M2 = 12, DL_FLOAT8_E8M0FNU = 14 };
+
+/* A tensor exported through DLPack and owned until st_view_release. Unlike pyac_view_from
+ * (float kernels only) this accepts every dtype a checkpoint may hold. */
+typedef struct {
+  void *owner;
+  int versioned;
+  const DLTensor *t;
+  void *data;
+  size_t nbytes;
+  ac_st_dtype_t dtype;
+} st_view;
+
+static void st_view_release(st_view *v) {
+  if (!v->owner) return;
+  /* a deleter may run Python code, which must not see a pending exception */
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *pending = PyErr_GetRaisedException();
+#else
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
+#endif
+  if (v->versioned) {
+    DLManagedTensorVersioned *m = v->owner;
+    if (m->deleter) m->deleter(m);
+  } else {
+    DLManagedTensor *m = v->owner;
+    if (m->deleter) m->deleter(m);
+  }
+#if PY_VERSION_HEX >= 0x030C0000
+  PyErr_SetRaisedException(pending);
+#else
+  PyErr_Restore(et, ev, tb);
+#endif
+  v->owner = NULL;
+}
+
+static int map_dtype(DLDataType d, ac_st_dtype_t *out) {
+  if (d.lanes != 1) return 0;
+  switch (d.code) {
+    case kDLBool: return d.bits == 8 ? (*out = AC_ST_BOOL, 1) : 0;
+    case kDLUInt:
+      switch (d.bits) {
+        case 8: *out = AC_ST_U8; return 1;
+        case 16: *out = AC_ST_U16; return 1;
+        case 32: *out = AC_ST_U32; return 1;
+        case 64: *out = AC_ST_U64; return 1;
+      }
+      return 0;
+    case kDLInt:
+      switch (d.bits) {
+        case 8: *out = AC_ST_I8; return 1;
+        case 16: *out = AC_ST_I16; return 1;
+        case 32: *out = AC_ST_I32; return 1;
+        case 64: *out = AC_ST_I64; return 1;
+      }
+      return 0;
+    case kDLFloat:
+      switch (d.bits) {
+        case 16: *out = AC_ST_F16; return 1;
+        case 32: *out = AC_ST_F32; return 1;
+        case 64: *out = AC_ST_F64; return 1;
+      }
+      return 0;
+    case kDLBfloat: return d.bits == 16 ? (*out = AC_ST_BF16, 1) : 0;
+    case kDLComplex: return d.bits == 64 ? (*out = AC_ST_C64, 1) : 0;
+    case DL_FLOAT8_E4M3FN: return d.bits == 8 ? (*out = AC_ST_F8_E4M3, 1) : 0;
+    case DL_FLOAT8_E5M2: return d.bits == 8 ? (*out = AC_ST_F8_E5M2, 1) : 0;
+    case DL_FLOAT8_E8M0FNU: return d.bits == 8 ? (*out = AC_ST_F8_E8M0, 1) : 0;
+  }
+  return 0;
+}
+
+/* Exports `obj` (anything with __dlpack__) and checks it is contiguous CPU memory of a
+ * supported dtype; `writable` also requires memory the producer did not copy or mark
+ * read-only. `name` labels errors. Returns 0, or -1 with an exception set. */
+static int st_view_from(PyObject *obj, int writable, const char *name, st_view *v) {
+  memset(v, 0, sizeof *v);
+  PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
+  if (!meth) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "'%s': expected a tensor (an object with __dlpack__), got %s", name,
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  PyObject *cap = NULL, *kw = Py_BuildValue("{s:(ii)}", "max_version", AC_DLPACK_MAJOR, 0);
+  if (kw) {
+    PyObject *empty = PyTuple_New(0);
+    if (empty) cap = PyObject_Call(meth, empty, kw);
+    Py_XDECREF(empty);
+    Py_DECREF(kw);
+  }
+  if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) { /* a producer without max_version */
+    PyErr_Clear();
+    cap = PyObject_CallNoArgs(meth);
+  }
+  Py_DECREF(meth);
+  if (!cap) return -1;
+  const DLTensor *t = NULL;
+  uint64_t flags = 0;
+  if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+    if (m && m->version.major != AC_DLPACK_MAJOR) {
+      PyErr_Format(PyExc_BufferError, "'%s': DLPack major version %u is not supported", name, (unsigned)m->version.major);
+      m = NULL;
+    }
+    if (m && PyCapsule_SetName(cap, "used_dltensor_versioned") == 0) {
+      v->owner = m;
+      v->versioned = 1;
+      t = &m->dl_tensor;
+      flags = m->flags;
+    }
+  } else if (PyCapsule_IsValid(cap, "dltensor")) {
+    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+    if (m && PyCapsule_SetName(cap, "used_dltensor") == 0) {
+      v->owner = m;
+      t = &m->dl_tensor;
+    }
+  } else {
+    PyErr_Format(PyExc_TypeError, "'%s': __dlpack__ did not return a DLPack capsule", name);
+  }
+  Py_DECREF(cap);
+  if (!t) return -1;
+  v->t = t;
+  char why[160] = "";
+  int dev = t->device.device_type;
+  if (dev != kDLCPU && dev != kDLCUDAHost)
+    snprintf(why, sizeof why, "is on DLPack device type %d; copy it to the CPU first", dev);
+  else if (!map_dtype(t->dtype, &v->dtype))
+    snprintf(why, sizeof why, "has an unsupported dtype (DLPack code %u, %u bits, %u lanes)", (unsigned)t->dtype.code,
+             (unsigned)t->dtype.bits, (unsigned)t->dtype.lanes);
+  else if (t->ndim < 0)
+    snprintf(why, sizeof why, "has a negative ndim");
+  else if (writable && (flags & DLPACK_FLAG_BITMASK_READ_ONLY))
+    snprintf(why, sizeof why, "is read-only and cannot be loaded into");
+  else if (writable && (flags & DLPACK_FLAG_BITMASK_IS_COPIED))
+    snprintf(why, sizeof why, "was exported as a copy, so loading into it would be lost");
+  if (!why[0]) {
+    size_t n = 1;
+    for (int32_t d = 0; d < t->ndim; d++) {
+      if (t->shape[d] < 0 || (t->shape[d] && n > SIZE_MAX / 8 / (size_t)t->shape[d])) {
+        snprintf(why, sizeof why, "has an invalid or too large shape");
+        break;
+      }
+      n *= (size_t)t->shape[d];
+    }
+    if (!why[0] && t->strides && n > 1) {
+      int64_t expect = 1;
+      for (int32_t d = t->ndim - 1; d >= 0; d--) {
+        if (t->shape[d] != 1 && t->strides[d] != expect) {
+          snprintf(why, sizeof why, "is not contiguous; call .contiguous() first");
+          break;
+        }
+        expect *= t->shape[d];
+      }
+    }
+    v->nbytes = n * ac_st_dtype_size(v->dtype);
+    v->data = v->nbytes ? (char *)t->data + t->byte_offset : NULL;
+  }
+  if (why[0]) {
+    PyErr_Format(PyExc_ValueError, "tensor '%s' %s", name, why);
+    st_view_release(v);
+    return -1;
+  }
+  return 0;
+}
+
+static int get_threads(PyObject *o, int *out) {
+  long v = PyLong_AsLong(o);
+  if (v == -1 && PyErr_Occurred()) return -1;
+  if (v < 0 || v > 1024) {
+    PyErr_Format(PyExc_ValueError, "threads must be in [0, 1024] (0 = choose), got %ld", v);
+    return -1;
+  }
+  *out = (int)v;
+  return 0;
+}
+
+static int fs_path(PyObject *o, PyObject **bytes) {
+  if (!PyUnicode_FSConverter(o, bytes)) return -1;
+  return 0;
+}
+
+/* UTF-8 of a str with no embedded NUL (C strings cannot carry one). */
+static const char *utf8_of(PyObject *s, const char *what) {
+  if (!PyUnicode_Check(s)) {
+    PyErr_Format(PyExc_TypeError, "%s must be str, got %s", what, Py_TYPE(s)->tp_name);
+    return NULL;
+  }
+  Py_ssize_t n;
+  const char *u = PyUnicode_AsUTF8AndSize(s, &n);
+  if (u && (size_t)n != strlen(u)) {
+    PyErr_Format(PyExc_ValueError, "%s %R contains a NUL character", what, s);
+    return NULL;
+  }
+  return u;
+}
+
+static PyObject *py_st_save(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  if (n != 5) {
+    PyErr_Format(PyExc_TypeError, "st_save(path, names, tensors, metadata, threads) takes 5 arguments (%zd given)", n);
+    return NULL;
+  }
+  int threads;
+  if (get_threads(a[4], &threads) < 0) return NULL;
+  PyObject *path = NULL, *names = NULL, *tensors = NULL, *meta = NULL, *ret = NULL;
+  ac_st_tensor_t *ts = NULL;
+  st_view *views = NULL;
+  ac_st_kv_t *kv = NULL;
+  Py_ssize_t nt = 0, nv = 0, nm = 0;
+  if (fs_path(a[0], &path) < 0) goto done;
+  /* tuples: the caller's lists could change while the GIL is released */
+  names = PySequence_Tuple(a[1]);
+  tensors = names ? PySequence_Tuple(a[2]) : NULL;
+  if (!tensors) goto done;
+  nt = PyTuple_GET_SIZE(names);
+  if (PyTuple_GET_SIZE(tensors) != nt) {
+    PyErr_Format(PyExc_ValueError, "st_save: %zd names but %zd tensors", nt, PyTuple_GET_SIZE(tensors));
+    goto done;
+  }
+  if (a[3] != Py_None) {
+    if (!PyDict_Check(a[3])) {
+      PyErr_Format(PyExc_TypeError, "metadata must be a dict of str to str or None, got %s", Py_TYPE(a[3])->tp_name);
+      goto done;
+    }
+    meta = PyDict_Items(a[3]); /* a list of new (key, value) tuples that we own */
+    if (!meta) goto done;
+    nm = PyList_GET_SIZE(meta);
+  }
+  ts = PyMem_Calloc((size_t)(nt ? nt : 1), sizeof *ts);
+  views = PyMem_Calloc((size_t)(nt ? nt : 1), sizeof *views);
+  kv = PyMem_Calloc((size_t)(nm ? nm : 1), sizeof *kv);
+  if (!ts || !views || !kv) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < nm; i++) {
+    PyObject *item = PyList_GET_ITEM(meta, i);
+    kv[i].key = utf8_of(PyTuple_GET_ITEM(item, 0), "metadata key");
+    if (!kv[i].key) goto done;
+    kv[i].value = utf8_of(PyTuple_GET_ITEM(item, 1), "metadata value");
+    if (!kv[i].value) goto done;
+  }
+  for (Py_ssize_t i = 0; i < nt; i++) {
+    const char *nm_i = utf8_of(PyTuple_GET_ITEM(names, i), "tensor name");
+    if (!nm_i || st_view_from(PyTuple_GET_ITEM(tensors, i), 0, nm_i, &views[i]) < 0) goto done;
+    nv = i + 1;
+    ts[i].name = nm_i;
+    ts[i].dtype = views[i].dtype;
+    ts[i].ndim = views[i].t->ndim;
+    ts[i].shape = views[i].t->shape;
+    ts[i].data = views[i].data;
+  }
+  const char *p = PyBytes_AS_STRING(path);
+  ac_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = ac_st_save(p, ts, (size_t)nt, kv, (size_t)nm, threads);
+  Py_END_ALLOW_THREADS
+  if (r != AC_OK) {
+    pyac_raise(m, r);
+    goto done;
+  }
+  ret = Py_NewRef(Py_None);
+done:
+  for (Py_ssize_t i = 0; i < nv; i++) st_view_release(&views[i]);
+  PyMem_Free(ts);
+  PyMem_Free(views);
+  PyMem_Free(kv);
+  Py_XDECREF(meta);
+  Py_XDECREF(tensors);
+  Py_XDECREF(names);
+  Py_XDECREF(path);
+  return ret;
+}
+
+static PyObject *header_dict(const ac_st_header_t *h) {
+  PyObject *d = PyDict_New(), *tl = NULL, *md = NULL;
+  if (!d) return NULL;
+  size_t n = ac_st_header_count(h);
+  tl = PyList_New((Py_ssize_t)n);
+  if (!tl) goto fail;
+  for (size_t i = 0; i < n; i++) {
+    ac_st_info_t info;
+    if (ac_st_header_info(h, i, &info) != AC_OK) goto fail;
+    PyObject *shape = PyTuple_New(info.ndim);
+    if (!shape) goto fail;
+    for (int32_t k = 0; k < info.ndim; k++) {
+      PyObject *e = PyLong_FromLongLong(info.shape[k]);
+      if (!e) {
+        Py_DECREF(shape);
+        goto fail;
+      }
+      PyTuple_SET_ITEM(shape, k, e);
+    }
+    PyObject *row = Py_BuildValue("(ssNKK)", info.name, ac_st_dtype_name(info.dtype), shape,
+                                  (unsigned long long)info.begin, (unsigned long long)info.end);
+    if (!row) goto fail;
+    PyList_SET_ITEM(tl, (Py_ssize_t)i, row);
+  }
+  if (ac_st_header_has_metadata(h)) {
+    md = PyDict_New();
+    if (!md) goto fail;
+    for (size_t i = 0; i < ac_st_header_metadata_count(h); i++) {
+      const char *k, *v;
+      if (ac_st_header_metadata(h, i, &k, &v) != AC_OK) goto fail;
+      PyObject *vs = PyUnicode_FromString(v);
+      if (!vs || PyDict_SetItemString(md, k, vs) < 0) {
+        Py_XDECREF(vs);
+        goto fail;
+      }
+      Py_DECREF(vs);
+    }
+  } else {
+    md = Py_NewRef(Py_None);
+  }
+  PyObject *ds = PyLong_FromUnsignedLongLong((unsigned long long)ac_st_header_data_start(h));
+  if (!ds || PyDict_SetItemString(d, "data_start", ds) < 0) {
+    Py_XDECREF(ds);
+    goto fail;
+  }
+  Py_DECREF(ds);
+  if (PyDict_SetItemString(d, "tensors", tl) < 0 || PyDict_SetItemString(d, "metadata", md) < 0) goto fail;
+  Py_DECREF(tl);
+  Py_DECREF(md);
+  return d;
+fail:
+  Py_XDECREF(tl);
+  Py_XDECREF(md);
+  Py_DECREF(d);
+  return NULL;
+}
+
+static int open_reader(PyObject *m, PyObject *pathobj, ac_st_reader_t **rd) {
+  PyObject *path;
+  if (fs_path(pathobj, &path) < 0) return -1;
+  const char *p = PyBytes_AS_STRING(path);
+  ac_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = ac_st_reader_create(rd, p);
+  Py_END_ALLOW_THREADS
+  Py_DECREF(path);
+  if (r != AC_OK) {
+    pyac_raise(m, r);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *py_st_header(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  if (n != 1) {
+    PyErr_Format(PyExc_TypeError, "st_header(path) takes 1 argument (%zd given)", n);
+    return NULL;
+  }
+  ac_st_reader_t *rd;
+  if (open_reader(m, a[0], &rd) < 0) return NULL;
+  PyObject *d = header_dict(ac_st_reader_header(rd));
+  ac_st_reader_destroy(rd);
+  return d;
+}
+
+static PyObject *py_st_load_into(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  if (n != 3) {
+    PyErr_Format(PyExc_TypeError, "st_load_into(path, {name: tensor}, threads) takes 3 arguments (%zd given)", n);
+    return NULL;
+  }
+  if (!PyDict_Check(a[1])) {
+    PyErr_Format(PyExc_TypeError, "st_load_into: targets must be a dict of name to tensor, got %s",
+                 Py_TYPE(a[1])->tp_name);
+    return NULL;
+  }
+  int threads;
+  if (get_threads(a[2], &threads) < 0) return NULL;
+  PyObject *items = PyDict_Items(a[1]), *ret = NULL;
+  if (!items) return NULL;
+  Py_ssize_t nt = PyList_GET_SIZE(items), nv = 0;
+  st_view *views = PyMem_Calloc((size_t)(nt ? nt : 1), sizeof *views);
+  ac_st_read_t *reqs = PyMem_Calloc((size_t)(nt ? nt : 1), sizeof *reqs);
+  ac_st_reader_t *rd = NULL;
+  if (!views || !reqs) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  if (open_reader(m, a[0], &rd) < 0) goto done;
+  const ac_st_header_t *h = ac_st_reader_header(rd);
+  for (Py_ssize_t i = 0; i < nt; i++) {
+    PyObject *item = PyList_GET_ITEM(items, i);
+    const char *name = utf8_of(PyTuple_GET_ITEM(item, 0), "tensor name");
+    if (!name) goto done;
+    size_t idx;
+    ac_result_t r = ac_st_header_find(h, name, &idx);
+    if (r != AC_OK) {
+      PyErr_Format(PyExc_KeyError, "%R: no tensor of that name in %R", PyTuple_GET_ITEM(item, 0), a[0]);
+      goto done;
+    }
+    if (st_view_from(PyTuple_GET_ITEM(item, 1), 1, name, &views[i]) < 0) goto done;
+    nv = i + 1;
+    ac_st_info_t info;
+    if (ac_st_header_info(h, idx, &info) != AC_OK) {
+      pyac_raise(m, AC_ERR_INTERNAL);
+      goto done;
+    }
+    const DLTensor *t = views[i].t;
+    int same = views[i].dtype == info.dtype && t->ndim == info.ndim;
+    for (int32_t k = 0; same && k < t->ndim; k++) same = t->shape[k] == info.shape[k];
+    if (!same) {
+      PyErr_Format(PyExc_ValueError, "tensor '%s' in the file is %s with %d dims; the destination is %s with %d dims "
+                   "or another shape", name, ac_st_dtype_name(info.dtype), (int)info.ndim,
+                   ac_st_dtype_name(views[i].dtype), (int)t->ndim);
+      goto done;
+    }
+    reqs[i] = (ac_st_read_t){idx, views[i].data, views[i].nbytes};
+  }
+  ac_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = ac_st_reader_read(rd, reqs, (size_t)nt, threads);
+  Py_END_ALLOW_THREADS
+  if (r != AC_OK) {
+    pyac_raise(m, r);
+    goto done;
+  }
+  ret = Py_NewRef(Py_None);
+done:
+  for (Py_ssize_t i = 0; i < nv; i++) st_view_release(&views[i]);
+  ac_st_reader_destroy(rd);
+  PyMem_Free(views);
+  PyMem_Free(reqs);
+  Py_DECREF(items);
+  return ret;
+}
+
+#define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))(fn), METH_FASTCALL, doc}
+
+PyMethodDef pyac_safetensors_methods[] = {
+    FAST("st_save", py_st_save,
+         "st_save(path, names, tensors, metadata, threads): write a safetensors file (contiguous CPU tensors, "
+         "any dtype) atomically and durably; metadata is a dict of str or None; threads 0 = choose."),
+    FAST("st_header", py_st_header,
+         "st_header(path) -> {'tensors': [(name, dtype, shape, begin, end), ...] in offset order, "
+         "'metadata': dict or None, 'data_start': int}; validates the whole header."),
+    FAST("st_load_into", py_st_load_into,
+         "st_load_into(path, {name: tensor}, threads): read those tensors straight into the given contiguous, "
+         "writable CPU tensors of the file's dtype and shape."),
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,557 @@
+/* test_safetensors.c — csrc/include/ac/safetensors.h: write/read roundtrips, every header
+ * validation error, argument errors, and the atomic-write protocol under injected failures. */
+#define _GNU_SOURCE /* mkdtemp, setrlimit, ftruncate under -std=c11 */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ac/safetensors.h"
+#include "test_util.h"
+
+static char g_dir[256];
+
+static const char *tmpdir(void) {
+  if (!g_dir[0]) {
+    snprintf(g_dir, sizeof g_dir, "/tmp/ac_st_test_XXXXXX");
+    if (!mkdtemp(g_dir)) {
+      perror("mkdtemp");
+      g_dir[0] = '\0';
+      return "/tmp";
+    }
+  }
+  return g_dir;
+}
+
+static void path_of(char *buf, size_t n, const char *name) { snprintf(buf, n, "%s/%s", tmpdir(), name); }
+
+/* Entries of the test directory other than . and .., and how many look like temp files. */
+static int dir_count(int *temps) {
+  DIR *d = opendir(tmpdir());
+  int n = 0;
+  *temps = 0;
+  if (!d) return -1;
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    n++;
+    if (strstr(e->d_name, ".tmp")) (*temps)++;
+  }
+  closedir(d);
+  return n;
+}
+
+static void clear_dir(void) {
+  DIR *d = opendir(tmpdir());
+  if (!d) return;
+  struct dirent *e;
+  char p[512];
+  while ((e = readdir(d))) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    snprintf(p, sizeof p, "%s/%s", tmpdir(), e->d_name);
+    unlink(p);
+  }
+  closedir(d);
+}
+
+static unsigned char *read_whole(const char *path, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  unsigned char *b = malloc((size_t)n + 1);
+  if (b && fread(b, 1, (size_t)n, f) != (size_t)n) {
+    free(b);
+    b = NULL;
+  }
+  fclose(f);
+  *len = (size_t)n;
+  return b;
+}
+
+static void write_whole(const char *path, const void *p, size_t n) {
+  FILE *f = fopen(path, "wb");
+  if (!f) return;
+  if (n) fwrite(p, 1, n, f);
+  fclose(f);
+}
+
+/* A file image: 8-byte length, `json`, then `data_size` zero bytes. */
+static unsigned char *image(const char *json, size_t data_size, size_t *len) {
+  size_t j = strlen(json);
+  *len = 8 + j + data_size;
+  unsigned char *b = calloc(*len ? *len : 1, 1);
+  for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)j >> (8 * i));
+  memcpy(b + 8, json, j);
+  return b;
+}
+
+/* Parses an image; returns the result code and copies the error message. */
+static ac_result_t parse_image(const char *json, size_t data_size, char *msg, size_t cap) {
+  size_t len;
+  unsigned char *b = image(json, data_size, &len);
+  ac_st_header_t *h = (ac_st_header_t *)1;
+  ac_clear_error();
+  ac_result_t r = ac_st_header_parse(&h, b, len, len, "bad.safetensors");
+  snprintf(msg, cap, "%s", ac_last_error());
+  if (r != AC_OK) CHECK(h == NULL);
+  ac_st_header_destroy(r == AC_OK ? h : NULL);
+  free(b);
+  return r;
+}
+
+TEST(roundtrip_all_dtypes) {
+  char path[512];
+  path_of(path, sizeof path, "rt.safetensors");
+  enum { N = AC_ST_NUM_DTYPES };
+  ac_st_tensor_t t[N + 3];
+  unsigned char *bufs[N + 3];
+  int64_t shapes[N + 3][3];
+  tu_rng_t rng = {0x1234567ULL};
+  char names[N + 3][32];
+  size_t nt = 0;
+  for (int d = 0; d < N; d++, nt++) {
+    shapes[nt][0] = 3 + d;
+    shapes[nt][1] = 5;
+    size_t nb = (size_t)shapes[nt][0] * 5 * ac_st_dtype_size((ac_st_dtype_t)d);
+    bufs[nt] = malloc(nb);
+    for (size_t i = 0; i < nb; i++) bufs[nt][i] = (unsigned char)tu_rand32(&rng);
+    snprintf(names[nt], sizeof names[nt], "t.%s", ac_st_dtype_name((ac_st_dtype_t)d));
+    t[nt] = (ac_st_tensor_t){names[nt], (ac_st_dtype_t)d, 2, shapes[nt], bufs[nt]};
+  }
+  /* a scalar, an empty tensor, and one bigger than an I/O job (split over several jobs) */
+  static float scalar = 2.5f;
+  t[nt++] = (ac_st_tensor_t){"scalar", AC_ST_F32, 0, NULL, &scalar};
+  shapes[nt][0] = 0;
+  shapes[nt][1] = 7;
+  t[nt++] = (ac_st_tensor_t){"empty", AC_ST_F64, 2, shapes[nt - 1], NULL};
+  shapes[nt][0] = 5 << 20; /* 20 MiB of F32 */
+  bufs[nt] = malloc((size_t)shapes[nt][0] * 4);
+  for (size_t i = 0; i < (size_t)shapes[nt][0] * 4; i++) bufs[nt][i] = (unsigned char)(i * 31 + 7);
+  t[nt] = (ac_st_tensor_t){"big", AC_ST_F32, 1, shapes[nt], bufs[nt]};
+  nt++;
+  ac_st_kv_t meta[] = {{"format", "pt"}, {"note", "quote \" backslash \\ newline \n tab \t é"}};
+  for (int threads = 1; threads <= 4; threads += 3) {
+    CHECK_OK(ac_st_save(path, t, nt, meta, 2, threads));
+    ac_st_reader_t *r = NULL;
+    if (!CHECK_OK(ac_st_reader_create(&r, path))) return;
+    const ac_st_header_t *h = ac_st_reader_header(r);
+    CHECK_EQ_INT(ac_st_header_count(h), nt);
+    CHECK_EQ_INT(ac_st_header_data_start(h) % 8, 0);
+    CHECK(ac_st_header_has_metadata(h));
+    CHECK_EQ_INT(ac_st_header_metadata_count(h), 2);
+    const char *k, *v;
+    CHECK_OK(ac_st_header_metadata(h, 1, &k, &v));
+    CHECK_STREQ(k, "note");
+    CHECK_STREQ(v, meta[1].value);
+    ac_st_read_t req[N + 3];
+    void *out[N + 3];
+    for (size_t i = 0; i < nt; i++) {
+      size_t idx;
+      CHECK_OK(ac_st_header_find(h, t[i].name, &idx));
+      ac_st_info_t info;
+      CHECK_OK(ac_st_header_info(h, idx, &info));
+      CHECK_EQ_INT(info.dtype, t[i].dtype);
+      CHECK_EQ_INT(info.ndim, t[i].ndim);
+      for (int32_t d = 0; d < info.ndim; d++) CHECK_EQ_INT(info.shape[d], t[i].shape[d]);
+      /* the layout keeps every tensor aligned to its element size */
+      CHECK_EQ_INT(info.file_offset % ac_st_dtype_size(info.dtype), 0);
+      out[i] = malloc(info.nbytes ? info.nbytes : 1);
+      req[i] = (ac_st_read_t){idx, out[i], info.nbytes};
+    }
+    CHECK_OK(ac_st_reader_read(r, req, nt, threads));
+    for (size_t i = 0; i < nt; i++) {
+      if (req[i].nbytes) CHECK_MSG(memcmp(out[i], t[i].data, req[i].nbytes) == 0, "tensor %s", t[i].name);
+      free(out[i]);
+    }
+    ac_st_reader_destroy(r);
+  }
+  for (size_t i = 0; i < nt; i++)
+    if (t[i].data && t[i].data != &scalar) free((void *)t[i].data);
+  int temps;
+  CHECK_EQ_INT(dir_count(&temps), 1);
+  CHECK_EQ_INT(temps, 0);
+  clear_dir();
+}
+
+TEST(many_small_tensors_and_subset_reads) {
+  char path[512];
+  path_of(path, sizeof path, "small.safetensors");
+  enum { N = 300 };
+  ac_st_tensor_t t[N];
+  static int32_t data[N][3];
+  static int64_t shape[1] = {3};
+  char names[N][16];
+  for (int i = 0; i < N; i++) {
+    for (int k = 0; k < 3; k++) data[i][k] = i * 10 + k;
+    snprintf(names[i], sizeof names[i], "w%03d", i);
+    t[i] = (ac_st_tensor_t){names[i], AC_ST_I32, 1, shape, data[i]};
+  }
+  CHECK_OK(ac_st_save(path, t, N, NULL, 0, 3));
+  ac_st_reader_t *r;
+  if (!CHECK_OK(ac_st_reader_create(&r, path))) return;
+  const ac_st_header_t *h = ac_st_reader_header(r);
+  CHECK(!ac_st_header_has_metadata(h));
+  /* every third tensor, in reverse order */
+  ac_st_read_t req[N];
+  int32_t out[N][3];
+  size_t nr = 0;
+  for (int i = N - 1; i >= 0; i -= 3) {
+    size_t idx;
+    CHECK_OK(ac_st_header_find(h, names[i], &idx));
+    req[nr++] = (ac_st_read_t){idx, out[i], sizeof out[i]};
+  }
+  CHECK_OK(ac_st_reader_read(r, req, nr, 4));
+  for (int i = N - 1; i >= 0; i -= 3) CHECK(memcmp(out[i], data[i], sizeof out[i]) == 0);
+  /* request errors */
+  ac_st_read_t bad = req[0];
+  bad.nbytes = 4;
+  CHECK_RC(ac_st_reader_read(r, &bad, 1, 1), AC_ERR_INVALID_ARG);
+  CHECK_CONTAINS(ac_last_error(), "destination is 4 bytes");
+  ac_st_read_t twice[2] = {req[0], req[0]};
+  CHECK_RC(ac_st_reader_read(r, twice, 2, 1), AC_ERR_INVALID_ARG);
+  CHECK_CONTAINS(ac_last_error(), "requested twice");
+  bad = req[0];
+  bad.index = N;
+  CHECK_RC(ac_st_reader_read(r, &bad, 1, 1), AC_ERR_INVALID_ARG);
+  size_t idx;
+  CHECK_RC(ac_st_header_find(h, "nope", &idx), AC_ERR_INVALID_ARG);
+  CHECK_CONTAINS(ac_last_error(), "'nope'");
+  ac_st_reader_destroy(r);
+  clear_dir();
+}
+
+TEST(names_needing_escapes_roundtrip) {
+  char path[512];
+  path_of(path, sizeof path, "esc.safetensors");
+  static uint8_t one = 1;
+  const char *names[] = {"a\"b", "back\\slash", "new\nline", "ctl\x01", "\xc3\xa9t\xc3\xa9", "\xf0\x9f\x98\x80", ""};
+  ac_st_tensor_t t[7];
+  for (int i = 0; i < 7; i++) t[i] = (ac_st_tensor_t){names[i], AC_ST_U8, 0, NULL, &one};
+  CHECK_OK(ac_st_save(path, t, 7, NULL, 0, 0));
+  ac_st_reader_t *r;
+  if (!CHECK_OK(ac_st_reader_create(&r, path))) return;
+  for (int i = 0; i < 7; i++) {
+    size_t idx;
+    CHECK_MSG(ac_st_header_find(ac_st_reader_header(r), names[i], &idx) == AC_OK, "name %d", i);
+  }
+  ac_st_reader_destroy(r);
+  clear_dir();
+}
+
+TEST(parser_accepts_valid_variants) {
+  char msg[1024];
+  /* whitespace everywhere, \u escapes and surrogate pairs, zero-size tensors, empty files */
+  CHECK_OK(parse_image("{}", 0, msg, sizeof msg));
+  CHECK_OK(parse_image("{}        ", 0, msg, sizeof msg));
+  CHECK_OK(parse_image("{\"__metadata__\":{}}", 0, msg, sizeof msg));
+  CHECK(parse_image(" \n{ \"a\\u00e9\\ud83d\\ude00\" : { \"shape\" : [ 2 , 2 ] , \"dtype\" : \"F16\" ,"
+                       " \"data_offsets\" : [ 0 , 8 ] } , \"z\" : {\"dtype\":\"F32\",\"shape\":[0],"
+                       "\"data_offsets\":[8,8]}}\t\r\n ",
+                       8, msg, sizeof msg) == AC_ERR_FORMAT); /* leading whitespace is refused */
+  CHECK_OK(parse_image("{ \"a\\u00e9\\ud83d\\ude00\" : { \"shape\" : [ 2 , 2 ] , \"dtype\" : \"F16\" ,"
+                       " \"data_offsets\" : [ 0 , 8 ] } , \"z\" : {\"dtype\":\"F32\",\"shape\":[0],"
+                       "\"data_offsets\":[8,8]}, \"e\":{\"dtype\":\"I8\",\"shape\":[3,0],\"data_offsets\":[0,0]}}"
+                       "\t\r\n ",
+                       8, msg, sizeof msg));
+  size_t len;
+  unsigned char *b = image("{\"x\":{\"dtype\":\"BF16\",\"shape\":[],\"data_offsets\":[0,2]},"
+                           "\"__metadata__\":{\"k\":\"v\"}}", 2, &len);
+  ac_st_header_t *h;
+  if (CHECK_OK(ac_st_header_parse(&h, b, len, len, NULL))) {
+    ac_st_info_t info;
+    CHECK_OK(ac_st_header_info(h, 0, &info));
+    CHECK_STREQ(info.name, "x");
+    CHECK_EQ_INT(info.ndim, 0);
+    CHECK_EQ_INT(info.nbytes, 2);
+    CHECK_EQ_INT(info.file_offset, len - 2);
+    CHECK_RC(ac_st_header_info(h, 1, &info), AC_ERR_INVALID_ARG);
+    ac_st_header_destroy(h);
+  }
+  free(b);
+}
+
+typedef struct {
+  const char *json;
+  size_t data;
+  const char *want; /* substring of the message */
+} bad_case;
+
+TEST(parser_rejects_every_fault) {
+  static const bad_case cases[] = {
+      /* JSON shape */
+      {"", 0, "must start with '{'"},
+      {"[]", 0, "must start with '{'"},
+      {"{", 0, "expected a string for a tensor name"},
+      {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},}", 4, "expected a string"},
+      {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}} x", 4, "unexpected content after"},
+      {"{\"a\" {}}", 0, "expected ':' after key 'a'"},
+      {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]} \"b\":1}", 4, "expected ',' or '}'"},
+      {"{\"a", 0, "unterminated string"},
+      {"{\"a\\", 0, "unterminated string"},
+      {"{\"a\\x\":1}", 0, "invalid escape"},
+      {"{\"a\\u12\":1}", 0, "invalid escape"},
+      {"{\"a\\udc00\":1}", 0, "unpaired UTF-16 surrogate"},
+      {"{\"a\\ud800x\":1}", 0, "unpaired UTF-16 surrogate"},
+      {"{\"a\\u0000\":1}", 0, "\\u0000"},
+      {"{\"a\tb\":1}", 0, "control character 0x09"},
+      {"{\"\xff\":1}", 0, "invalid UTF-8"},
+      {"{\"\xc0\xaf\":1}", 0, "invalid UTF-8"},        /* overlong '/' */
+      {"{\"\xed\xa0\x80\":1}", 0, "invalid UTF-8"},    /* encoded surrogate */
+      {"{\"\xf4\x90\x80\x80\":1}", 0, "invalid UTF-8"}, /* above U+10FFFF */
+      {"{\"\xe2\x82\":1}", 0, "invalid UTF-8"},         /* truncated sequence */
+      /* metadata */
+      {"{\"__metadata__\":[]}", 0, "__metadata__ must be an object"},
+      {"{\"__metadata__\":{\"format\":1}}", 0, "__metadata__ value of 'format' must be a string"},
+      {"{\"__metadata__\":{\"k\":{}}}", 0, "must be a string, found an object"},
+      {"{\"__metadata__\":{},\"__metadata__\":{}}", 0, "'__metadata__' appears twice"},
+      {"{\"__metadata__\":{\"k\":\"a\",\"k\":\"b\"}}", 0, "__metadata__ key 'k' appears twice"},
+      /* tensor entries */
+      {"{\"w\":1}", 0, "tensor 'w': expected an object, found a number"},
+      {"{\"w\":{}}", 0, "tensor 'w': empty entry"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1]}}", 4, "tensor 'w': missing field 'data_offsets'"},
+      {"{\"w\":{\"shape\":[1],\"data_offsets\":[0,4]}}", 4, "tensor 'w': missing field 'dtype'"},
+      {"{\"w\":{\"dtype\":\"F32\",\"data_offsets\":[0,4]}}", 4, "tensor 'w': missing field 'shape'"},
+      {"{\"w\":{\"dtype\":\"F32\",\"dtype\":\"F32\"}}", 4, "field 'dtype' appears twice"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"shape\":[1]}}", 4, "field 'shape' appears twice"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"data_offsets\":[0,4]}}", 4,
+       "field 'data_offsets' appears twice"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"extra\":1}}", 4,
+       "tensor 'w': unknown field 'extra'"},
+      {"{\"w\":{\"dtype\":\"F33\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4, "tensor 'w': unknown dtype 'F33'"},
+      {"{\"w\":{\"dtype\":\"F4\",\"shape\":[2],\"data_offsets\":[0,1]}}", 1, "unsupported sub-byte dtype 'F4'"},
+      {"{\"w\":{\"dtype\":32,\"shape\":[1],\"data_offsets\":[0,4]}}", 4, "expected a string for dtype"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":1,\"data_offsets\":[0,4]}}", 4, "tensor 'w': shape must be an array"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}", 4, "tensor 'w': shape must not be negative"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1.0],\"data_offsets\":[0,4]}}", 4, "must be integers"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1e0],\"data_offsets\":[0,4]}}", 4, "must be integers"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[01],\"data_offsets\":[0,4]}}", 4, "leading zero"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[\"1\"],\"data_offsets\":[0,4]}}", 4, "expected an integer in shape"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1,],\"data_offsets\":[0,4]}}", 4, "expected an integer in shape"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[9223372036854775808],\"data_offsets\":[0,4]}}", 4, "too large"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[99999999999999999999],\"data_offsets\":[0,4]}}", 4, "too large"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,4]}}", 4,
+       "tensor 'w': shape is too large"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0]}}", 4, "exactly two integers"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,8]}}", 4, "exactly two integers"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":{}}}", 4, "data_offsets must be an array"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,0]}}", 4, "end before they begin"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}", 4,
+       "tensor 'w': data_offsets span 4 bytes but dtype F32 with 1 dims needs 8"},
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 4, "run past the end of the data region"},
+      /* layout of the data region */
+      {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},\"w\":{\"dtype\":\"F32\",\"shape\":[1],"
+       "\"data_offsets\":[4,8]}}", 8, "tensor name 'w' appears twice"},
+      {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},\"b\":{\"dtype\":\"F32\",\"shape\":[2],"
+       "\"data_offsets\":[4,12]}}", 12, "tensors 'a' [0, 8) and 'b' [4, 12) overlap"},
+      {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},\"b\":{\"dtype\":\"F32\",\"shape\":[1],"
+       "\"data_offsets\":[8,12]}}", 12, "hole at bytes [4, 8) of the data region between tensors 'a' and 'b'"},
+      {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8, "hole at bytes [0, 4)"},
+      {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 6, "data region is 6 bytes"},
+      {"{}", 3, "data region is 3 bytes"},
+  };
+  char msg[1024];
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    const bad_case *c = &cases[i];
+    ac_result_t r = parse_image(c->json, c->data, msg, sizeof msg);
+    CHECK_MSG(r == AC_ERR_FORMAT, "case %zu (%s): returned %s", i, c->json, ac_result_string(r));
+    CHECK_MSG(strstr(msg, c->want) != NULL, "case %zu: message \"%s\" lacks \"%s\"", i, msg, c->want);
+    CHECK_MSG(strstr(msg, "bad.safetensors") != NULL, "case %zu: message \"%s\" lacks the file name", i, msg);
+  }
+  /* a NUL byte after the object (strlen cannot carry it, so build by hand) */
+  const char *js = "{} \0";
+  unsigned char b[8 + 4] = {4, 0, 0, 0, 0, 0, 0, 0};
+  memcpy(b + 8, js, 4);
+  ac_st_header_t *h;
+  CHECK_RC(ac_st_header_parse(&h, b, sizeof b, sizeof b, "nul"), AC_ERR_FORMAT);
+  CHECK_CONTAINS(ac_last_error(), "unexpected content after the header object");
+}
+
+TEST(length_prefix_faults) {
+  ac_st_header_t *h = NULL;
+  unsigned char b[16] = {0};
+  CHECK_RC(ac_st_header_parse(&h, b, 5, 5, "short"), AC_ERR_FORMAT);
+  CHECK_CONTAINS(ac_last_error(), "short: not a safetensors file: 5 bytes");
+  uint64_t n = AC_ST_MAX_HEADER + 1;
+  for (int i = 0; i < 8; i++) b[i] = (unsigned char)(n >> (8 * i));
+  CHECK_RC(ac_st_header_parse(&h, b, 16, 16, "huge"), AC_ERR_FORMAT);
+  CHECK_CONTAINS(ac_last_error(), "exceeds the 100000000-byte limit");
+  memset(b, 0, 8);
+  b[0] = 9; /* 9 bytes of header in a 16-byte file */
+  CHECK_RC(ac_st_header_parse(&h, b, 16, 16, "past"), AC_ERR_FORMAT);
+  CHECK_CONTAINS(ac_last_error(), "header length 9 runs past the end of the file");
+  memset(b, 0xff, 8);
+  CHECK_RC(ac_st_header_parse(&h, b, 16, 16, "max"), AC_ERR_FORMAT);
+  b[0] = 2;
+  memset(b + 1, 0, 7);
+  CHECK_RC(ac_st_header_parse(&h, b, 9, 16, "buf"), AC_ERR_INVALID_ARG); /* buffer too short: caller bug */
+  CHECK_RC(ac_st_header_parse(&h, b, 17, 16, "buf"), AC_ERR_INVALID_ARG);
+  CHECK(h == NULL);
+  /* the same checks through the reader, on real files */
+  char path[512];
+  path_of(path, sizeof path, "short.safetensors");
+  write_whole(path, "abc", 3);
+  ac_st_reader_t *r = (ac_st_reader_t *)1;
+  CHECK_RC(ac_st_reader_create(&r, path), AC_ERR_FORMAT);
+  CHECK(r == NULL);
+  CHECK_CONTAINS(ac_last_error(), "short.safetensors: not a safetensors file");
+  for (int i = 0; i < 8; i++) b[i] = (unsigned char)(n >> (8 * i));
+  write_whole(path, b, 16);
+  CHECK_RC(ac_st_reader_create(&r, path), AC_ERR_FORMAT);
+  CHECK_CONTAINS(ac_last_error(), "exceeds the");
+  path_of(path, sizeof path, "missing.safetensors");
+  CHECK_RC(ac_st_reader_create(&r, path), AC_ERR_IO);
+  CHECK_CONTAINS(ac_last_error(), "missing.safetensors: cannot open");
+  CHECK_RC(ac_st_reader_create(&r, tmpdir()), AC_ERR_IO);
+  CHECK_CONTAINS(ac_last_error(), "not a regular file");
+  clear_dir();
+}
+
+TEST(save_argument_errors_create_nothing) {
+  char path[512];
+  path_of(path, sizeof path, "args.safetensors");
+  static float x[4];
+  int64_t s1[1] = {4}, sneg[1] = {-1};
+  ac_st_tensor_t ok = {"x", AC_ST_F32, 1, s1, x};
+  struct {
+    ac_st_tensor_t t[2];
+    size_t n;
+    ac_st_kv_t meta[2];
+    size_t nmeta;
+    const char *want;
+  } cases[] = {
+      {{ok, ok}, 2, {{0}}, 0, "tensor name 'x' is given twice"},
+      {{{"__metadata__", AC_ST_F32, 1, s1, x}}, 1, {{0}}, 0, "'__metadata__' is reserved"},
+      {{{NULL, AC_ST_F32, 1, s1, x}}, 1, {{0}}, 0, "has no name"},
+      {{{"bad\xff", AC_ST_F32, 1, s1, x}}, 1, {{0}}, 0, "not valid UTF-8"},
+      {{{"x", (ac_st_dtype_t)99, 1, s1, x}}, 1, {{0}}, 0, "invalid dtype code 99"},
+      {{{"x", AC_ST_F32, 1, sneg, x}}, 1, {{0}}, 0, "negative extent -1"},
+      {{{"x", AC_ST_F32, -1, s1, x}}, 1, {{0}}, 0, "has ndim -1"},
+      {{{"x", AC_ST_F32, 1, NULL, x}}, 1, {{0}}, 0, "NULL shape"},
+      {{{"x", AC_ST_F32, 1, s1, NULL}}, 1, {{0}}, 0, "NULL data"},
+      {{ok}, 1, {{"k", "a"}, {"k", "b"}}, 2, "metadata key 'k' is given twice"},
+      {{ok}, 1, {{"k", NULL}}, 1, "NULL key or value"},
+      {{ok}, 1, {{"k", "\xc0"}}, 1, "not valid UTF-8"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    ac_result_t r = ac_st_save(path, cases[i].t, cases[i].n, cases[i].meta, cases[i].nmeta, 0);
+    CHECK_MSG(r == AC_ERR_INVALID_ARG, "case %zu returned %s", i, ac_result_string(r));
+    CHECK_MSG(strstr(ac_last_error(), cases[i].want) != NULL, "case %zu: \"%s\" lacks \"%s\"", i, ac_last_error(),
+              cases[i].want);
+    int temps;
+    CHECK_EQ_INT(dir_count(&temps), 0);
+  }
+  CHECK_RC(ac_st_save("", &ok, 1, NULL, 0, 0), AC_ERR_INVALID_ARG);
+  char dirpath[512];
+  snprintf(dirpath, sizeof dirpath, "%s/", tmpdir());
+  CHECK_RC(ac_st_save(dirpath, &ok, 1, NULL, 0, 0), AC_ERR_INVALID_ARG);
+  CHECK_RC(ac_st_save("/nonexistent_dir_ac/x.safetensors", &ok, 1, NULL, 0, 0), AC_ERR_IO);
+  CHECK_CONTAINS(ac_last_error(), "cannot create the temporary file");
+}
+
+/* A write that fails half-way (the file-size limit hits in the data region) must leave the old
+ * file byte-identical and no temporary file behind. */
+TEST(failed_write_leaves_old_file_and_no_temp) {
+  char path[512];
+  path_of(path, sizeof path, "atomic.safetensors");
+  static const char old[] = "the previous checkpoint";
+  write_whole(path, old, sizeof old);
+  size_t nb = (size_t)4 << 20;
+  unsigned char *big = malloc(nb);
+  memset(big, 0x5a, nb);
+  int64_t shape[1] = {(int64_t)nb};
+  ac_st_tensor_t t = {"big", AC_ST_U8, 1, shape, big};
+  struct rlimit saved, lim;
+  getrlimit(RLIMIT_FSIZE, &saved);
+  void (*prev)(int) = signal(SIGXFSZ, SIG_IGN); /* EFBIG instead of a signal */
+  lim = saved;
+  lim.rlim_cur = 1 << 20;
+  int limited = setrlimit(RLIMIT_FSIZE, &lim) == 0;
+  ac_result_t r = ac_st_save(path, &t, 1, NULL, 0, 4);
+  setrlimit(RLIMIT_FSIZE, &saved);
+  signal(SIGXFSZ, prev);
+  if (CHECK(limited)) {
+    CHECK_RC(r, AC_ERR_IO);
+    CHECK_CONTAINS(ac_last_error(), "writing tensor 'big'");
+    CHECK_CONTAINS(ac_last_error(), "File too large");
+  }
+  size_t len;
+  unsigned char *now = read_whole(path, &len);
+  CHECK(now && len == sizeof old && memcmp(now, old, len) == 0);
+  free(now);
+  int temps;
+  CHECK_EQ_INT(dir_count(&temps), 1);
+  CHECK_EQ_INT(temps, 0);
+  /* and the same save without the limit replaces the file */
+  CHECK_OK(ac_st_save(path, &t, 1, NULL, 0, 4));
+  ac_st_reader_t *rd;
+  if (CHECK_OK(ac_st_reader_create(&rd, path))) {
+    CHECK_EQ_INT(ac_st_header_count(ac_st_reader_header(rd)), 1);
+    ac_st_reader_destroy(rd);
+  }
+  CHECK_EQ_INT(dir_count(&temps), 1);
+  free(big);
+  clear_dir();
+}
+
+TEST(file_shrinking_after_open_is_a_short_read) {
+  char path[512];
+  path_of(path, sizeof path, "shrink.safetensors");
+  static double v[1000];
+  int64_t shape[1] = {1000};
+  ac_st_tensor_t t = {"v", AC_ST_F64, 1, shape, v};
+  CHECK_OK(ac_st_save(path, &t, 1, NULL, 0, 1));
+  ac_st_reader_t *r;
+  if (!CHECK_OK(ac_st_reader_create(&r, path))) return;
+  ac_st_info_t info;
+  CHECK_OK(ac_st_header_info(ac_st_reader_header(r), 0, &info));
+  CHECK(truncate(path, (off_t)(info.file_offset + 100)) == 0);
+  static double out[1000];
+  ac_st_read_t q = {0, out, sizeof out};
+  CHECK_RC(ac_st_reader_read(r, &q, 1, 2), AC_ERR_IO);
+  CHECK_CONTAINS(ac_last_error(), "tensor 'v': the file ended");
+  ac_st_reader_destroy(r);
+  clear_dir();
+}
+
+TEST(dtype_names) {
+  for (int d = 0; d < AC_ST_NUM_DTYPES; d++) {
+    ac_st_dtype_t back;
+    CHECK_OK(ac_st_dtype_from_name(ac_st_dtype_name((ac_st_dtype_t)d), &back));
+    CHECK_EQ_INT(back, d);
+    CHECK(ac_st_dtype_size((ac_st_dtype_t)d) >= 1);
+  }
+  ac_st_dtype_t x;
+  CHECK_RC(ac_st_dtype_from_name("F4", &x), AC_ERR_FORMAT);
+  CHECK_STREQ(ac_st_dtype_name((ac_st_dtype_t)77), "?");
+  CHECK_EQ_INT(ac_st_dtype_size((ac_st_dtype_t)77), 0);
+  ac_st_header_destroy(NULL);
+  ac_st_reader_destroy(NULL);
+}
+
+TEST(cleanup) {
+  clear_dir();
+  CHECK(rmdir(tmpdir()) == 0);
+}
+
+static const tu_test_t tests[] = {
+    TU_CASE(roundtrip_all_dtypes),
+    TU_CASE(many_small_tensors_and_subset_reads),
+    TU_CASE(names_needing_escapes_roundtrip),
+    TU_CASE(parser_accepts_valid_variants),
+    TU_CASE(parser_rejects_every_fault),
+    TU_CASE(length_prefix_faults),
+    TU_CASE(save_argument_errors_create_nothing),
+    TU_CASE(failed_write_leaves_old_file_and_no_temp),
+    TU_CASE(file_shrinking_after_open_is_a_short_read),
+    TU_CASE(dtype_names),
+    TU_CASE(cleanup),
+};
+TU_MAIN(tests)

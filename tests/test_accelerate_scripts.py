@@ -1,0 +1,116 @@
+"""accelerate's own multi-process test scripts, from the pinned accelerate wheel
+(requirements-dev.txt: accelerate==1.15.0), run against accelerate_c on 2 CPU (gloo) ranks
+through `accelerate-c launch`.
+
+tests/scripts/accelerate_wheel/ rewrites each script's imports to accelerate_c at test time
+(nothing is copied into the repository) and calls its test functions one by one with the
+set-up its main() does. Every function of every script is in exactly one of PASS,
+NOT_APPLICABLE or KNOWN_FAILURES below, so nothing is skipped silently; docs/accelerate-scripts.md
+has the table.
+"""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "accelerate_wheel"))
+
+from run import run_script  # noqa: E402
+from specs import functions  # noqa: E402
+
+_GA = "test_gradient_accumulation[split_batches={},dispatch_batches={},sync_each_batch={}]"
+_GAS = "test_gradient_accumulation_with_opt_and_scheduler[split_batches={},dispatch_batches={},sync_each_batch={}]"
+
+PASS = {
+    "test_ops.py": [
+        "test_gather", "test_gather_object", "test_gather_non_contiguous", "test_broadcast",
+        "test_pad_across_processes", "test_reduce_sum", "test_reduce_mean", "test_reduce_max", "test_op_checker",
+        # returns at once on MULTI_CPU (the script runs it on GPUs/XLA); tests/test_wheel_ops.py checks ours
+        "test_copy_tensor_to_devices",
+    ],
+    "test_script.py": [
+        "init_state_check", "process_execution_check", "test_split_between_processes_list",
+        "test_split_between_processes_nested_dict", "test_split_between_processes_tensor",
+        "test_split_between_processes_evenly", "rng_sync_check", "dl_preparation_check", "custom_sampler_check",
+        "check_seedable_sampler", "check_seedable_sampler_with_data_seed",
+        "check_seedable_sampler_in_batch_sampler_shard", "training_check[use_seedable_sampler=False]",
+        "training_check[use_seedable_sampler=True]", "test_trigger", "test_reinstantiated_state",
+    ],
+    "test_sync.py": [
+        "test_dataloader_break", "test_distributed_sync", "test_distributed_sync_multiple_fwd",
+        _GA.format(True, False, False), _GA.format(False, False, False),
+        _GAS.format(False, False, False), _GAS.format(True, False, False),
+    ],
+    "test_distributed_data_loop.py": [
+        "test_default_ensures_even_batch_sizes", "test_can_disable_even_batches",
+        "test_join_can_override_even_batches", "test_join_can_override_for_mixed_type_dataloaders",
+        "test_join_raises_warning_for_iterable_when_overriding_even_batches",
+        "test_join_raises_warning_for_non_ddp_distributed", "test_pickle_accelerator",
+        "test_data_loader[shuffle=False]", "test_data_loader[shuffle=True]", "test_data_loader[batch_sampler]",
+        "test_data_loader[sampler=BatchSampler]",
+    ],
+}
+
+_DISPATCH = "needs DataLoaderConfiguration(dispatch_batches=True), not built yet (raises NotImplementedError)"
+NOT_APPLICABLE = {
+    "test_script.py": {
+        "test_split_between_processes_dataset": "needs Hugging Face `datasets`, not installed here (main() skips it "
+                                                "too)",
+        "central_dl_preparation_check": _DISPATCH,
+    },
+    "test_sync.py": {
+        "test_noop_sync": "main() runs it on one process only (DistributedType.NO); these runs are multi-process",
+        **{_GA.format(s, True, e): _DISPATCH for s in (True, False) for e in (True, False)},
+        **{_GAS.format(s, True, e): _DISPATCH for s in (True, False) for e in (True, False)},
+    },
+    "test_distributed_data_loop.py": {
+        "test_stateful_dataloader": "needs use_stateful_dataloader=True (torchdata StatefulDataLoader), not built "
+                                    "yet; accelerate itself fails it here too (torchdata is not installed)",
+        "test_stateful_dataloader_save_state": "needs Accelerator.save_state/load_state (checkpointing, a later "
+                                               "issue) and stateful data loaders",
+    },
+}
+
+# Public behaviour that fails today in the gradient reducer (accelerate_c/grads.py, ddp.py and
+# Accelerator.accumulate/no_sync, rewritten by another change): not run here (the join test
+# hangs until the collective timeout); see docs/accelerate-scripts.md for the failing assertions.
+KNOWN_FAILURES = {
+    "test_sync.py": {
+        _GA.format(True, False, True): "accumulate() ignores GradientAccumulationPlugin(sync_each_batch=True): "
+                                       "no all-reduce on non-boundary batches",
+        _GA.format(False, False, True): "same (sync_each_batch)",
+        _GAS.format(True, False, True): "same (sync_each_batch)",
+        _GAS.format(False, False, True): "same (sync_each_batch)",
+    },
+    "test_distributed_data_loop.py": {
+        "test_can_join_uneven_inputs": "the bucketed reducer all-reduces in backward and provides no torch Joinable "
+                                       "(Accelerator.join_uneven_inputs looks for GradManager.joinable): rank 0's "
+                                       "second backward waits for rank 1, which ran out of data",
+    },
+}
+
+SCRIPTS = list(PASS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_function_is_accounted_for(script):
+    listed = PASS[script] + list(NOT_APPLICABLE.get(script, {})) + list(KNOWN_FAILURES.get(script, {}))
+    assert sorted(listed) == sorted(functions(script)), "every function must be in exactly one list"
+    assert len(set(listed)) == len(listed)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_wheel_script_passes_on_two_ranks(script):
+    results = run_script(script, nproc=2, only=PASS[script], timeout=240, collective_timeout=60)
+    failed = {name: r for name, r in results.items() if r["status"] != "pass"}
+    report = "\n".join(f"{name}: {r['status']} {r['errors']}\n{next(iter(r['tracebacks'].values()), '')}"
+                       for name, r in failed.items())
+    assert not failed, report
+
+
+@pytest.mark.xfail(strict=True, reason="known reducer gap (sync_each_batch); when this passes, move the "
+                                       "sync_each_batch entries of KNOWN_FAILURES to PASS")
+def test_known_reducer_failure_still_fails():
+    name = _GA.format(False, False, True)
+    results = run_script("test_sync.py", nproc=2, only=[name], timeout=240, collective_timeout=60)
+    assert results[name]["status"] == "pass", results[name]["errors"]
