@@ -13,7 +13,7 @@ import torch
 from . import _C
 from .autocast import AutocastForward, autocast_context
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
-from .ddp import BucketComm, broadcast_model, register_buffer_broadcast
+from .ddp import BucketComm, broadcast_model, register_forward_sync
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
 from .scaler import LossScaler
@@ -334,8 +334,9 @@ class Accelerator:
                 h = self.ddp_handler
                 self._grads.configure(BucketComm(self._grads, h), h.bucket_cap_mb if h is not None else None)
             broadcast_model(model)  # every replica starts from rank 0's weights
-            if self.ddp_handler is None or self.ddp_handler.broadcast_buffers:
-                register_buffer_broadcast(model, self._grads)
+            # per forward: buffers from rank 0 (broadcast_buffers) and join_uneven_inputs' notices
+            register_forward_sync(model, self._grads,
+                                  self.ddp_handler is None or self.ddp_handler.broadcast_buffers)
         if self.native_amp and not hasattr(model, "_original_forward"):
             model._original_forward = model.forward
             kw = self.autocast_handler.to_kwargs() if self.autocast_handler is not None else None
@@ -430,17 +431,20 @@ class Accelerator:
         else:
             even_batches = self.even_batches
         try:
-            torch_joinables = [j for j in joinables if isinstance(j, Joinable)]
-            # the gradient reducer's Joinable, once it provides one (see accelerate_c/ddp.py)
-            reducer = getattr(self._grads, "joinable", None)
-            if reducer is not None and any(any(j is m for m in self._models) for j in joinables):
-                torch_joinables.append(reducer() if callable(reducer) else reducer)
+            torch_joinables = []
+            for j in joinables:
+                if any(j is m for m in self._models):
+                    # a prepared model: the reducer's Joinable shadows its collectives
+                    torch_joinables.append(self._grads.start_join(j))
+                elif isinstance(j, Joinable):
+                    torch_joinables.append(j)
             if torch_joinables and not even_batches:
                 with Join(torch_joinables, enable=True, throw_on_early_termination=False):
                     yield
             else:
                 yield
         finally:
+            self._grads.joining.clear()
             for shard, value in saved:
                 shard.even_batches = value
 
@@ -467,10 +471,12 @@ class Accelerator:
     @contextlib.contextmanager
     def accumulate(self, *models):
         """Counts micro-steps: gradients sync (and optimizer/scheduler really step) every
-        gradient_accumulation_steps batches and at the end of the data loader."""
+        gradient_accumulation_steps batches and at the end of the data loader; in between, the
+        given models do not communicate (unless GradientAccumulationPlugin(sync_each_batch=True))."""
         self._do_sync()
+        allow_sync = self.sync_gradients or (self.use_distributed and self.gradient_state.sync_each_batch)
         with contextlib.ExitStack() as stack:
-            if not self.sync_gradients:
+            if not allow_sync:
                 for m in models:
                     stack.enter_context(self.no_sync(m))
             yield
@@ -479,11 +485,15 @@ class Accelerator:
     def no_sync(self, model):
         """Backward inside does not communicate: gradients accumulate locally in the buffers
         until a backward outside reduces the sum (a no-op on one process)."""
-        self._grads.no_sync_depth += 1
+        key = id(model)
+        depth = self._grads.no_sync_models
+        depth[key] = depth.get(key, 0) + 1
         try:
             yield
         finally:
-            self._grads.no_sync_depth -= 1
+            depth[key] -= 1
+            if not depth[key]:
+                del depth[key]
 
     @contextlib.contextmanager
     def trigger_sync_in_backward(self, model):

@@ -204,10 +204,10 @@ class BucketComm:
             if n and p.grad is None:
                 p.grad = v
 
-    def _relayout(self, g):
+    def _relayout(self, g, order=None):
         """Once, after the first reduced backward: the order gradients arrived in on rank 0
         becomes the layout on every rank, so buckets fill (and launch) in backward order."""
-        order = torch.tensor(g.reducer.arrival_order(len(g.params)), dtype=torch.int64)
+        order = torch.tensor(g.reducer.arrival_order(len(g.params)) if order is None else order, dtype=torch.int64)
         if g.is_cuda and dist.get_backend() == "nccl":
             order = order.to(g.device)
         dist.broadcast(order, src=0)
@@ -215,6 +215,11 @@ class BucketComm:
         if order != g.order:
             g.relayout(order)
         g.relaid = True
+
+    def relayout_shadow(self, g):
+        """A process that ran out of data takes part in the re-layout broadcast (with its
+        current order, used only if it is rank 0)."""
+        self._relayout(g, order=g.order)
 
 
 def sync_gradients(manager, groups, extras) -> None:
@@ -267,32 +272,132 @@ def broadcast_model(model: torch.nn.Module, src: int = 0) -> None:
             dist.broadcast(t.data, src=src)
 
 
-def register_buffer_broadcast(model: torch.nn.Module, manager):
-    """DistributedDataParallelKwargs(broadcast_buffers=True), torch DDP's default: before a
-    forward, every rank takes rank 0's buffers (e.g. BatchNorm running statistics), one
-    broadcast per dtype and device."""
-    if not any(True for _ in model.buffers()):
-        return None
+def _broadcast_buffers(module, src: int):
+    """Every rank takes rank `src`'s buffers, one broadcast per dtype and device."""
+    by_dtype: dict = {}
+    for b in module.buffers():
+        by_dtype.setdefault((b.dtype, b.device), []).append(b)
+    for bufs in by_dtype.values():
+        flat = torch.cat([b.reshape(-1) for b in bufs])
+        dist.broadcast(flat, src=src)
+        offset = 0
+        for b in bufs:
+            n = b.numel()
+            b.copy_(flat[offset:offset + n].view_as(b))
+            offset += n
 
+
+def register_forward_sync(model: torch.nn.Module, manager, broadcast_buffers: bool):
+    """The collectives that precede a forward of a prepared model on several processes:
+    - DistributedDataParallelKwargs(broadcast_buffers=True), torch DDP's default: every rank
+      takes rank 0's buffers (e.g. BatchNorm running statistics) before a forward that follows
+      a forward run with grad enabled outside no_sync() (and before the first one);
+    - inside join_uneven_inputs(): telling the processes that ran out of data that this one has
+      not, and what they must shadow (the reducer's ModelJoinable)."""
+    has_buffers = broadcast_buffers and any(True for _ in model.buffers())
+    key = id(model)
     state = {"sync": True}
 
     def pre_hook(module, args):
-        # torch DDP's rule: buffers are broadcast before a forward that follows a forward run
-        # with grad enabled outside no_sync() (and before the first one)
-        sync, state["sync"] = state["sync"], torch.is_grad_enabled() and manager.no_sync_depth == 0
-        if not sync:
-            return
-        with torch.no_grad():
-            by_dtype: dict = {}
-            for b in module.buffers():
-                by_dtype.setdefault((b.dtype, b.device), []).append(b)
-            for bufs in by_dtype.values():
-                flat = torch.cat([b.reshape(-1) for b in bufs])
-                dist.broadcast(flat, src=0)
-                offset = 0
-                for b in bufs:
-                    n = b.numel()
-                    b.copy_(flat[offset:offset + n].view_as(b))
-                    offset += n
+        bcast = has_buffers and state["sync"]
+        will_reduce = torch.is_grad_enabled() and manager.sync_now(key)
+        state["sync"] = will_reduce
+        src = 0
+        joinable = manager.joining.get(key)
+        if joinable is not None:
+            from torch.distributed.algorithms.join import Join
 
+            Join.notify_join_context(joinable)
+            # what the joined processes must shadow for this iteration, and the buffers' source:
+            # the highest rank that still has data (rank 0 may have joined)
+            flags = torch.tensor([int(will_reduce), int(bcast), dist.get_rank()], dtype=torch.int64,
+                                 device=joinable.join_device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            src = int(flags[2])
+        if bcast:
+            with torch.no_grad():
+                _broadcast_buffers(module, src)
+
+    # registered even without buffers: join_uneven_inputs() needs it
     return model.register_forward_pre_hook(pre_hook)
+
+
+class _ShadowHook:
+    """What a process that ran out of data does for each iteration the others still run."""
+
+    def __init__(self, joinable):
+        self.j = joinable
+
+    def main_hook(self):
+        j = self.j
+        m, groups = j.model, j.groups()
+        flags = torch.tensor([0, 0, -1], dtype=torch.int64, device=j.join_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        will_reduce, bcast, src = (int(v) for v in flags.tolist())
+        if bcast:
+            with torch.no_grad():
+                _broadcast_buffers(m, src)
+        if not will_reduce:
+            return
+        comm = j.manager.comm
+        for g in groups:
+            # the buckets the others reduce, in their order, with zeros (this rank adds nothing;
+            # the others divide by the full world size, torch DDP's default under Join)
+            for b in range(g.reducer.count()):
+                _, count = g.reducer.range(b)
+                if g.nccl:
+                    zeros = torch.zeros(count, dtype=g.dtype, device=g.device)
+                    comm.nccl.all_reduce(zeros, stream=torch.cuda.current_stream(g.device).cuda_stream)
+                    continue
+                wire = comm.hook_dtype or _wire_dtype(g.flat)
+                dist.all_reduce(torch.zeros(count, dtype=wire, device=g.device))
+            if comm.find_unused:
+                dist.all_reduce(torch.zeros(len(g.params), dtype=torch.int32, device=g.flat.device))
+            if not g.relaid:
+                comm.relayout_shadow(g)
+
+    def post_hook(self, is_last_joiner: bool):
+        """The processes that joined early skipped optimizer steps: everyone takes the model of
+        a process that ran to the end (torch DDP's final model sync)."""
+        j = self.j
+        rank = torch.tensor([dist.get_rank() if is_last_joiner else -1], device=j.join_device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MAX)
+        src = int(rank.item())
+        with torch.no_grad():
+            for p in j.model.parameters():
+                dist.broadcast(p.data, src=src)
+            _broadcast_buffers(j.model, src)
+
+
+def _joinable_base():
+    from torch.distributed.algorithms.join import Joinable
+
+    return Joinable
+
+
+class ModelJoinable(_joinable_base()):
+    """torch's Joinable for one prepared model: join_uneven_inputs() hands it to torch's Join,
+    whose loop runs _ShadowHook on the processes that ran out of data."""
+
+    def __init__(self, manager, model):
+        super().__init__()
+        self.manager = manager
+        self.model = model
+
+    def groups(self):
+        return [g for g in self.manager.groups if g.model_key == id(self.model)]
+
+    def join_hook(self, **kwargs):
+        return _ShadowHook(self)
+
+    @property
+    def join_device(self):
+        gs = self.groups()
+        if gs and gs[0].is_cuda and dist.get_backend() == "nccl":
+            return gs[0].device
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD

@@ -46,6 +46,7 @@ class GradGroup:
         self.stats = None
         self.relaid = False  # the layout follows the order gradients arrived in (after step 1)
         self.comm = None  # ddp.BucketComm on multi-process runs
+        self.model_key = None  # id() of the prepared model the parameters came from
         self.nccl = False  # buckets launched by the C reducer over NCCL (ddp.BucketComm.attach)
         self.works = []  # buckets in flight: (bucket, work, range, wire tensor or None)
         self.hooks = []
@@ -106,7 +107,7 @@ class GradGroup:
             self.needs_unscale = True
             self.found_inf = False
         self.stats = None
-        launching = self.comm is not None and self.manager.sync_now()
+        launching = self.comm is not None and self.manager.sync_now(self.model_key)
         self.reducer.launching = launching
         if launching:
             self.comm.start(self)
@@ -265,8 +266,10 @@ class GradManager:
         # bucket sizes of the reducer: torch DDP's (first bucket 1 MiB, then bucket_cap_mb)
         self.bucket_caps = (1024 * 1024, 25 * 1024 * 1024)
         self.comm = None  # ddp.BucketComm when several processes train
-        self.no_sync_depth = 0  # inside Accelerator.no_sync(): backward does not communicate
+        # id(model) -> depth of Accelerator.no_sync(model): its backward does not communicate
+        self.no_sync_models: dict[int, int] = {}
         self.force_sync = 0  # inside Accelerator.trigger_sync_in_backward()
+        self.joining: dict = {}  # id(model) -> ddp.ModelJoinable inside join_uneven_inputs()
 
     def configure(self, comm=None, bucket_cap_mb: float | None = None):
         """Multi-process runs: the communicator and the bucket cap (DistributedDataParallelKwargs)."""
@@ -283,23 +286,30 @@ class GradManager:
             if comm is not None:
                 comm.attach(g)
 
-    def sync_now(self) -> bool:
-        """Whether a backward starting now reduces gradients across processes."""
-        from .state import GradientState
+    def sync_now(self, model_key) -> bool:
+        """Whether a backward of that model starting now reduces gradients across processes:
+        as with torch DDP, unless it runs inside no_sync(model) (which accumulate() enters on
+        accumulation steps)."""
+        return bool(self.force_sync) or not self.no_sync_models.get(model_key)
 
-        if self.force_sync:
-            return True
-        return self.no_sync_depth == 0 and GradientState().sync_gradients
+    def start_join(self, model):
+        """join_uneven_inputs(): the Joinable that shadows `model`'s collectives once this
+        process runs out of data."""
+        from .ddp import ModelJoinable
+
+        j = ModelJoinable(self, model)
+        self.joining[id(model)] = j
+        return j
 
     def add_model(self, model: torch.nn.Module):
         for name, p in model.named_parameters():
             self.names.setdefault(id(p), name)
-        self._add_params(list(model.parameters()))
+        self._add_params(list(model.parameters()), model_key=id(model))
 
     def name_of(self, p) -> str:
         return self.names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
 
-    def _add_params(self, params, pending_sync=False):
+    def _add_params(self, params, pending_sync=False, model_key=None):
         by_key: dict = {}
         for p in params:
             if not p.requires_grad or id(p) in self.where:
@@ -315,9 +325,11 @@ class GradManager:
                 for p in group_params:
                     if all(q is not p for q in self.extra):
                         self.extra.append(p)
-                        self.extra_hooks.append(p.register_post_accumulate_grad_hook(self._extra_hook))
+                        self.extra_hooks.append(p.register_post_accumulate_grad_hook(
+                            lambda param, key=model_key: self._extra_hook(key)))
                 continue
             g = GradGroup(group_params, dtype, device, self)
+            g.model_key = model_key
             g.comm = self.comm
             if self.comm is not None:
                 self.comm.attach(g)
@@ -333,8 +345,8 @@ class GradManager:
             g.reducer.launching = False
             g.reducer.reset()
 
-    def _extra_hook(self, p):
-        if self.comm is not None and self.sync_now():
+    def _extra_hook(self, model_key):
+        if self.comm is not None and self.sync_now(model_key):
             self.extra_pending = True
 
     def prepare_step(self):
@@ -343,7 +355,7 @@ class GradManager:
         run, reduce what the bucketed reducer could not (groups rebuilt mid-step, float64
         params) with one all-reduce each (every rank reaches the same entry points)."""
         self.ensure_intact()
-        if self.comm is None or not self.sync_now():
+        if self.comm is None:
             return
         todo = [g for g in self.groups if g.pending_sync]
         if todo or self.extra_pending:
@@ -360,7 +372,7 @@ class GradManager:
             for p in params:
                 self.where.pop(id(p), None)
             # a group broken during a sync backward missed its bucketed reduction
-            self._add_params(params, pending_sync=g.pending_sync)
+            self._add_params(params, pending_sync=g.pending_sync, model_key=g.model_key)
 
     def clear(self):
         for g in self.groups:

@@ -40,6 +40,8 @@ PASS = {
         "test_dataloader_break", "test_distributed_sync", "test_distributed_sync_multiple_fwd",
         _GA.format(True, False, False), _GA.format(False, False, False),
         _GAS.format(False, False, False), _GAS.format(True, False, False),
+        _GA.format(True, False, True), _GA.format(False, False, True),
+        _GAS.format(True, False, True), _GAS.format(False, False, True),
     ],
     "test_distributed_data_loop.py": [
         "test_default_ensures_even_batch_sizes", "test_can_disable_even_batches",
@@ -47,7 +49,7 @@ PASS = {
         "test_join_raises_warning_for_iterable_when_overriding_even_batches",
         "test_join_raises_warning_for_non_ddp_distributed", "test_pickle_accelerator",
         "test_data_loader[shuffle=False]", "test_data_loader[shuffle=True]", "test_data_loader[batch_sampler]",
-        "test_data_loader[sampler=BatchSampler]",
+        "test_data_loader[sampler=BatchSampler]", "test_can_join_uneven_inputs",
     ],
 }
 
@@ -71,23 +73,7 @@ NOT_APPLICABLE = {
     },
 }
 
-# Public behaviour that fails today in the gradient reducer (accelerate_c/grads.py, ddp.py and
-# Accelerator.accumulate/no_sync, rewritten by another change): not run here (the join test
-# hangs until the collective timeout); see docs/accelerate-scripts.md for the failing assertions.
-KNOWN_FAILURES = {
-    "test_sync.py": {
-        _GA.format(True, False, True): "accumulate() ignores GradientAccumulationPlugin(sync_each_batch=True): "
-                                       "no all-reduce on non-boundary batches",
-        _GA.format(False, False, True): "same (sync_each_batch)",
-        _GAS.format(True, False, True): "same (sync_each_batch)",
-        _GAS.format(False, False, True): "same (sync_each_batch)",
-    },
-    "test_distributed_data_loop.py": {
-        "test_can_join_uneven_inputs": "the bucketed reducer all-reduces in backward and provides no torch Joinable "
-                                       "(Accelerator.join_uneven_inputs looks for GradManager.joinable): rank 0's "
-                                       "second backward waits for rank 1, which ran out of data",
-    },
-}
+KNOWN_FAILURES: dict = {}  # every function that tests public behaviour passes
 
 SCRIPTS = list(PASS)
 
@@ -106,11 +92,3 @@ def test_wheel_script_passes_on_two_ranks(script):
     report = "\n".join(f"{name}: {r['status']} {r['errors']}\n{next(iter(r['tracebacks'].values()), '')}"
                        for name, r in failed.items())
     assert not failed, report
-
-
-@pytest.mark.xfail(strict=True, reason="known reducer gap (sync_each_batch); when this passes, move the "
-                                       "sync_each_batch entries of KNOWN_FAILURES to PASS")
-def test_known_reducer_failure_still_fails():
-    name = _GA.format(False, False, True)
-    results = run_script("test_sync.py", nproc=2, only=[name], timeout=240, collective_timeout=60)
-    assert results[name]["status"] == "pass", results[name]["errors"]

@@ -238,7 +238,39 @@ ours_bn, _ = train_ours(copy.deepcopy(bn), data)
 # differences over 4 steps to ~1e-5, hence 1e-4 here (the rounding, not the rule, differs)
 same_params(ours_bn, ref_bn, 1e-4, 1e-5, "BatchNorm model vs torch DDP")
 
-# 9. PowerSGD: a clear "not supported" error at prepare
+# 9. join_uneven_inputs: rank r has r+1 fewer batches than the last rank; the processes that
+#    run out shadow the others' collectives; matches torch DDP under torch's Join
+def uneven(k_base):
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    k = k_base + dist.get_rank()
+    return [(torch.randn(6, 8, generator=g), torch.randn(6, 2, generator=g)) for _ in range(k)]
+
+
+from torch.distributed.algorithms.join import Join  # noqa: E402
+
+torch.manual_seed(4)
+jbase = MLP(bn=True)
+jdata = uneven(2)
+ref_j = nn.parallel.DistributedDataParallel(copy.deepcopy(jbase), gradient_as_bucket_view=True)
+opt_r = torch.optim.SGD(ref_j.parameters(), lr=0.1, momentum=0.9)
+with Join([ref_j]):
+    for x, y in jdata:
+        nn.functional.mse_loss(ref_j(x), y).backward()
+        opt_r.step()
+        opt_r.zero_grad()
+acc = fresh(bucket_cap_mb=cap_mb)
+mj = copy.deepcopy(jbase)
+opt_j = torch.optim.SGD(mj.parameters(), lr=0.1, momentum=0.9)
+mj, opt_j = acc.prepare(mj, opt_j)
+with acc.join_uneven_inputs([mj], even_batches=False):
+    for x, y in jdata:
+        acc.backward(nn.functional.mse_loss(mj(x), y))
+        opt_j.step()
+        opt_j.zero_grad()
+same_params(mj, ref_j.module, 1e-5, 1e-6, "join_uneven_inputs vs torch DDP + Join")
+same_on_all_ranks([round(v, 6) for v in mj.out.weight.detach().reshape(-1).tolist()], "params after join")
+
+# 10. PowerSGD: a clear "not supported" error at prepare
 try:
     fresh(comm_hook="power_sgd").prepare(copy.deepcopy(base))
     fails.append("PowerSGD did not raise")
