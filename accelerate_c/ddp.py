@@ -169,21 +169,24 @@ class BucketComm:
                     self.launch(g, first, last)
         if g.nccl:
             g.reducer.nccl_wait()  # the compute stream waits for the comm stream; the host does not
-        self._wait(g)
+        factor = 1.0 / self.world if self.hook_dtype is None else 1.0  # the 16-bit hooks pre-divide
+        sumsq, nonfinite = self._wait(g, factor)
         if g.is_cuda:
-            g.scale_(1.0 / self.world if self.hook_dtype is None else 1.0)
+            g.scale_(factor)
             g.stats = None
         else:
-            factor = 1.0 / self.world if self.hook_dtype is None else 1.0
-            sumsq, maxabs, nonfinite = _C.scale_stats_(g.buf, factor)
-            g.stats = (g.flat._version, sumsq, maxabs, nonfinite)
+            g.stats = (g.flat._version, sumsq, nonfinite)
         if self.find_unused:
             self._agree_used(g, used if pending else [True] * len(g.params))
         g.pending_sync = False
         if not g.relaid:
             self._relayout(g)
 
-    def _wait(self, g):
+    def _wait(self, g, factor: float):
+        """Waits for g's buckets in order. On CPU each bucket is averaged and measured (sum of
+        squares, non-finite flag) by one C pass as soon as its all-reduce is done, while the
+        later buckets are still on the wire; returns the totals (None on CUDA)."""
+        sumsq, nonfinite = 0.0, False
         for b, work, t, wire in g.works:
             try:
                 work.wait()
@@ -194,7 +197,12 @@ class BucketComm:
                     self._cast(t, wire, g.is_cuda)
                 else:
                     t.copy_(wire)
+            if not g.is_cuda:
+                s, nf = _C.scale_sumsq_(t, factor)
+                sumsq += s
+                nonfinite = nonfinite or nf
         g.works = []
+        return (None, None) if g.is_cuda else (sumsq, nonfinite)
 
     def _agree_used(self, g, used):
         """find_unused_parameters: a parameter has a gradient if any rank gave it one."""

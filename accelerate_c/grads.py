@@ -41,8 +41,8 @@ class GradGroup:
         self.broken = False
         # a backward on a sync step of a multi-process run whose buckets were not reduced yet
         self.pending_sync = False
-        # (buffer version, sumsq, maxabs, nonfinite) of the buffer as the reducer's averaging
-        # pass left it: clip_grad_norm_ reuses it instead of reading the buffer again
+        # (buffer version, sumsq, nonfinite) of the buffer as the reducer's averaging pass left
+        # it: clip_grad_norm_ (2-norm) reuses it instead of reading the buffer again
         self.stats = None
         self.relaid = False  # the layout follows the order gradients arrived in (after step 1)
         self.comm = None  # ddp.BucketComm on multi-process runs
@@ -234,8 +234,8 @@ class GradGroup:
         self.needs_unscale = False
 
     def cached_stats(self):
-        """(sumsq, maxabs, nonfinite) of the buffer if nothing wrote to it since the reducer's
-        averaging pass measured it (any in-place change through a view bumps the version)."""
+        """(sumsq, nonfinite) of the buffer if nothing wrote to it since the reducer's averaging
+        pass measured it (any in-place change through a view bumps the version)."""
         if self.stats is not None and self.stats[0] == self.flat._version:
             return self.stats[1:]
         return None
@@ -474,9 +474,9 @@ class GradManager:
         per = []
         for g in groups:
             inv = inv_scale if (inv_scale is not None and g.needs_unscale) else 1.0
-            cached = g.cached_stats()
+            cached = g.cached_stats() if norm_type == 2.0 and inv <= 1.0 else None
             if cached is not None:  # the reducer's averaging pass measured the buffer as it is
-                sumsq, maxabs, nonfinite = cached
+                (sumsq, nonfinite), maxabs = cached, 0.0
             elif norm_type == 2.0 and inv <= 1.0:
                 # unscaling by <= 1 cannot overflow: the memory-bound pass suffices
                 sumsq, nonfinite = _C.sumsq(g.buf)

@@ -186,6 +186,24 @@ acc.backward(nn.functional.mse_loss(m(x1), y1))
 acc.backward(nn.functional.mse_loss(m(x2), y2))
 check(torch.allclose(m.out.weight.grad, want, rtol=1e-5, atol=1e-7), "two backwards in one step: wrong sum")
 
+# 4b. clip_grad_norm_ reuses the averaging pass's sum of squares, unless the gradients were
+#     changed since (version counter): both cases against torch's clip on the same gradients
+for touch in (False, True):
+    acc = fresh()
+    m = acc.prepare(copy.deepcopy(base))
+    acc.backward(nn.functional.mse_loss(m(x1), y1))
+    if touch:
+        m.out.weight.grad.mul_(3.0)
+    ref_grads = [p.grad.clone() for p in m.parameters()]
+    ref_ps = [torch.nn.Parameter(torch.zeros_like(g)) for g in ref_grads]
+    for p, g in zip(ref_ps, ref_grads):
+        p.grad = g.clone()
+    want_norm = torch.nn.utils.clip_grad_norm_(ref_ps, 0.05)
+    got = acc.clip_grad_norm_(m.parameters(), 0.05)
+    check(torch.allclose(got, want_norm, rtol=1e-6), f"clip norm (touched={touch}): {got} vs {want_norm}")
+    for p, q in zip(m.parameters(), ref_ps):
+        check(torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-9), f"clipped grads differ (touched={touch})")
+
 # 5. an unused parameter without find_unused_parameters: a clear error naming it on every rank
 acc = fresh()
 m = acc.prepare(MLP(unused=True))
