@@ -288,7 +288,47 @@ with acc.join_uneven_inputs([mj], even_batches=False):
 same_params(mj, ref_j.module, 1e-5, 1e-6, "join_uneven_inputs vs torch DDP + Join")
 same_on_all_ranks([round(v, 6) for v in mj.out.weight.detach().reshape(-1).tolist()], "params after join")
 
-# 10. PowerSGD: a clear "not supported" error at prepare
+# 10. fp16: an overflow on one rank skips that step on every rank (the averaged gradients
+#     carry the Inf everywhere), the scale backs off everywhere, parameters stay identical
+AcceleratorState._reset_state()
+GradientState._reset_state()
+acc = Accelerator(cpu=True, mixed_precision="fp16")
+m16 = copy.deepcopy(base)
+o16 = torch.optim.SGD(m16.parameters(), lr=0.1)
+m16, o16 = acc.prepare(m16, o16)
+skipped = []
+for i, (x, y) in enumerate(data):
+    loss = nn.functional.mse_loss(m16(x), y)
+    if i == 1 and dist.get_rank() == 0:
+        loss = loss * float("inf")
+    acc.backward(loss)
+    o16.step()
+    o16.zero_grad()
+    skipped.append(o16.step_was_skipped)
+check(skipped == [False, True, False, False], f"rank {dist.get_rank()} skipped {skipped}")
+same_on_all_ranks((skipped, acc.scaler.get_scale()), "fp16 skips and scale")
+same_on_all_ranks([round(v, 7) for v in m16.out.weight.detach().reshape(-1).tolist()], "fp16 params")
+
+# 11. two models in one loop (separate optimizers, both prepared): each matches torch DDP
+torch.manual_seed(5)
+base2 = MLP()
+ref_a = train_torch_ddp(copy.deepcopy(base), data)
+ref_b = train_torch_ddp(copy.deepcopy(base2), data)
+acc = fresh(bucket_cap_mb=cap_mb)
+ma, mb = copy.deepcopy(base), copy.deepcopy(base2)
+oa = torch.optim.SGD(ma.parameters(), lr=0.1, momentum=0.9)
+ob = torch.optim.SGD(mb.parameters(), lr=0.1, momentum=0.9)
+ma, mb, oa, ob = acc.prepare(ma, mb, oa, ob)
+for x, y in data:
+    acc.backward(nn.functional.mse_loss(ma(x), y) + nn.functional.mse_loss(mb(x), y))
+    oa.step()
+    ob.step()
+    oa.zero_grad()
+    ob.zero_grad()
+same_params(ma, ref_a, 1e-6, 1e-7, "two models: first")
+same_params(mb, ref_b, 1e-6, 1e-7, "two models: second")
+
+# 12. PowerSGD: a clear "not supported" error at prepare
 try:
     fresh(comm_hook="power_sgd").prepare(copy.deepcopy(base))
     fails.append("PowerSGD did not raise")
