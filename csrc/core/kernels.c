@@ -110,6 +110,14 @@ static void run_chunk(job_t *j, size_t task) {
 static void run_range(void *ctx, size_t task) {
   job_t *j = ctx;
   size_t lo = task * j->nchunks / j->nranges, hi = (task + 1) * j->nchunks / j->nranges;
+  if (j->op == OP_STATS || j->op == OP_SUMSQ) {
+    /* Read-only passes run backwards: they start where the last writer (a copy, backward's
+     * gradients in arrival order) ended, so that part is still in cache, and they leave the
+     * start of each range in cache for the forward scaling pass that usually follows (clip).
+     * Partials still land per chunk, so the result does not change. */
+    for (size_t c = hi; c-- > lo;) run_chunk(j, c);
+    return;
+  }
   for (size_t c = lo; c < hi; c++) run_chunk(j, c);
 }
 
@@ -132,7 +140,7 @@ static ac_result_t run_job(job_t *j, ac_stats_t *out) {
   j->nchunks = ntasks;
   j->nranges = ntasks < threads ? ntasks : threads;
   if (j->nranges == 1) {
-    for (size_t c = 0; c < ntasks; c++) run_chunk(j, c);
+    run_range(j, 0);
   } else {
     AC_CHECK_GOTO(ac_pool_run(j->nranges, run_range, j), r, done);
   }
