@@ -79,3 +79,13 @@ def test_world_size_env_is_validated(tmp_path):
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, WORLD_SIZE="two"))
     assert res.returncode != 0 and "WORLD_SIZE='two' is not an integer" in res.stderr
+
+
+def test_script_arguments_are_never_taken_for_launcher_flags(tmp_path):
+    """`--n 3` after the script is the script's, even though it is a prefix of launcher flags
+    (argparse would otherwise match abbreviations and fail with "ambiguous option")."""
+    script = tmp_path / "args.py"
+    script.write_text("import sys\nprint('ARGS', sys.argv[1:])\n")
+    res = launch(["--cpu", str(script), "--n", "3", "--num", "4", "-m", "x", "--cpu"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "ARGS ['--n', '3', '--num', '4', '-m', 'x', '--cpu']" in res.stdout

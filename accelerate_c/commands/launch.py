@@ -179,7 +179,7 @@ def run(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("launch", help="Launch a training script on one or several processes.",
+    p = sub.add_parser("launch", help="Launch a training script on one or several processes.", allow_abbrev=False,
                        description="Flags override the config file (--config_file, else accelerate's default "
                                    "config file when it exists and --cpu is not given).")
     p.add_argument("--config_file", default=None, help="config file to read the settings from")
