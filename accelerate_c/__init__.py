@@ -4,6 +4,8 @@ from ._C import CoreError
 from .accelerator import Accelerator
 from .data_loader import skip_first_batches
 from .state import AcceleratorState, GradientState, PartialState
+from .trainer import Trainer, TrainerCallback, TrainerControl, TrainerState
+from .training_args import TrainingArguments, create_accelerator
 from .utils import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -21,5 +23,6 @@ __all__ = [
     "Accelerator", "AcceleratorState", "AutocastKwargs", "CoreError", "DataLoaderConfiguration",
     "DistributedDataParallelKwargs", "DistributedType", "GradientAccumulationPlugin", "GradientState",
     "GradScalerKwargs", "InitProcessGroupKwargs", "PartialState", "ProjectConfiguration", "skip_first_batches",
+    "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "TrainingArguments", "create_accelerator",
     "__version__",
 ]

@@ -10,7 +10,7 @@ from types import MethodType
 
 import torch
 
-from . import _C
+from . import _C, checkpointing
 from .autocast import AutocastForward, autocast_context
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
 from .ddp import BucketComm, broadcast_model, register_forward_sync
@@ -200,6 +200,18 @@ class Accelerator:
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._custom_objects = []
         self.flag_tensor = None
+
+    @classmethod
+    def from_training_args(cls, args, **overrides) -> "Accelerator":
+        """An Accelerator configured from transformers-style TrainingArguments (an
+        accelerate_c.TrainingArguments, a dict of its fields, or a .json/.yaml file), mapped as
+        transformers' Trainer maps them; `overrides` replace single constructor arguments.
+        See docs/trainer.md for the table."""
+        from .training_args import accelerator_kwargs, load_training_args
+
+        kwargs = accelerator_kwargs(load_training_args(args))
+        kwargs.update(overrides)
+        return cls(**kwargs)
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -638,6 +650,45 @@ class Accelerator:
         if not keep_torch_compile and hasattr(model, "_orig_mod"):
             return model._orig_mod
         return model
+
+    # ---- checkpoints (accelerate_c/checkpointing.py; layout in docs/checkpoints.md) ----------
+    def save(self, obj, f, safe_serialization: bool = False):
+        """torch.save (or, with safe_serialization, a safetensors file for a dict of tensors)
+        once per machine; paths are written atomically."""
+        return checkpointing.save(self, obj, f, safe_serialization=safe_serialization)
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
+        """The unwrapped model's weights in the Hugging Face layout (model.safetensors or shards +
+        index), written by the main process, atomically."""
+        return checkpointing.save_model(self, model, save_directory, max_shard_size=max_shard_size,
+                                        safe_serialization=safe_serialization)
+
+    def get_state_dict(self, model, unwrap: bool = True):
+        return checkpointing.get_state_dict(self, model, unwrap=unwrap)
+
+    def register_for_checkpointing(self, *objects):
+        """Objects with state_dict/load_state_dict that save_state/load_state also keep."""
+        return checkpointing.register_for_checkpointing(self, *objects)
+
+    def register_save_state_pre_hook(self, hook):
+        """hook(models, weights, output_dir) before save_state writes; returns a handle with .remove()."""
+        return checkpointing.register_save_state_pre_hook(self, hook)
+
+    def register_load_state_pre_hook(self, hook):
+        """hook(models, input_dir) before load_state reads; returns a handle with .remove()."""
+        return checkpointing.register_load_state_pre_hook(self, hook)
+
+    def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
+        """Saves models, optimizers, schedulers, scaler, RNG states, data loader positions and
+        registered objects; the directory appears complete or not at all."""
+        return checkpointing.save_state(self, output_dir, safe_serialization=safe_serialization,
+                                        **save_model_func_kwargs)
+
+    def load_state(self, input_dir=None, load_kwargs=None, allow_pickle: bool = False, **load_model_func_kwargs):
+        """Loads what save_state (or accelerate's save_state) wrote; input_dir=None with automatic
+        checkpoint naming takes the newest complete checkpoint."""
+        return checkpointing.load_state(self, input_dir, load_kwargs=load_kwargs, allow_pickle=allow_pickle,
+                                        **load_model_func_kwargs)
 
     def free_memory(self, *objects):
         """Drops the Accelerator's references to prepared objects (gradient buffers included)

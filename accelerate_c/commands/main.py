@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from . import config, env, launch
+from . import config, env, estimate, launch, test
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -10,10 +10,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="accelerate-c",
         description="accelerate_c command line: accelerate's CLI, backed by a C core.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{config,env,launch}")
+    sub = parser.add_subparsers(dest="command", metavar="{config,env,launch,test,estimate-memory}")
     config.register(sub)
     env.register(sub)
     launch.register(sub)
+    test.register(sub)
+    estimate.register(sub)
     return parser
 
 

@@ -1,0 +1,414 @@
+"""load_state: checks every file of a checkpoint (ours or accelerate's) before changing any state.
+
+Also the directory conventions shared with the writer (checkpointing.py): the completion marker
+``checkpoint.json``, which ``checkpoint_<n>`` directories count as complete, and the data loader
+position. See docs/checkpoints.md.
+"""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Callable, List, Optional
+
+import torch
+
+from .model_io import find_aliases
+from .safetensors_io import list_tensors, load_into
+from .state_io import CheckpointError, StateFile, check_rng_state, read_json, set_rng_state, torch_load
+
+MARKER = "checkpoint.json"
+CHECKPOINT_FORMAT = "accelerate_c.checkpoint"
+CHECKPOINT_VERSION = 1
+_CKPT_RE = re.compile(r"^checkpoint_(\d+)$")
+_OURS_RE = re.compile(r"^(optimizer(_\d+)?|scheduler(_\d+)?|scaler|random_states_\d+|dataloader_\d+|"
+                      r"custom_checkpoint_\d+)\.json$")
+
+
+def _sfx(i: int) -> str:
+    return "" if i == 0 else f"_{i}"
+
+
+# ---- finding checkpoints ----------------------------------------------------------------------------------
+def _has_our_files(directory: str) -> bool:
+    try:
+        return any(_OURS_RE.match(e) for e in os.listdir(directory))
+    except OSError:
+        return False
+
+
+def _read_marker(directory: str) -> dict:
+    path = os.path.join(directory, MARKER)
+    doc = read_json(path, "the completion marker")
+    if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT or not isinstance(doc.get("files"), dict):
+        raise CheckpointError(f"{path}: not an accelerate_c checkpoint marker")
+    if not isinstance(doc.get("version"), int) or doc["version"] > CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {doc.get('version')!r} is newer than this "
+                              f"accelerate_c reads ({CHECKPOINT_VERSION})")
+    return doc
+
+
+def _is_complete(directory: str) -> bool:
+    if os.path.isfile(os.path.join(directory, MARKER)):
+        try:
+            _read_marker(directory)
+            return True
+        except (CheckpointError, OSError):
+            return False
+    # accelerate's own checkpoint: it writes random_states_0.pkl after everything but custom objects
+    return os.path.isfile(os.path.join(directory, "random_states_0.pkl")) and not _has_our_files(directory)
+
+
+def complete_checkpoints(base: str) -> List[tuple]:
+    """[(i, path)] of the complete ``checkpoint_{i}`` directories under ``base``, oldest first."""
+    out = []
+    if not os.path.isdir(base):
+        return out
+    for entry in os.listdir(base):
+        m = _CKPT_RE.match(entry)
+        path = os.path.join(base, entry)
+        if m and os.path.isdir(path) and _is_complete(path):
+            out.append((int(m.group(1)), path))
+    out.sort()
+    return out
+
+
+def _sampler(dl):
+    getter = getattr(dl, "get_sampler", None)
+    if callable(getter):
+        return getter()
+    from .data_loader import get_sampler
+
+    return get_sampler(dl)
+
+
+def _loader_state(dl) -> dict:
+    """Where a data loader stands: the epochs it has completed (its `iteration`, what
+    set_epoch() is called with at the next epoch), its seedable sampler's epoch and seed, and
+    the state of a sampler's own generator. The batches already consumed in the current epoch
+    are skipped by the user with skip_first_batches, as in accelerate."""
+    st = {"iteration": int(getattr(dl, "iteration", 0))}
+    for attr in ("batches_seen", "_batches_seen"):
+        if isinstance(getattr(dl, attr, None), int):
+            st["batches_seen"] = getattr(dl, attr)
+    sampler = _sampler(dl)
+    if sampler is not None:
+        st["sampler"] = type(sampler).__name__
+        for attr in ("epoch", "initial_seed"):
+            if isinstance(getattr(sampler, attr, None), int):
+                st[f"sampler_{attr}"] = int(getattr(sampler, attr))
+        g = getattr(sampler, "generator", None)
+        if isinstance(g, torch.Generator) and g.device.type == "cpu":
+            st["sampler_generator"] = g.get_state()
+    sg = getattr(dl, "synchronized_generator", None)
+    if isinstance(sg, torch.Generator) and sg.device.type == "cpu" and sg is not getattr(sampler, "generator", None):
+        st["synchronized_generator"] = sg.get_state()
+    return st
+
+
+def _check_loader_state(st, where: str) -> None:
+    if not isinstance(st, dict):
+        raise CheckpointError(f"{where}: a data loader state must be an object")
+    for key in ("iteration", "batches_seen", "sampler_epoch", "sampler_initial_seed"):
+        if key in st and (not isinstance(st[key], int) or isinstance(st[key], bool)):
+            raise CheckpointError(f"{where}: {key} must be an integer, got {st[key]!r}")
+    for key in ("sampler_generator", "synchronized_generator"):
+        if key in st:
+            try:
+                torch.Generator().set_state(st[key])
+            except (TypeError, RuntimeError) as e:
+                raise CheckpointError(f"{where}: {key} is not a generator state ({e})") from None
+
+
+def _apply_loader_state(dl, st: dict, where: str) -> None:
+    if "iteration" in st and hasattr(dl, "iteration"):
+        dl.iteration = int(st["iteration"])
+    sampler = _sampler(dl)
+    if sampler is not None:
+        for attr in ("epoch", "initial_seed"):
+            if f"sampler_{attr}" in st and hasattr(sampler, attr):
+                setattr(sampler, attr, int(st[f"sampler_{attr}"]))
+        g = getattr(sampler, "generator", None)
+        if "sampler_generator" in st:
+            if not isinstance(g, torch.Generator):
+                g = sampler.generator = torch.Generator()
+            g.set_state(st["sampler_generator"])
+    sg = getattr(dl, "synchronized_generator", None)
+    if "synchronized_generator" in st and isinstance(sg, torch.Generator):
+        sg.set_state(st["synchronized_generator"])
+
+
+# ---- load_state ------------------------------------------------------------------------------------------
+class _Plan:
+    """What load_state will set, once everything has been read and checked."""
+
+    def __init__(self):
+        self.actions: List[Callable[[], None]] = []
+        self.step = None
+        self.iteration = None
+
+
+def _model_targets(model, path: str, strict: bool) -> dict:
+    infos = list_tensors(path)  # validates the header: CoreError naming the file
+    state = model.state_dict()
+    aliases = find_aliases(state)
+    groups = {}
+    for k in state:
+        groups.setdefault(aliases.get(k, k), []).append(k)
+    missing = [k for k in state if not any(m in infos for m in groups[aliases.get(k, k)])]
+    unexpected = [k for k in infos if k not in state]
+    if strict and (missing or unexpected):
+        parts = ([f"missing keys: {', '.join(missing[:20])}"] if missing else []) + \
+                ([f"unexpected keys: {', '.join(unexpected[:20])}"] if unexpected else [])
+        raise RuntimeError(f"{path}: does not match {type(model).__name__}: " + "; ".join(parts))
+    wrong = [f"{n}: file {list(infos[n].shape)}, model {list(state[n].shape)}"
+             for n in infos if n in state and tuple(state[n].shape) != tuple(infos[n].shape)]
+    if wrong:
+        raise RuntimeError(f"{path}: size mismatch for " + "; ".join(wrong[:20]))
+    return {n: state[n] for n in infos if n in state}
+
+
+def _check_optimizer(opt, sd, where: str) -> None:
+    if not isinstance(sd, dict) or not isinstance(sd.get("param_groups"), list) or not isinstance(sd.get("state"), dict):
+        raise CheckpointError(f"{where}: not an optimizer state dict (needs 'state' and 'param_groups')")
+    groups = opt.param_groups
+    if len(groups) != len(sd["param_groups"]):
+        raise CheckpointError(f"{where}: {len(sd['param_groups'])} parameter groups, but the optimizer has {len(groups)}")
+    for gi, (g, s) in enumerate(zip(groups, sd["param_groups"])):
+        if not isinstance(s, dict) or len(s.get("params", ())) != len(g["params"]):
+            raise CheckpointError(f"{where}: parameter group {gi} has {len(s.get('params', ())) if isinstance(s, dict) else '?'} "
+                                  f"parameters, but the optimizer's has {len(g['params'])}")
+
+
+class _Reader:
+    """Names and checks the files of one checkpoint directory, ours or accelerate's."""
+
+    def __init__(self, directory: str, allow_pickle: bool, load_kwargs: dict):
+        self.dir = directory
+        self.allow_pickle = allow_pickle
+        self.load_kwargs = {k: v for k, v in load_kwargs.items() if k not in ("map_location", "weights_only")}
+        self.marker = None
+        if os.path.isfile(os.path.join(directory, MARKER)):
+            self.marker = _read_marker(directory)
+        elif _has_our_files(directory):
+            raise CheckpointError(f"{directory}: incomplete checkpoint (no {MARKER}, which save_state writes last): "
+                                  "a save was interrupted; load an earlier checkpoint")
+
+    def path(self, name: str, what: str, required: bool = True) -> Optional[str]:
+        p = os.path.join(self.dir, name)
+        if self.marker is not None:
+            files = self.marker["files"]
+            if name not in files:
+                if not required:
+                    return None
+                if os.path.exists(p):
+                    raise CheckpointError(f"{p}: not part of the checkpoint recorded in {MARKER} (left over from "
+                                          f"another save?); expected the {what} there")
+                raise FileNotFoundError(f"{p}: missing from the checkpoint ({what})")
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"{p}: missing from the checkpoint ({what}), though {MARKER} lists it")
+            size = os.path.getsize(p)
+            if size != files[name]:
+                raise CheckpointError(f"{p}: {size} bytes, but the checkpoint recorded {files[name]}: the file was "
+                                      "modified or truncated after the save")
+            return p
+        if not os.path.isfile(p):
+            if not required:
+                return None
+            raise FileNotFoundError(f"{p}: missing from the checkpoint ({what})")
+        return p
+
+    def has(self, name: str) -> bool:
+        if self.marker is not None:
+            return name in self.marker["files"]
+        return os.path.isfile(os.path.join(self.dir, name))
+
+    def open(self, name: str, what: str) -> StateFile:
+        """A state saved as <name>.json (+ .safetensors), checked; no tensor data read yet."""
+        self.path(f"{name}.json", what)
+        sf = StateFile(self.dir, name, what)
+        if sf.tensor_path is not None:
+            self.path(os.path.basename(sf.tensor_path), what)
+        return sf
+
+    def state(self, name: str, what: str):
+        """A state saved as <name>.json (+ .safetensors): read now, checked, in memory."""
+        return self.open(name, what).load()
+
+    def pickled(self, name: str, what: str, map_location="cpu"):
+        return torch_load(self.path(name, what), what, allow_pickle=self.allow_pickle, map_location=map_location,
+                          **self.load_kwargs)
+
+    def either(self, stem: str, pkl_name: str, what: str, map_location="cpu"):
+        """Our <stem>.json form when present, else accelerate's pickle file."""
+        if self.has(f"{stem}.json"):
+            return self.state(stem, what), os.path.join(self.dir, f"{stem}.json")
+        return self.pickled(pkl_name, what, map_location), os.path.join(self.dir, pkl_name)
+
+
+def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -> _Plan:
+    plan = _Plan()
+    d = reader.dir
+    for i, model in enumerate(models):
+        safe_name, bin_name = f"model{_sfx(i)}.safetensors", f"pytorch_model{_sfx(i)}.bin"
+        if reader.has(safe_name):
+            path = reader.path(safe_name, f"weights of model {i}")
+            targets = _model_targets(model, path, strict)
+            plan.actions.append(lambda p=path, t=targets: load_into(p, t))
+        else:
+            if not reader.has(bin_name):
+                raise FileNotFoundError(f"{os.path.join(d, safe_name)}: missing from the checkpoint (weights of model "
+                                        f"{i}; no {bin_name} either)")
+            sd = reader.pickled(bin_name, f"weights of model {i}")
+            plan.actions.append(lambda m=model, sd=sd: m.load_state_dict(sd, strict=strict))
+    for i, opt in enumerate(acc._optimizers):
+        stem, what = f"optimizer{_sfx(i)}", f"state of optimizer {i}"
+        if reader.has(f"{stem}.json"):
+            sf = reader.open(stem, what)
+            _check_optimizer(opt, sf.skeleton(), sf.json_path)
+            # read straight into the optimizer's current state tensors where they fit
+            plan.actions.append(lambda o=opt, sf=sf: o.load_state_dict(sf.load(reuse=_optimizer_reuse(o, sf.doc))))
+        else:
+            sd = reader.pickled(f"{stem}.bin", what, map_location)
+            _check_optimizer(opt, sd, os.path.join(d, f"{stem}.bin"))
+            plan.actions.append(lambda o=opt, sd=sd: o.load_state_dict(sd))
+    for i, sched in enumerate(acc._schedulers):
+        sd, where = reader.either(f"scheduler{_sfx(i)}", f"scheduler{_sfx(i)}.bin", f"state of scheduler {i}")
+        if not isinstance(sd, dict):
+            raise CheckpointError(f"{where}: a scheduler state must be a dict, got {type(sd).__name__}")
+        plan.actions.append(lambda s=sched, sd=sd: s.load_state_dict(sd))
+    saved_loaders = reader.marker.get("dataloaders") if reader.marker is not None else None
+    for i, dl in enumerate(acc._dataloaders):
+        if reader.has(f"dataloader_{i}.json"):
+            st = reader.state(f"dataloader_{i}", f"position of data loader {i}")
+            _check_loader_state(st, os.path.join(d, f"dataloader_{i}.json"))
+            plan.actions.append(lambda dl=dl, st=st, w=os.path.join(d, f"dataloader_{i}.json"):
+                                _apply_loader_state(dl, st, w))
+        elif saved_loaders is not None:
+            warnings.warn(f"{d}: holds the positions of {saved_loaders} data loaders, this Accelerator has "
+                          f"{len(acc._dataloaders)}; data loader {i} keeps its current position")
+        sampler_name = f"sampler{_sfx(i)}.bin"  # accelerate pickles a whole sampler (and its dataset)
+        if reader.marker is None and reader.has(sampler_name):
+            sampler = reader.pickled(sampler_name, f"sampler of data loader {i}")
+            plan.actions.append(lambda dl=dl, s=sampler: _apply_pickled_sampler(dl, s))
+    if acc.scaler is not None:
+        if reader.has("scaler.json") or reader.has("scaler.pt"):
+            st, where = reader.either("scaler", "scaler.pt", "loss scaler state")
+            missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+                       if not isinstance(st, dict) or k not in st]
+            if missing:
+                raise CheckpointError(f"{where}: loss scaler state lacks {missing}")
+            plan.actions.append(lambda st=st: acc.scaler.load_state_dict(st))
+        elif reader.marker is None and acc.device.type == "cpu":
+            warnings.warn(f"{d}: no scaler.pt (accelerate 1.15 trains fp16 on a CPU without a loss scaler); the "
+                          "loss scaler keeps its current state")
+        else:
+            raise FileNotFoundError(f"{os.path.join(d, 'scaler.json')}: missing from the checkpoint (loss scaler state)")
+    rank = acc.process_index
+    rng_json, rng_pkl = f"random_states_{rank}.json", f"random_states_{rank}.pkl"
+    if reader.has(rng_json) or reader.has(rng_pkl):
+        st, where = reader.either(f"random_states_{rank}", rng_pkl, f"random states of process {rank}")
+        check_rng_state(st, where)
+        if "step" in st:
+            if not isinstance(st["step"], int):
+                raise CheckpointError(f"{where}: step must be an integer, got {st['step']!r}")
+            plan.step = int(st["step"])
+        plan.actions.append(lambda st=st, w=where: set_rng_state(st, w))
+    else:
+        saved_n = reader.marker.get("num_processes") if reader.marker is not None else None
+        if saved_n is not None and saved_n == acc.num_processes or \
+                not any(re.match(r"^random_states_\d+\.(json|pkl)$", e) for e in os.listdir(d)):
+            raise FileNotFoundError(f"{os.path.join(d, rng_json if reader.marker else rng_pkl)}: missing from the "
+                                    f"checkpoint (random states of process {rank})")
+        warnings.warn(f"{d}: no random states for process {rank} (saved by another number of processes); its "
+                      "random number generators keep their current state")
+    if reader.marker is not None:
+        saved = reader.marker.get("custom_objects", 0)
+    else:
+        saved = len([f for f in os.listdir(d) if re.search(r"^custom_checkpoint_\d+\.pkl$", f)])
+    if saved != len(acc._custom_objects):
+        raise RuntimeError(f"Number of custom checkpoints in folder {d} does not match the number of registered "
+                           f"objects:\n\tFound checkpoints: {saved}\n\tRegistered objects: {len(acc._custom_objects)}\n"
+                           "Please make sure to only load checkpoints from folders that were created with the same set "
+                           "of registered objects.")
+    for i, obj in enumerate(acc._custom_objects):
+        st, _where = reader.either(f"custom_checkpoint_{i}", f"custom_checkpoint_{i}.pkl",
+                                   f"state of registered object {i} ({type(obj).__qualname__})")
+        plan.actions.append(lambda o=obj, st=st: o.load_state_dict(st))
+    if reader.marker is not None:
+        plan.iteration = reader.marker.get("next_iteration")
+    return plan
+
+
+def _optimizer_reuse(opt, doc) -> dict:
+    """{tensor name in the file: the optimizer's current state tensor at the same place}."""
+    cur = opt.state_dict()["state"]
+    st = doc["state"].get("state") if isinstance(doc.get("state"), dict) else None
+    pairs = st.get("__dict__") if isinstance(st, dict) else None
+    out = {}
+    for pair in pairs if isinstance(pairs, list) else []:
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[1], dict)):
+            continue
+        pid, entry = pair
+        if not isinstance(pid, int) or not isinstance(cur.get(pid), dict):
+            continue
+        for key, ref in entry.items():
+            live = cur[pid].get(key)
+            if isinstance(ref, dict) and list(ref) == ["__tensor__"] and isinstance(live, torch.Tensor):
+                out[ref["__tensor__"]] = live
+    return out
+
+
+def _apply_pickled_sampler(dl, loaded):
+    ours = _sampler(dl)
+    if ours is not None and all(hasattr(loaded, a) for a in ("epoch", "initial_seed")) and \
+            all(hasattr(ours, a) for a in ("epoch", "initial_seed")):
+        ours.epoch, ours.initial_seed = loaded.epoch, loaded.initial_seed
+    elif hasattr(dl, "set_sampler"):
+        dl.set_sampler(loaded)
+
+
+def load_state(acc, input_dir=None, load_kwargs: Optional[dict] = None, allow_pickle: bool = False,
+               **load_model_func_kwargs):
+    """Accelerator.load_state; see the module docstring and docs/checkpoints.md."""
+    cfg = acc.project_configuration
+    if input_dir is not None:
+        input_dir = os.path.expanduser(os.fspath(input_dir))
+        if not os.path.isdir(input_dir):
+            raise ValueError(f"Tried to find {input_dir} but folder does not exist")
+    elif cfg.automatic_checkpoint_naming:
+        base = os.path.join(cfg.project_dir, "checkpoints")
+        done = complete_checkpoints(base)
+        if not done:
+            raise ValueError(f"No complete checkpoint_<n> directory in {base} to load")
+        input_dir = done[-1][1]
+    else:
+        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+    load_kwargs = dict(load_kwargs or {})
+    if load_kwargs.get("weights_only") is False:
+        allow_pickle = True
+    map_location = load_model_func_kwargs.pop("map_location", None)
+    if map_location not in (None, "cpu", "on_device"):
+        raise TypeError("Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or "
+                        "`'on_device'`")
+    map_location = acc.device if map_location == "on_device" else "cpu"
+    strict = load_model_func_kwargs.pop("strict", True)
+    if load_model_func_kwargs:
+        raise TypeError(f"load_state: unexpected arguments {sorted(load_model_func_kwargs)}")
+
+    models = list(acc._models)
+    for hook in list(acc.__dict__.get("_load_model_state_pre_hook", {}).values()):
+        hook(models, input_dir)
+    reader = _Reader(input_dir, allow_pickle, load_kwargs)
+    plan = _plan_load(acc, reader, models, strict, map_location)
+    with torch.no_grad():
+        for action in plan.actions:
+            action()
+    if plan.step is not None:
+        acc.step = plan.step
+    if plan.iteration is not None:
+        cfg.iteration = int(plan.iteration)
+    elif cfg.automatic_checkpoint_naming:
+        m = _CKPT_RE.match(os.path.basename(os.path.normpath(input_dir)))
+        if m:  # accelerate's checkpoint_<n>: the next save is n + 1
+            cfg.iteration = int(m.group(1)) + 1

@@ -1,0 +1,380 @@
+"""save_state and the rest of the checkpoint API: directories that are complete or absent, never
+half-written (load_state: checkpoint_load.py).
+
+Layout (docs/checkpoints.md): models under accelerate's names (``model.safetensors``,
+``model_1.safetensors``, ...), everything else without pickle (``optimizer.json`` +
+``optimizer.safetensors``, ``scheduler.json``, ``scaler.json``, ``random_states_{rank}.json`` +
+``.safetensors``, ``dataloader_{i}.json``, ``custom_checkpoint_{i}.json`` + ``.safetensors``),
+and ``checkpoint.json`` written last: the list of files with their sizes, the save counter and
+the number of processes. With ``safe_serialization=False`` the files are accelerate's own
+(``torch.save``). Checkpoints written by accelerate 1.15 load too (``torch.load(weights_only=True)``).
+
+Protocol: the writer fills a hidden sibling ``.<name>.tmp-<token>``, every file fsynced, then
+``checkpoint.json``, then renames the directory into place and fsyncs the parent; older
+checkpoints beyond ``total_limit`` are removed only after that. Processes agree (an all-reduce
+of an error flag) between the phases, so a failure on one rank raises on every rank instead of
+leaving the others waiting in a barrier.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch.utils import hooks
+
+from .checkpoint_load import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, _CKPT_RE, _loader_state, _sfx,
+                              complete_checkpoints, load_state)
+from .model_io import find_aliases, save_model as _save_model
+from .safetensors_io import save_file
+from .state_io import (CheckpointError, PickleRequiredError, fsync_dir, rng_state, write_json_durable,
+                       write_state)
+
+__all__ = ["save_state", "load_state", "save", "save_model", "get_state_dict", "register_for_checkpointing",
+           "register_save_state_pre_hook", "register_load_state_pre_hook", "complete_checkpoints",
+           "CheckpointError", "PickleRequiredError", "MARKER"]
+
+PAUSE_ENV = "ACCELERATE_C_TEST_PAUSE_SAVE"  # tests only: pause the writer after its first file
+_LEFTOVER_RE = re.compile(r"^\.(?P<name>.+)\.(?:tmp|deleting)-(?P<token>[0-9a-f-]+)$")
+
+
+# ---- processes -----------------------------------------------------------------------------------
+def _is_writer(acc) -> bool:
+    if acc.project_configuration.save_on_each_node:
+        return acc.is_local_main_process
+    return acc.is_main_process
+
+
+def _agree(acc, ok: bool) -> bool:
+    """True on every process when every process says ok (an all-reduce, not a bare barrier: a
+    failing rank does not leave the others waiting)."""
+    if acc.num_processes == 1:
+        return ok
+    import torch.distributed as dist
+
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=acc.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) == 0
+
+
+def _check(acc, err: Optional[BaseException], doing: str):
+    if not _agree(acc, err is None):
+        if err is not None:
+            raise err
+        raise RuntimeError(f"another process failed to {doing}; see its error")
+
+
+def _token(acc) -> str:
+    t = torch.tensor([os.getpid()], dtype=torch.int64, device=acc.device)
+    if acc.num_processes > 1:
+        import torch.distributed as dist
+
+        dist.broadcast(t, src=0)
+    return f"{int(t.item()):x}"
+
+
+def _run_on_writer(acc, fn: Callable, doing: str):
+    err, out = None, None
+    if _is_writer(acc):
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every process
+            err = e
+    _check(acc, err, doing)
+    return out
+
+
+# ---- small API ---------------------------------------------------------------------------------------
+def get_state_dict(acc, model, unwrap: bool = True):
+    if unwrap:
+        model = acc.unwrap_model(model)
+    return model.state_dict()
+
+
+def register_for_checkpointing(acc, *objects):
+    bad = [f"\n\t- Item at index {i}, `{type(o).__qualname__}`" for i, o in enumerate(objects)
+           if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
+    if bad:
+        raise ValueError("All `objects` must include a `state_dict` and `load_state_dict` function to be stored. "
+                         "The following inputs are invalid:" + "".join(bad))
+    acc._custom_objects.extend(objects)
+
+
+def _hook_dict(acc, attr: str) -> collections.OrderedDict:
+    d = acc.__dict__.get(attr)
+    if d is None:
+        d = acc.__dict__[attr] = collections.OrderedDict()
+    return d
+
+
+def register_save_state_pre_hook(acc, hook) -> hooks.RemovableHandle:
+    d = _hook_dict(acc, "_save_model_state_pre_hook")
+    handle = hooks.RemovableHandle(d)
+    d[handle.id] = hook
+    return handle
+
+
+def register_load_state_pre_hook(acc, hook) -> hooks.RemovableHandle:
+    d = _hook_dict(acc, "_load_model_state_pre_hook")
+    handle = hooks.RemovableHandle(d)
+    d[handle.id] = hook
+    return handle
+
+
+def _torch_save_durable(obj, path: str) -> None:
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _safe_tensors(obj, what: str, drop_aliases: bool):
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        raise TypeError(f"{what} with safe_serialization=True needs a dict of str -> tensor, got "
+                        f"{type(obj).__name__}")
+    if drop_aliases:
+        aliases = find_aliases(obj)
+        obj = {k: v for k, v in obj.items() if k not in aliases}
+    return obj
+
+
+def save(acc, obj, f, safe_serialization: bool = False):
+    """accelerate's Accelerator.save: once per machine (main process, or each node's local main
+    with save_on_each_node). torch.save, or a safetensors file for a dict of tensors (state
+    dicts lose tied aliases, as accelerate does). Paths are written atomically and fsynced."""
+    if not _is_writer(acc):
+        return
+    if safe_serialization:
+        tensors = _safe_tensors(obj, "Accelerator.save", isinstance(obj, collections.OrderedDict))
+        save_file(tensors, f, metadata={"format": "pt"})
+    elif isinstance(f, (str, os.PathLike)):
+        _torch_save_durable(obj, os.fspath(f))
+    else:
+        torch.save(obj, f)
+
+
+def save_model(acc, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
+    """accelerate's Accelerator.save_model through model_io.save_model (atomic shards); the
+    writer process writes, every process returns once the files are in place."""
+    save_directory = os.fspath(save_directory)
+    if os.path.isfile(save_directory):
+        raise ValueError(f"Provided path ({save_directory}) should be a directory, not a file")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise RuntimeError("You can't save the model since some parameters are on the meta device.")
+    state_dict = get_state_dict(acc, model)
+    _run_on_writer(acc, lambda: _save_model(state_dict, save_directory, max_shard_size=max_shard_size,
+                                            safe_serialization=safe_serialization), "save the model")
+
+
+def _remove_leftovers(base: str, name: str, token: str, auto: bool) -> None:
+    """Temporary or half-deleted directories that a crashed save left next to ``name``."""
+    for entry in os.listdir(base):
+        m = _LEFTOVER_RE.match(entry)
+        if not m or m.group("token") == token:
+            continue
+        if m.group("name") == name or (auto and _CKPT_RE.match(m.group("name"))):
+            shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
+
+
+def _prune(base: str, limit: int, token: str) -> None:
+    done = complete_checkpoints(base)
+    for i, path in done[: max(0, len(done) - max(1, limit))]:
+        trash = os.path.join(base, f".checkpoint_{i}.deleting-{token}")
+        os.rename(path, trash)  # out of sight first: a crash in rmtree leaves no half checkpoint
+        fsync_dir(base)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _publish(tmp: str, final: str) -> None:
+    fsync_dir(tmp)
+    parent = os.path.dirname(final)
+    if not os.path.lexists(final):
+        os.rename(tmp, final)
+        fsync_dir(parent)
+        return
+    # an existing directory (an explicit output_dir): its marker goes first, the files are
+    # renamed in one by one (each atomically), the new marker last
+    marker = os.path.join(final, MARKER)
+    if os.path.lexists(marker):
+        os.unlink(marker)
+        fsync_dir(final)
+    for entry in sorted(os.listdir(tmp)):
+        if entry == MARKER:
+            continue
+        src, dst = os.path.join(tmp, entry), os.path.join(final, entry)
+        if os.path.isdir(src) and os.path.isdir(dst) and not os.path.islink(dst):
+            shutil.rmtree(dst)
+        os.replace(src, dst)
+    fsync_dir(final)
+    os.replace(os.path.join(tmp, MARKER), marker)
+    fsync_dir(final)
+    os.rmdir(tmp)
+    fsync_dir(parent)
+
+
+# ---- what goes into a checkpoint ------------------------------------------------------------------------
+def _pause_for_tests():
+    path = os.environ.get(PAUSE_ENV)
+    if path:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(600)
+
+
+def _writer_jobs(acc, tmp: str, weights: list, safe: bool) -> list:
+    """(label, write) pairs, one file (pair) each. Every state_dict() is taken here, on the
+    calling thread; only encoding and writing run on the worker threads."""
+    jobs = []
+
+    def add(label, stem, state, what, pkl_name):
+        if safe:
+            jobs.append((label, lambda: write_state(tmp, stem, state, what)))
+        else:
+            jobs.append((label, lambda: _torch_save_durable(state, os.path.join(tmp, pkl_name))))
+
+    for i, sd in enumerate(weights):
+        if safe:
+            name = f"model{_sfx(i)}.safetensors"
+            jobs.append((name, lambda sd=sd, name=name: save_file(
+                _safe_tensors(sd, "model weights", True), os.path.join(tmp, name), metadata={"format": "pt"})))
+        else:
+            name = f"pytorch_model{_sfx(i)}.bin"
+            jobs.append((name, lambda sd=sd, name=name: _torch_save_durable(sd, os.path.join(tmp, name))))
+    for kind, objs in (("optimizer", acc._optimizers), ("scheduler", acc._schedulers)):
+        for i, obj in enumerate(objs):
+            add(kind, f"{kind}{_sfx(i)}", obj.state_dict(), f"{kind}.state_dict()", f"{kind}{_sfx(i)}.bin")
+    for i, dl in enumerate(acc._dataloaders):
+        st = _loader_state(dl)
+        jobs.append(("dataloader", lambda st=st, i=i: write_state(tmp, f"dataloader_{i}", st, f"dataloader {i}")))
+    if acc.scaler is not None:
+        add("scaler", "scaler", acc.scaler.state_dict(), "scaler", "scaler.pt")
+    for i, obj in enumerate(acc._custom_objects):
+        add("custom", f"custom_checkpoint_{i}", obj.state_dict(), f"{type(obj).__qualname__}.state_dict()",
+            f"custom_checkpoint_{i}.pkl")
+    return jobs
+
+
+def _run_jobs(jobs: list) -> None:
+    """Writes the files, several at once: one file per thread (the C writer releases the GIL,
+    and writes to different files do not wait for each other's inode lock)."""
+    if not jobs:
+        return
+    first = [True]
+
+    def run(job):
+        job[1]()
+        if first[0]:
+            first[0] = False
+            _pause_for_tests()
+
+    if len(jobs) == 1:
+        run(jobs[0])
+        return
+    with ThreadPoolExecutor(max_workers=min(len(jobs), max(2, min(4, os.cpu_count() or 1)))) as ex:
+        futures = [ex.submit(run, job) for job in jobs]
+        errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+# ---- save_state ----------------------------------------------------------------------------------------
+def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
+    """Accelerator.save_state; see the module docstring and docs/checkpoints.md."""
+    cfg = acc.project_configuration
+    auto = cfg.automatic_checkpoint_naming
+    if auto:
+        if cfg.project_dir is None:
+            raise ValueError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
+        base = os.path.abspath(os.path.join(cfg.project_dir, "checkpoints"))
+        final = os.path.join(base, f"checkpoint_{cfg.iteration}")
+        if os.path.lexists(final):
+            raise ValueError(f"Checkpoint directory {final} ({cfg.iteration}) already exists. Please manually "
+                             "override `self.save_iteration` with what iteration to start with.")
+    else:
+        if output_dir is None:
+            raise ValueError("save_state needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
+        final = os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
+        base = os.path.dirname(final)
+        if os.path.lexists(final) and not os.path.isdir(final):
+            raise ValueError(f"save_state: {final} exists and is not a directory")
+    name = os.path.basename(final)
+    writer = _is_writer(acc)
+    token = _token(acc)
+    tmp = os.path.join(base, f".{name}.tmp-{token}")
+    err = None
+    if writer:
+        try:
+            os.makedirs(base, exist_ok=True)
+            _remove_leftovers(base, name, token, auto)
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp)
+            os.mkdir(tmp)
+        except Exception as e:  # noqa: BLE001
+            err = e
+    _check(acc, err, "create the checkpoint directory")
+    try:
+        os.makedirs(tmp, exist_ok=True)  # other nodes without a shared file system
+        weights = [get_state_dict(acc, m, unwrap=False) for m in acc._models]
+        for hook in list(acc.__dict__.get("_save_model_state_pre_hook", {}).values()):
+            hook(acc._models, weights, tmp)
+        jobs = _writer_jobs(acc, tmp, weights, safe_serialization) if writer else []
+        rank = acc.process_index
+        states = rng_state(acc.step)
+        if safe_serialization:
+            jobs.append(("rng", lambda: write_state(tmp, f"random_states_{rank}", states, "random states")))
+        else:
+            jobs.append(("rng", lambda: _torch_save_durable(states, os.path.join(tmp, f"random_states_{rank}.pkl"))))
+        _run_jobs(jobs)
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = e
+    if not _agree(acc, err is None):
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _agree(acc, True)  # every process leaves after the clean-up
+        if err is not None:
+            raise err
+        raise RuntimeError(f"another process failed while writing the checkpoint; {final} was not written")
+
+    def finish():
+        files = {}
+        for entry in sorted(os.listdir(tmp)):
+            path = os.path.join(tmp, entry)
+            if not entry.startswith(".") and os.path.isfile(path):
+                files[entry] = os.path.getsize(path)
+        marker = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "safe_serialization": bool(safe_serialization),
+                  "iteration": cfg.iteration, "next_iteration": cfg.iteration + 1, "step": int(acc.step),
+                  "num_processes": acc.num_processes, "models": len(weights), "optimizers": len(acc._optimizers),
+                  "schedulers": len(acc._schedulers), "dataloaders": len(acc._dataloaders),
+                  "scaler": acc.scaler is not None, "custom_objects": len(acc._custom_objects), "files": files}
+        write_json_durable(os.path.join(tmp, MARKER), marker)
+        _publish(tmp, final)
+        if auto and cfg.total_limit is not None:
+            _prune(base, cfg.total_limit, token)
+
+    err = None
+    if writer:
+        try:
+            finish()
+        except Exception as e:  # noqa: BLE001
+            err = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    _check(acc, err, "complete the checkpoint")
+    cfg.iteration += 1
+    return Path(final)
+
+

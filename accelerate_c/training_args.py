@@ -1,0 +1,654 @@
+"""TrainingArguments: transformers' field names and defaults for what accelerate_c's Trainer does,
+validated up front, loadable from a dict, a JSON file or a YAML file, and mapped onto an
+Accelerator the way transformers' Trainer builds its own (`create_accelerator`). Also the
+Trainer's configuration-side pieces: its state (trainer_state.json), control flags, callback
+base class, learning-rate schedules and weight-decay grouping (the loop is in trainer.py)."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+# transformers' other SchedulerType values: known, refused with "not supported yet"
+_OTHER_SCHEDULERS = ("cosine_with_restarts", "polynomial", "inverse_sqrt", "reduce_lr_on_plateau",
+                     "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+INTERVALS = ("no", "steps", "epoch")
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad")
+DDP_BACKENDS = ("nccl", "gloo")
+_OTHER_DDP_BACKENDS = ("mpi", "ccl", "hccl", "cncl", "mccl")
+ACCELERATOR_CONFIG_DEFAULTS = {
+    "split_batches": False, "dispatch_batches": None, "even_batches": True, "use_seedable_sampler": True,
+    "non_blocking": False, "gradient_accumulation_kwargs": None, "use_configured_state": False,
+}
+GRAD_ACC_KEYS = ("num_steps", "adjust_scheduler", "sync_with_dataloader", "sync_each_batch")
+
+# transformers fields accelerate_c's Trainer has no feature for: accepted at these (transformers')
+# default values, so a dict dumped from transformers' TrainingArguments loads; any other value is
+# refused as "not supported yet".
+_UNSUPPORTED_AT_DEFAULT = {
+    "do_predict": (False,), "prediction_loss_only": (False,), "eval_delay": (0, 0.0, None),
+    "torch_compile": (False,), "torch_compile_backend": (None,), "torch_compile_mode": (None,),
+    "push_to_hub": (False,), "hub_model_id": (None,), "hub_strategy": ("every_save",), "hub_token": (None,),
+    "hub_private_repo": (None, False), "hub_always_push": (False,), "label_smoothing_factor": (0, 0.0),
+    "tf32": (None,), "local_rank": (-1,), "tpu_num_cores": (None,), "debug": ("", [], None),
+    "past_index": (-1,), "group_by_length": (False,), "length_column_name": ("length",),
+    "ignore_data_skip": (False,), "optim_args": (None,), "adafactor": (False,), "fp16_opt_level": ("O1",),
+    "half_precision_backend": ("auto",), "bf16_full_eval": (False,), "fp16_full_eval": (False,),
+    "jit_mode_eval": (False,), "use_ipex": (False,), "torchdynamo": (None,), "ray_scope": ("last",),
+    "include_inputs_for_metrics": (False,), "include_for_metrics": ([], None), "neftune_noise_alpha": (None,),
+    "optim_target_modules": (None,), "batch_eval_metrics": (False,), "use_liger_kernel": (False,),
+    "liger_kernel_config": (None,), "restore_callback_states_from_checkpoint": (False,),
+    "average_tokens_across_devices": (True, False), "parallelism_config": (None,), "project": (None,),
+    "trackio_space_id": (None,), "hub_revision": (None,), "fsdp_min_num_params": (0,),
+    "fsdp_transformer_layer_cls_to_wrap": (None,), "gradient_checkpointing_kwargs": (None,),
+    "include_tokens_per_second": (False,), "include_num_input_tokens_seen": (False, "no"),
+    "auto_find_batch_size": (False,), "torch_empty_cache_steps": (None,), "use_mps_device": (False,),
+    "mp_parameters": ("",), "log_level": ("passive",), "log_level_replica": ("warning",),
+    "log_on_each_node": (True,), "skip_memory_metrics": (True,), 
+    "eval_do_concat_batches": (True,), "split_batches": (None,), "dispatch_batches": (None,),
+    "ddp_backend_kwargs": (None,), "eval_use_gather_object": (False,),
+    "use_legacy_prediction_loop": (False,), "hub_private": (None,),
+}
+_ALIASES = {"evaluation_strategy": "eval_strategy", "no_cuda": "use_cpu"}
+
+
+def _err(name: str, why: str) -> ValueError:
+    return ValueError(f"TrainingArguments.{name}: {why}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _read_mapping_file(path: str, what: str) -> dict:
+    """A JSON (or, by extension, YAML) file holding a mapping; a clear error otherwise."""
+    if not os.path.isfile(path):
+        raise _err(what, f"file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parse error, reported with the file
+        raise _err(what, f"file {path!r} cannot be parsed: {e}") from None
+    if not isinstance(data, dict):
+        raise _err(what, f"file {path!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+@dataclass
+class TrainingArguments:
+    """transformers' TrainingArguments, for the fields accelerate_c's Trainer supports (see
+    docs/trainer.md). Every value is checked when the object is built: a wrong type, a value
+    out of range or a choice that does not exist raises ValueError naming the field."""
+
+    output_dir: str | None = None
+    overwrite_output_dir: bool = False
+    do_train: bool = False
+    do_eval: bool = False
+    eval_strategy: str = "no"
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    eval_accumulation_steps: int | None = None
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: dict | None = field(default_factory=dict)
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0
+    logging_dir: str | None = None
+    logging_strategy: str = "steps"
+    logging_first_step: bool = False
+    logging_steps: float = 500
+    logging_nan_inf_filter: bool = True
+    save_strategy: str = "steps"
+    save_steps: float = 500
+    save_total_limit: int | None = None
+    save_safetensors: bool = True
+    save_on_each_node: bool = False
+    save_only_model: bool = False
+    use_cpu: bool = False
+    seed: int = 42
+    data_seed: int | None = None
+    full_determinism: bool = False
+    bf16: bool = False
+    fp16: bool = False
+    ddp_backend: str | None = None
+    eval_steps: float | None = None
+    eval_on_start: bool = False
+    dataloader_drop_last: bool = False
+    dataloader_num_workers: int = 0
+    dataloader_prefetch_factor: int | None = None
+    dataloader_persistent_workers: bool = False
+    dataloader_pin_memory: bool = True
+    run_name: str | None = None
+    disable_tqdm: bool | None = None
+    remove_unused_columns: bool = True
+    label_names: list | None = None
+    load_best_model_at_end: bool = False
+    metric_for_best_model: str | None = None
+    greater_is_better: bool | None = None
+    fsdp: Any = ""
+    fsdp_config: Any = None
+    deepspeed: Any = None
+    accelerator_config: Any = None
+    optim: str = "adamw_torch"
+    report_to: Any = "none"
+    ddp_find_unused_parameters: bool | None = None
+    ddp_bucket_cap_mb: int | None = None
+    ddp_broadcast_buffers: bool | None = None
+    ddp_timeout: int = 1800
+    resume_from_checkpoint: str | None = None
+    gradient_checkpointing: bool = False
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self):
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"  # transformers' default since 4.50
+        self.output_dir = os.fspath(self.output_dir)
+        if self.logging_dir is None:
+            self.logging_dir = os.path.join(self.output_dir, "runs")
+        for f in fields(self):
+            if f.type in ("bool",) or f.name in ("disable_tqdm", "ddp_find_unused_parameters",
+                                                 "ddp_broadcast_buffers", "greater_is_better"):
+                v = getattr(self, f.name)
+                if not isinstance(v, bool) and not (v is None and "None" in str(f.type)):
+                    raise _err(f.name, f"expected true/false, got {v!r}")
+        self._check_ints()
+        self._check_floats()
+        self._check_choices()
+        self._check_intervals()
+        self._check_features()
+        if self.disable_tqdm is None:
+            self.disable_tqdm = False
+        if self.load_best_model_at_end:
+            if self.metric_for_best_model is None:
+                self.metric_for_best_model = "loss"
+            if self.save_strategy != "best" and self.eval_strategy != self.save_strategy:
+                raise _err("load_best_model_at_end", f"needs save_strategy ({self.save_strategy!r}) to match "
+                           f"eval_strategy ({self.eval_strategy!r})")
+            if self.eval_strategy == "steps" and self.save_strategy == "steps" and self.save_steps % self.eval_steps:
+                raise _err("load_best_model_at_end", f"save_steps ({self.save_steps}) must be a multiple of "
+                           f"eval_steps ({self.eval_steps})")
+        if self.save_strategy == "best" and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.metric_for_best_model is not None:
+            if not isinstance(self.metric_for_best_model, str):
+                raise _err("metric_for_best_model", f"expected a metric name, got {self.metric_for_best_model!r}")
+            if self.greater_is_better is None:
+                self.greater_is_better = self.metric_for_best_model not in ("loss", "eval_loss")
+
+    def _check_ints(self):
+        spec = {"per_device_train_batch_size": 1, "per_device_eval_batch_size": 1, "gradient_accumulation_steps": 1,
+                "warmup_steps": 0, "dataloader_num_workers": 0, "ddp_timeout": 1, "seed": None}
+        for name, lo in spec.items():
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise _err(name, f"expected an integer, got {v!r}")
+            if lo is not None and v < lo:
+                raise _err(name, f"must be >= {lo}, got {v}")
+        if not _is_int(self.max_steps) or (self.max_steps < 1 and self.max_steps != -1):
+            raise _err("max_steps", f"expected a positive integer, or -1 (train num_train_epochs), got "
+                                    f"{self.max_steps!r}")
+        for name in ("eval_accumulation_steps", "save_total_limit", "dataloader_prefetch_factor",
+                     "ddp_bucket_cap_mb"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise _err(name, f"expected None or an integer >= 1, got {v!r}")
+        if self.data_seed is not None and not _is_int(self.data_seed):
+            raise _err("data_seed", f"expected None or an integer, got {self.data_seed!r}")
+        if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
+            raise _err("dataloader_prefetch_factor", "needs dataloader_num_workers > 0 (torch's DataLoader only "
+                                                     "prefetches with worker processes)")
+        if self.dataloader_persistent_workers and self.dataloader_num_workers == 0:
+            raise _err("dataloader_persistent_workers", "needs dataloader_num_workers > 0")
+
+    def _check_floats(self):
+        spec = {"learning_rate": (0, None), "weight_decay": (0, None), "adam_epsilon": (0, None),
+                "max_grad_norm": (0, None), "num_train_epochs": (0, None), "warmup_ratio": (0, 1),
+                "adam_beta1": (0, 1), "adam_beta2": (0, 1)}
+        for name, (lo, hi) in spec.items():
+            v = getattr(self, name)
+            if name == "max_grad_norm" and v is None:
+                self.max_grad_norm = 0.0  # None: no clipping, as in transformers
+                continue
+            if not _is_num(v) or not math.isfinite(v):
+                raise _err(name, f"expected a finite number, got {v!r}")
+            if v < lo or (hi is not None and (v >= hi if name.startswith("adam_beta") else v > hi)):
+                rng = f"in [{lo}, {hi})" if name.startswith("adam_beta") else (f"in [{lo}, {hi}]" if hi else f">= {lo}")
+                raise _err(name, f"must be {rng}, got {v!r}")
+            setattr(self, name, float(v))
+
+    def _check_choices(self):
+        def choice(name, allowed, other=()):
+            v = getattr(self, name)
+            v = getattr(v, "value", v)  # a transformers enum member
+            if isinstance(v, str):
+                v = v.lower()
+            if v in other:
+                raise _err(name, f"{v!r} is not supported yet by accelerate_c (supported: {', '.join(allowed)})")
+            if v not in allowed:
+                raise _err(name, f"got {v!r}; choose from {', '.join(allowed)}")
+            setattr(self, name, v)
+
+        choice("eval_strategy", INTERVALS)
+        choice("logging_strategy", INTERVALS)
+        choice("save_strategy", SAVE_STRATEGIES)
+        choice("lr_scheduler_type", SCHEDULERS, _OTHER_SCHEDULERS)
+        choice("optim", OPTIMIZERS)
+        if self.ddp_backend is not None:
+            choice("ddp_backend", DDP_BACKENDS, _OTHER_DDP_BACKENDS)
+        if self.lr_scheduler_kwargs is None:
+            self.lr_scheduler_kwargs = {}
+        if not isinstance(self.lr_scheduler_kwargs, dict):
+            raise _err("lr_scheduler_kwargs", f"expected a mapping, got {self.lr_scheduler_kwargs!r}")
+        allowed = {"cosine": {"num_cycles"}}.get(self.lr_scheduler_type, set())
+        for k in self.lr_scheduler_kwargs:
+            if k not in allowed:
+                raise _err("lr_scheduler_kwargs", f"{self.lr_scheduler_type!r} takes no argument {k!r}"
+                           + (f" (it takes: {', '.join(sorted(allowed))})" if allowed else ""))
+        if self.fp16 and self.bf16:
+            raise _err("fp16", "fp16 and bf16 cannot both be true")
+        if self.label_names is not None and (not isinstance(self.label_names, (list, tuple))
+                                             or not all(isinstance(n, str) for n in self.label_names)):
+            raise _err("label_names", f"expected a list of names, got {self.label_names!r}")
+        if self.resume_from_checkpoint is not None and not isinstance(self.resume_from_checkpoint, (str, bool,
+                                                                                                     os.PathLike)):
+            raise _err("resume_from_checkpoint", f"expected a path, got {self.resume_from_checkpoint!r}")
+        rt = self.report_to
+        if rt is None:
+            rt = "none"
+        rt = [rt] if isinstance(rt, str) else rt
+        if not isinstance(rt, (list, tuple)) or not all(isinstance(r, str) for r in rt):
+            raise _err("report_to", f"expected 'none', 'all', an integration name or a list of them, got "
+                                    f"{self.report_to!r}")
+        self.report_to = [] if list(rt) == ["none"] else list(rt)
+
+    def _steps(self, name, value, allow_none=False):
+        if value is None and allow_none:
+            return None
+        if not _is_num(value) or value <= 0:
+            raise _err(name, f"expected an integer > 0 (or a float in (0, 1): a ratio of the total training "
+                             f"steps), got {value!r}")
+        if value > 1:
+            if value != int(value):
+                raise _err(name, f"a value > 1 must be a whole number of steps, got {value!r}")
+            return int(value)
+        return value
+
+    def _check_intervals(self):
+        self.logging_steps = self._steps("logging_steps", self.logging_steps)
+        self.save_steps = self._steps("save_steps", self.save_steps)
+        self.eval_steps = self._steps("eval_steps", self.eval_steps, allow_none=True)
+        if self.eval_strategy == "steps" and self.eval_steps is None:
+            self.eval_steps = self.logging_steps  # transformers' rule
+        if self.eval_strategy != "no":
+            self.do_eval = True
+
+    def _check_features(self):
+        if isinstance(self.fsdp, bool):
+            self.fsdp = "full_shard" if self.fsdp else ""
+        if isinstance(self.fsdp, (list, tuple)):
+            self.fsdp = " ".join(self.fsdp)
+        if not isinstance(self.fsdp, str):
+            raise _err("fsdp", f"expected a string of FSDP options or a list, got {self.fsdp!r}")
+        for name in ("fsdp_config", "deepspeed"):
+            v = getattr(self, name)
+            if isinstance(v, (str, os.PathLike)):
+                setattr(self, name, _read_mapping_file(os.fspath(v), name))
+            elif v is not None and not isinstance(v, dict):
+                raise _err(name, f"expected a path to a JSON file or a mapping, got {v!r}")
+        self.accelerator_config = self._accelerator_config(self.accelerator_config)
+
+    @staticmethod
+    def _accelerator_config(value) -> dict:
+        if value is None:
+            value = {}
+        elif isinstance(value, (str, os.PathLike)):
+            value = _read_mapping_file(os.fspath(value), "accelerator_config")
+        elif dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        elif hasattr(value, "to_dict"):
+            value = value.to_dict()
+        if not isinstance(value, dict):
+            raise _err("accelerator_config", f"expected a mapping, a path to a JSON file or None, got {value!r}")
+        out = dict(ACCELERATOR_CONFIG_DEFAULTS)
+        for k, v in value.items():
+            if k not in ACCELERATOR_CONFIG_DEFAULTS:
+                raise _err("accelerator_config", f"unknown key {k!r}; known keys: "
+                           f"{', '.join(ACCELERATOR_CONFIG_DEFAULTS)}")
+            out[k] = v
+        for k in ("split_batches", "even_batches", "use_seedable_sampler", "non_blocking", "use_configured_state"):
+            if not isinstance(out[k], bool):
+                raise _err("accelerator_config", f"{k} must be true/false, got {out[k]!r}")
+        if out["dispatch_batches"] not in (None, True, False):
+            raise _err("accelerator_config", f"dispatch_batches must be None or true/false, got "
+                                             f"{out['dispatch_batches']!r}")
+        ga = out["gradient_accumulation_kwargs"]
+        if ga is not None:
+            if not isinstance(ga, dict):
+                raise _err("accelerator_config", f"gradient_accumulation_kwargs must be a mapping, got {ga!r}")
+            for k, v in ga.items():
+                if k not in GRAD_ACC_KEYS:
+                    raise _err("accelerator_config", f"gradient_accumulation_kwargs: unknown key {k!r}; known "
+                                                     f"keys: {', '.join(GRAD_ACC_KEYS)}")
+                if k == "num_steps" and (not _is_int(v) or v < 1):
+                    raise _err("accelerator_config", f"gradient_accumulation_kwargs.num_steps must be an "
+                                                     f"integer >= 1, got {v!r}")
+                if k != "num_steps" and not isinstance(v, bool):
+                    raise _err("accelerator_config", f"gradient_accumulation_kwargs.{k} must be true/false, "
+                                                     f"got {v!r}")
+        return out
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """warmup_steps when > 0, else ceil(num_training_steps * warmup_ratio) (transformers' rule)."""
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(num_training_steps * self.warmup_ratio)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "dict") -> "TrainingArguments":
+        """From a mapping of field names to values (the keys of transformers' TrainingArguments).
+        transformers fields that accelerate_c has no feature for are accepted at their default
+        values (so `transformers.TrainingArguments(...).to_dict()` loads) and refused otherwise."""
+        if not isinstance(data, dict):
+            raise ValueError(f"TrainingArguments from {source}: expected a mapping, got {type(data).__name__}")
+        names = {f.name: f for f in fields(cls)}
+        kwargs = {}
+        for key, value in data.items():
+            name = _ALIASES.get(key, key)
+            if key == "no_cuda":
+                value = bool(value)
+            if name in names:
+                if name in kwargs:
+                    raise ValueError(f"TrainingArguments from {source}: {key!r} given twice (also as an alias)")
+                kwargs[name] = _coerce(names[name], value)
+            elif key in _UNSUPPORTED_AT_DEFAULT:
+                if value not in _UNSUPPORTED_AT_DEFAULT[key]:
+                    raise ValueError(f"TrainingArguments.{key}={value!r} (from {source}): not supported yet by "
+                                     f"accelerate_c; leave it at {_UNSUPPORTED_AT_DEFAULT[key][0]!r}")
+            else:
+                close = difflib.get_close_matches(key, list(names), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"TrainingArguments from {source}: unknown field {key!r}{hint}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json_file(cls, path: str) -> "TrainingArguments":
+        return cls.from_dict(_read_mapping_file(os.fspath(path), "from_json_file"), source=os.fspath(path))
+
+    @classmethod
+    def from_yaml_file(cls, path: str) -> "TrainingArguments":
+        import yaml
+
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ValueError(f"TrainingArguments.from_yaml_file: file {path!r} does not exist")
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                raise ValueError(f"TrainingArguments.from_yaml_file: {path!r} is not valid YAML: {e}") from None
+        return cls.from_dict(data, source=path)
+
+
+def _coerce(f, value):
+    """Numbers written as strings (YAML 1.1 reads `5e-5` as a string) become numbers for numeric fields."""
+    if isinstance(value, str) and str(f.type).split(" ")[0] in ("float", "int"):
+        try:
+            number = float(value)
+        except ValueError:
+            return value  # the validation names the field
+        return int(number) if str(f.type).startswith("int") and number == int(number) else number
+    return value
+
+
+def load_training_args(source) -> TrainingArguments:
+    """TrainingArguments from a TrainingArguments, a dict, or a .json / .yaml / .yml file."""
+    if isinstance(source, TrainingArguments):
+        return source
+    if isinstance(source, dict):
+        return TrainingArguments.from_dict(source)
+    path = os.fspath(source)
+    if path.endswith((".yaml", ".yml")):
+        return TrainingArguments.from_yaml_file(path)
+    return TrainingArguments.from_json_file(path)
+
+
+# ---------------------------------------------------------------------- the Trainer's state and callbacks
+
+
+class EvalPrediction:
+    """What compute_metrics receives: predictions and label_ids (numpy arrays, or tuples of
+    them); unpacks as `predictions, label_ids = eval_pred`, as in transformers."""
+
+    def __init__(self, predictions, label_ids, inputs=None):
+        self.predictions, self.label_ids, self.inputs = predictions, label_ids, inputs
+
+    def __iter__(self):
+        return iter((self.predictions, self.label_ids) if self.inputs is None else
+                    (self.predictions, self.label_ids, self.inputs))
+
+    def __getitem__(self, i):
+        return tuple(self)[i]
+
+
+@dataclass
+class TrainerState:
+    """The loop's progress, saved as trainer_state.json in every checkpoint (transformers' keys)."""
+
+    epoch: float | None = None
+    global_step: int = 0
+    max_steps: int = 0
+    logging_steps: int = 500
+    eval_steps: int = 500
+    save_steps: int = 500
+    train_batch_size: int | None = None
+    num_train_epochs: int = 0
+    total_flos: float = 0
+    log_history: list = field(default_factory=list)
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+
+    def save_to_json(self, json_path: str):
+        """Written to a temporary name, then renamed: a trainer_state.json is always complete."""
+        tmp = json_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, json_path)
+
+    @classmethod
+    def load_from_json(cls, json_path: str) -> "TrainerState":
+        with open(json_path, encoding="utf-8") as f:
+            data = json.load(f)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class TrainerControl:
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
+
+    def _new_step(self):
+        self.should_save = self.should_evaluate = self.should_log = False
+
+
+class TrainerCallback:
+    """transformers' callback events; each gets (args, state, control, **kwargs) and may
+    return a TrainerControl. Subclass and override the ones you need."""
+
+    def on_init_end(self, args, state, control, **kwargs): pass
+    def on_train_begin(self, args, state, control, **kwargs): pass
+    def on_train_end(self, args, state, control, **kwargs): pass
+    def on_epoch_begin(self, args, state, control, **kwargs): pass
+    def on_epoch_end(self, args, state, control, **kwargs): pass
+    def on_step_begin(self, args, state, control, **kwargs): pass
+    def on_step_end(self, args, state, control, **kwargs): pass
+    def on_evaluate(self, args, state, control, **kwargs): pass
+    def on_save(self, args, state, control, **kwargs): pass
+    def on_log(self, args, state, control, **kwargs): pass
+
+
+# ---------------------------------------------------------------------- schedules and weight decay
+
+
+def _linear(step, *, warmup, total):
+    if step < warmup:
+        return step / max(1, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def _cosine(step, *, warmup, total, num_cycles=0.5):
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress)))
+
+
+def _constant(step, *, warmup=0, total=0):
+    return 1.0
+
+
+def _constant_with_warmup(step, *, warmup, total=0):
+    return step / max(1.0, warmup) if step < warmup else 1.0
+
+
+_SCHEDULES = {"linear": _linear, "cosine": _cosine, "constant": _constant,
+              "constant_with_warmup": _constant_with_warmup}
+
+
+def get_scheduler(name: str, optimizer, num_warmup_steps: int = 0, num_training_steps: int = 0, **kwargs):
+    """transformers' get_scheduler for linear / cosine / constant / constant_with_warmup: a
+    LambdaLR over the optimizer's steps."""
+    if name not in _SCHEDULES:
+        raise ValueError(f"lr_scheduler_type {name!r} is not supported yet by accelerate_c (supported: "
+                         f"{', '.join(_SCHEDULES)})")
+    fn = functools.partial(_SCHEDULES[name], warmup=num_warmup_steps, total=num_training_steps, **kwargs)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+_NORM_NAME = re.compile(r"(bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.))", re.IGNORECASE)
+
+
+def get_decay_parameter_names(model: nn.Module) -> list:
+    """Names of the parameters that get weight decay: all but biases and normalisation layers."""
+    norm_types = tuple(t for t in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None)
+    skip = set()
+    for mname, module in model.named_modules():
+        if isinstance(module, norm_types):
+            skip.update(f"{mname}.{n}" if mname else n for n, _ in module.named_parameters(recurse=False))
+    return [n for n, _ in model.named_parameters() if n not in skip and not _NORM_NAME.search(n)]
+
+
+# ---------------------------------------------------------------------- the Accelerator
+
+
+def accelerator_kwargs(args: TrainingArguments) -> dict:
+    """The Accelerator's constructor arguments for `args`, as transformers'
+    create_accelerator_and_postprocess builds them (see docs/trainer.md for the table)."""
+    from .utils.dataclasses import (
+        DataLoaderConfiguration,
+        DistributedDataParallelKwargs,
+        GradientAccumulationPlugin,
+        InitProcessGroupKwargs,
+        ProjectConfiguration,
+    )
+
+    if args.report_to and args.report_to not in ([], ["none"]):
+        raise NotImplementedError(f"TrainingArguments.report_to={args.report_to!r}: experiment trackers are not "
+                                  "supported yet by accelerate_c; use report_to='none'")
+    cfg = dict(args.accelerator_config)
+    if cfg.pop("use_configured_state"):
+        raise NotImplementedError("TrainingArguments.accelerator_config.use_configured_state=True is not supported "
+                                  "yet by accelerate_c")
+    ga = dict(cfg.pop("gradient_accumulation_kwargs") or {})
+    if "num_steps" in ga and args.gradient_accumulation_steps > 1:
+        raise ValueError("TrainingArguments: accelerator_config.gradient_accumulation_kwargs.num_steps and "
+                         "gradient_accumulation_steps > 1 are both set; set only one")
+    ga["num_steps"] = ga.get("num_steps", args.gradient_accumulation_steps)
+    dl = DataLoaderConfiguration(split_batches=cfg["split_batches"], dispatch_batches=cfg["dispatch_batches"],
+                                 even_batches=cfg["even_batches"], use_seedable_sampler=cfg["use_seedable_sampler"],
+                                 data_seed=args.data_seed, non_blocking=cfg["non_blocking"])
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout),
+                                       **({"backend": args.ddp_backend} if args.ddp_backend else {}))]
+    ddp = {}
+    if args.ddp_find_unused_parameters is not None:
+        ddp["find_unused_parameters"] = args.ddp_find_unused_parameters
+    if args.ddp_bucket_cap_mb is not None:
+        ddp["bucket_cap_mb"] = args.ddp_bucket_cap_mb
+    if args.ddp_broadcast_buffers is not None:
+        ddp["broadcast_buffers"] = args.ddp_broadcast_buffers
+    if ddp:
+        handlers.append(DistributedDataParallelKwargs(**ddp))
+    kwargs = dict(
+        mixed_precision="bf16" if args.bf16 else ("fp16" if args.fp16 else None),  # None: env / launcher
+        cpu=args.use_cpu,
+        dataloader_config=dl,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(**ga),
+        kwargs_handlers=handlers,
+        project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir,
+                                            save_on_each_node=args.save_on_each_node),
+    )
+    # passed on so that the Accelerator refuses them with its "not supported yet" error
+    if args.fsdp:
+        kwargs["fsdp_plugin"] = {"fsdp": args.fsdp, "fsdp_config": args.fsdp_config}
+    if args.deepspeed is not None:
+        kwargs["deepspeed_plugin"] = {"deepspeed": args.deepspeed}
+    return kwargs
+
+
+def create_accelerator(args):
+    """An Accelerator configured from TrainingArguments (or a dict / JSON / YAML path of its fields)."""
+    from .accelerator import Accelerator
+
+    return Accelerator.from_training_args(args)
