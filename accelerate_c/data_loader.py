@@ -114,6 +114,7 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         # non_blocking copies only overlap when the source is pinned; elsewhere they are plain copies
         self._non_blocking = _non_blocking
         self.iteration = iteration
+        self.batches_seen = 0
         self.reset()
 
     def __iter__(self):
@@ -121,6 +122,7 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
             synchronize_rng_states(self.rng_types, self.synchronized_generator)
         self.begin()
         self.set_epoch(self.iteration)
+        self.batches_seen = 0  # batches handed out this epoch: save_state records it for resume
         it = super().__iter__()
         try:
             current = next(it)
@@ -136,9 +138,11 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
             except StopIteration:
                 self.end_of_dataloader = True
                 if index >= self.skip_batches:
+                    self.batches_seen += 1
                     yield current
                 break
             if index >= self.skip_batches:
+                self.batches_seen += 1
                 yield current
             index += 1
             current = nxt

@@ -81,6 +81,9 @@ class BucketComm:
         self.rank = dist.get_rank()
         self.find_unused = bool(handler.find_unused_parameters) if handler is not None else False
         self.hook_dtype = _comm_hook_dtype(handler)
+        # gradients are divided by the world size before the sum; the 16-bit hooks divide their
+        # wire copy instead (as torch's compress hooks do)
+        self.prescale = 1.0 / self.world if self.hook_dtype is None else 1.0
         self.nccl = None  # _C.NcclComm: CUDA buckets are launched from the C hooks, no Python
         self.comm_stream = None
 
@@ -154,14 +157,17 @@ class BucketComm:
                     "Accelerator if some parameters are legitimately unused, or freeze them "
                     "(requires_grad=False).")
             used = [True] * len(g.params)
+            f = g.reducer.prescale
             for i in pending:
                 p, v = g.params[i], g.views[i]
                 if p.grad is None:  # unused here: zeros in the sum, and no .grad unless used elsewhere
                     v.zero_()
                     used[i] = False
                 elif p.grad is not v:  # assigned during backward
-                    v.copy_(p.grad)
+                    torch.mul(p.grad, f, out=v)
                     p.grad = v
+                elif f != 1.0:  # accumulated earlier in this step, no gradient in this backward
+                    v.mul_(f)
                 first, last = g.reducer.mark_ready(i)
                 if g.nccl:
                     g.reducer.nccl_launch(first, last)
@@ -169,23 +175,20 @@ class BucketComm:
                     self.launch(g, first, last)
         if g.nccl:
             g.reducer.nccl_wait()  # the compute stream waits for the comm stream; the host does not
-        factor = 1.0 / self.world if self.hook_dtype is None else 1.0  # the 16-bit hooks pre-divide
-        sumsq, nonfinite = self._wait(g, factor)
-        if g.is_cuda:
-            g.scale_(factor)
-            g.stats = None
-        else:
-            g.stats = (g.flat._version, sumsq, nonfinite)
+        sumsq, nonfinite = self._wait(g)
+        g.stats = None if sumsq is None else (g.flat._version, sumsq, nonfinite)
         if self.find_unused:
             self._agree_used(g, used if pending else [True] * len(g.params))
         g.pending_sync = False
         if not g.relaid:
             self._relayout(g)
 
-    def _wait(self, g, factor: float):
-        """Waits for g's buckets in order. On CPU each bucket is averaged and measured (sum of
-        squares, non-finite flag) by one C pass as soon as its all-reduce is done, while the
-        later buckets are still on the wire; returns the totals (None on CUDA)."""
+    def _wait(self, g):
+        """Waits for g's buckets in order. Once clip_grad_norm_ has asked for a 2-norm
+        (g.want_stats), each CPU bucket is also measured (sum of squares, non-finite flag) as
+        soon as its all-reduce is done, while it is in cache and the later buckets are still on
+        the wire; returns the totals, or (None, None) when nothing was measured."""
+        measure = g.want_stats and not g.is_cuda
         sumsq, nonfinite = 0.0, False
         for b, work, t, wire in g.works:
             try:
@@ -197,12 +200,12 @@ class BucketComm:
                     self._cast(t, wire, g.is_cuda)
                 else:
                     t.copy_(wire)
-            if not g.is_cuda:
-                s, nf = _C.scale_sumsq_(t, factor)
+            if measure:
+                s, nf = _C.sumsq(t)
                 sumsq += s
                 nonfinite = nonfinite or nf
         g.works = []
-        return (None, None) if g.is_cuda else (sumsq, nonfinite)
+        return (sumsq, nonfinite) if measure else (None, None)
 
     def _agree_used(self, g, used):
         """find_unused_parameters: a parameter has a gradient if any rank gave it one."""

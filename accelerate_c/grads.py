@@ -41,9 +41,11 @@ class GradGroup:
         self.broken = False
         # a backward on a sync step of a multi-process run whose buckets were not reduced yet
         self.pending_sync = False
-        # (buffer version, sumsq, nonfinite) of the buffer as the reducer's averaging pass left
-        # it: clip_grad_norm_ (2-norm) reuses it instead of reading the buffer again
+        # (buffer version, sumsq, nonfinite) measured bucket by bucket as the all-reduces
+        # finished (only once clip_grad_norm_ has asked for a 2-norm: want_stats); clip reuses it
+        # instead of reading the buffer again
         self.stats = None
+        self.want_stats = False
         self.relaid = False  # the layout follows the order gradients arrived in (after step 1)
         self.comm = None  # ddp.BucketComm on multi-process runs
         self.model_key = None  # id() of the prepared model the parameters came from
@@ -72,6 +74,7 @@ class GradGroup:
         self.ptrs = [v.data_ptr() for v in self.views]
         # pointers are taken once here; per-step kernel calls pass this object, not a tensor
         self.buf = _C.Buffer(self.flat)
+        self.reducer.set_buffer(self.buf)
         if self.is_cuda:  # device scalars of GradScaler's unscale, allocated once
             self.inv_dev = torch.ones(1, dtype=torch.float32, device=self.device)
             self.found_dev = torch.zeros(1, dtype=torch.float32, device=self.device)
@@ -109,6 +112,9 @@ class GradGroup:
         self.stats = None
         launching = self.comm is not None and self.manager.sync_now(self.model_key)
         self.reducer.launching = launching
+        # a reduced backward divides each gradient by the world size as it becomes ready (in
+        # the hook, or folded into the copy-in): the all-reduce's sum is then the average
+        self.reducer.prescale = self.comm.prescale if launching else 1.0
         if launching:
             self.comm.start(self)
         self.pending_sync = self.pending_sync or launching
@@ -143,7 +149,11 @@ class GradGroup:
             return True
         view = self.views[i]
         with torch.no_grad():
-            view.copy_(g)
+            f = self.reducer.prescale if self.reducer.launching else 1.0
+            if f != 1.0:
+                torch.mul(g, f, out=view)  # the copy-in that also averages (torch DDP's trick)
+            else:
+                view.copy_(g)
         p.grad = view
         return True
 
@@ -474,6 +484,8 @@ class GradManager:
         per = []
         for g in groups:
             inv = inv_scale if (inv_scale is not None and g.needs_unscale) else 1.0
+            if norm_type == 2.0:
+                g.want_stats = True  # from the next reduced backward on, measured while it is hot
             cached = g.cached_stats() if norm_type == 2.0 and inv <= 1.0 else None
             if cached is not None:  # the reducer's averaging pass measured the buffer as it is
                 (sumsq, nonfinite), maxabs = cached, 0.0

@@ -68,8 +68,8 @@ NOT_APPLICABLE = {
     "test_distributed_data_loop.py": {
         "test_stateful_dataloader": "needs use_stateful_dataloader=True (torchdata StatefulDataLoader), not built "
                                     "yet; accelerate itself fails it here too (torchdata is not installed)",
-        "test_stateful_dataloader_save_state": "needs Accelerator.save_state/load_state (checkpointing, a later "
-                                               "issue) and stateful data loaders",
+        "test_stateful_dataloader_save_state": "needs stateful data loaders (use_stateful_dataloader=True, "
+                                               "torchdata), not built yet",
     },
 }
 

@@ -29,6 +29,9 @@ typedef struct {
   void *comm_stream, *compute_stream;
   void *ev_ready;     /* comm stream waits for the compute stream */
   void *ev_done;      /* compute stream waits for the comm stream */
+  size_t *numel;      /* elements of each gradient (for the hooks' in-place pre-division) */
+  int on_cuda;        /* the buffer is device memory */
+  float prescale;     /* launching backwards: gradients x prescale (1/world) as they become ready */
 } ReducerObject;
 
 typedef struct {
@@ -114,14 +117,17 @@ static int reducer_init(PyObject *op, PyObject *args, PyObject *kwds) {
   ac_bucket_plan_t *plan = NULL;
   ac_result_t r = ac_bucket_plan_create(&plan, (size_t)n1, numel, order, (size_t)esize, (size_t)first_cap,
                                         (size_t)cap, (size_t)align);
-  PyMem_Free(numel);
   PyMem_Free(order);
   if (r != AC_OK) {
+    PyMem_Free(numel);
     pyac_raise(module_of(op), r);
     return -1;
   }
   ac_bucket_plan_destroy(self->plan);
   self->plan = plan;
+  PyMem_Free(self->numel);
+  self->numel = numel;
+  self->prescale = 1.0f;
   Py_XSETREF(self->on_first, on_first == Py_None ? NULL : Py_NewRef(on_first));
   Py_XSETREF(self->launch, launch == Py_None ? NULL : Py_NewRef(launch));
   Py_XSETREF(self->slow, slow == Py_None ? NULL : Py_NewRef(slow));
@@ -161,6 +167,7 @@ static void reducer_dealloc(PyObject *op) {
   self->plan = NULL;
   ac_cuda_event_destroy(self->ev_ready);
   ac_cuda_event_destroy(self->ev_done);
+  PyMem_Free(self->numel);
   tp->tp_free(op);
   Py_DECREF(tp);
 }
@@ -293,6 +300,52 @@ static int stream_arg(PyObject *o, void **out) {
   return 0;
 }
 
+/* Takes the flat buffer the plan lays out (a Buffer): its base pointer, dtype and device. */
+static int take_buffer(ReducerObject *self, PyObject *buffer, const char *who) {
+  pyac_state *st = pyac_get_state(module_of((PyObject *)self));
+  if (!PyObject_TypeCheck(buffer, st->buffer_type)) {
+    PyErr_Format(PyExc_TypeError, "%s: buffer must be a Buffer (of the flat gradient buffer)", who);
+    return -1;
+  }
+  pyac_view v;
+  if (pyac_view_from(module_of((PyObject *)self), buffer, PYAC_WRITE, PYAC_ON_ANY, "buffer", &v) < 0) return -1;
+  size_t n = v.n;
+  void *base = v.data;
+  ac_dtype_t dt = v.dt;
+  int on_cuda = v.device.device_type == kDLCUDA || v.device.device_type == kDLCUDAManaged;
+  pyac_view_release(&v);
+  if (n < ac_bucket_total(self->plan)) {
+    PyErr_Format(PyExc_ValueError, "%s: the buffer has %zu elements, the plan lays out %zu", who, n,
+                 ac_bucket_total(self->plan));
+    return -1;
+  }
+  Py_XSETREF(self->buffer, Py_NewRef(buffer));
+  self->base = base;
+  self->dt = dt;
+  self->on_cuda = on_cuda;
+  return 0;
+}
+
+static PyObject *reducer_set_buffer(PyObject *op, PyObject *buffer) {
+  return take_buffer((ReducerObject *)op, buffer, "set_buffer") < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+static PyObject *reducer_get_prescale(PyObject *op, void *c) {
+  (void)c;
+  return PyFloat_FromDouble((double)((ReducerObject *)op)->prescale);
+}
+
+static int reducer_set_prescale(PyObject *op, PyObject *v, void *c) {
+  (void)c;
+  double d = v ? PyFloat_AsDouble(v) : -1.0;
+  if (!v || (d == -1.0 && PyErr_Occurred())) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "prescale cannot be deleted");
+    return -1;
+  }
+  ((ReducerObject *)op)->prescale = (float)d;
+  return 0;
+}
+
 static PyObject *reducer_attach_nccl(PyObject *op, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"comm", "buffer", "comm_stream", "use_events", NULL};
   ReducerObject *self = (ReducerObject *)op;
@@ -305,32 +358,14 @@ static PyObject *reducer_attach_nccl(PyObject *op, PyObject *args, PyObject *kwd
     PyErr_SetString(PyExc_TypeError, "attach_nccl: comm must be an NcclComm");
     return NULL;
   }
-  if (!PyObject_TypeCheck(buffer, st->buffer_type)) {
-    PyErr_SetString(PyExc_TypeError, "attach_nccl: buffer must be a Buffer (of the flat gradient buffer)");
-    return NULL;
-  }
   void *stream;
-  if (stream_arg(stream_o, &stream) < 0) return NULL;
-  pyac_view v;
-  if (pyac_view_from(module_of(op), buffer, PYAC_WRITE, PYAC_ON_ANY, "buffer", &v) < 0) return NULL;
-  size_t n = v.n;
-  void *base = v.data;
-  ac_dtype_t dt = v.dt;
-  pyac_view_release(&v);
-  if (n < ac_bucket_total(self->plan)) {
-    PyErr_Format(PyExc_ValueError, "attach_nccl: the buffer has %zu elements, the plan lays out %zu", n,
-                 ac_bucket_total(self->plan));
-    return NULL;
-  }
+  if (stream_arg(stream_o, &stream) < 0 || take_buffer(self, buffer, "attach_nccl") < 0) return NULL;
   if (use_events && !self->ev_ready) {
     ac_result_t r = ac_cuda_event_create(&self->ev_ready);
     if (r == AC_OK) r = ac_cuda_event_create(&self->ev_done);
     if (r != AC_OK) return pyac_raise(module_of(op), r);
   }
   Py_XSETREF(self->comm, Py_NewRef(comm));
-  Py_XSETREF(self->buffer, Py_NewRef(buffer));
-  self->base = base;
-  self->dt = dt;
   self->comm_stream = stream;
   Py_RETURN_NONE;
 }
@@ -405,6 +440,8 @@ static PyMethodDef reducer_methods[] = {
     {"attach_nccl", (PyCFunction)(void (*)(void))reducer_attach_nccl, METH_VARARGS | METH_KEYWORDS,
      "attach_nccl(comm, buffer, comm_stream, use_events=True): hooks launch complete buckets with NCCL "
      "from C on comm_stream, after the compute stream's work"},
+    {"set_buffer", reducer_set_buffer, METH_O,
+     "set_buffer(buffer): the flat buffer (a Buffer) the plan lays out; the hooks pre-divide in it"},
     {"set_compute_stream", reducer_set_compute_stream, METH_O,
      "set_compute_stream(stream): the stream backward runs on (read at each backward)"},
     {"nccl_launch", reducer_nccl_launch, METH_VARARGS, "nccl_launch(from, to): launch buckets [from, to)"},
@@ -418,6 +455,9 @@ static PyMethodDef reducer_methods[] = {
 static PyGetSetDef reducer_getset[] = {
     {"launching", reducer_get_launching, reducer_set_launching,
      "whether hooks call launch() for buckets that become complete (sync steps of multi-process runs)", NULL},
+    {"prescale", reducer_get_prescale, reducer_set_prescale,
+     "on launching backwards, a gradient that already is its view is multiplied by this in place when it "
+     "becomes ready (1/world: the all-reduce's sum is then the average)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -479,6 +519,17 @@ static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwds) {
     Py_DECREF(r);
     if (keep < 0) return NULL;
     if (!keep) Py_RETURN_NONE;
+  }
+  if (is_view && red->launching && red->prescale != 1.0f && red->base) {
+    /* the average is taken before the sum, in the memory the all-reduce will read, as torch
+     * DDP divides (the slow path folds it into its copy); on CUDA on the compute stream */
+    size_t off, bucket;
+    ac_result_t rs = ac_bucket_param(red->plan, h->index, &off, &bucket);
+    void *p = (char *)red->base + off * ac_dtype_size(red->dt);
+    if (rs == AC_OK)
+      rs = red->on_cuda ? ac_cuda_scale(red->dt, p, red->numel[h->index], red->prescale, NULL, red->compute_stream)
+                        : ac_scale(red->dt, p, red->numel[h->index], red->prescale);
+    if (rs != AC_OK) return pyac_raise(module_of(h->reducer), rs);
   }
   size_t from, to;
   ac_result_t rc = ac_bucket_mark_ready(red->plan, h->index, &from, &to);
