@@ -576,3 +576,18 @@ def test_our_pickle_mode_checkpoint_loads_in_accelerate(tmp_path):
     assert_state_equal(m.state_dict(), ref_model.state_dict(), "model")
     assert_state_equal(o.state_dict(), ref_opt.state_dict(), "optimizer")
     assert_state_equal(s.state_dict(), ref_sched.state_dict(), "scheduler")
+
+
+def test_the_loader_position_is_recorded_mid_epoch(tmp_path):
+    """save_state records how many batches of the current epoch were consumed (for the user's
+    skip_first_batches on resume, as in accelerate): 3 of 8 here, and which epoch it is."""
+    acc = Accelerator(cpu=True)
+    dl = acc.prepare(make_loader(n=32, batch_size=4))
+    for _ in dl:  # one whole epoch
+        pass
+    it = iter(dl)
+    for _ in range(3):
+        next(it)
+    path = acc.save_state(tmp_path / "ck")
+    st = json.loads((path / "dataloader_0.json").read_text())["state"]
+    assert st["batches_seen"] == 3 and st["iteration"] == 1, st
