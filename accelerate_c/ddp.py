@@ -6,14 +6,16 @@ the first one small (1 MiB) so communication starts early, the rest `bucket_cap_
 parameters' post-accumulate-grad hooks are C callables; on a sync step they call
 `BucketComm.launch` as soon as a bucket is complete (always in bucket order, so every rank
 issues the same collectives in the same sequence), which starts an asynchronous all-reduce
-while backward goes on. At the end of backward (an autograd engine callback, so a raw
-`loss.backward()` works too) `BucketComm.finish` waits for the buckets in order and runs one
-C pass per buffer that averages (x 1/world) and measures the result (sum of squares, max,
-non-finite), which clip_grad_norm_ then reuses. After the first reduced backward the buffer
+while backward goes on; each gradient is divided by the world size as it becomes ready
+(folded into the copy-in, or in place in the C hook), so the sum is the average. At the end of
+backward (an autograd engine callback, so a raw `loss.backward()` works too)
+`BucketComm.finish` waits for the buckets in order; once clip_grad_norm_ has asked for a 2-norm
+it also measures each bucket (sum of squares, non-finite) while it is in cache, and clip reuses
+that. After the first reduced backward the buffer
 is re-laid once in the order gradients actually arrived, the order taken from rank 0.
 
 Semantics (torch DDP's):
-- SUM across ranks, then x 1/world (gloo has no AVG);
+- x 1/world on each rank, then SUM across ranks (gloo has no AVG);
 - nothing is communicated under no_sync() / on accumulation steps: gradients accumulate locally
   in the buffer and the next sync backward reduces the sum;
 - without find_unused_parameters every parameter must get a gradient in a sync backward (a
