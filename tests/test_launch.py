@@ -89,3 +89,13 @@ def test_script_arguments_are_never_taken_for_launcher_flags(tmp_path):
     res = launch(["--cpu", str(script), "--n", "3", "--num", "4", "-m", "x", "--cpu"])
     assert res.returncode == 0, res.stderr[-2000:]
     assert "ARGS ['--n', '3', '--num', '4', '-m', 'x', '--cpu']" in res.stdout
+
+
+def test_hyphenated_flags_work_as_in_accelerate(tmp_path):
+    """accelerate launch takes --num-processes / --mixed-precision as well as the underscored
+    spellings; so does ours."""
+    script = tmp_path / "mp.py"
+    script.write_text("import os\nprint('MP', os.environ.get('ACCELERATE_MIXED_PRECISION'))\n")
+    res = launch(["--cpu", "--num-processes", "1", "--mixed-precision", "bf16", str(script)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "MP bf16" in res.stdout

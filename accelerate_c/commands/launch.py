@@ -178,10 +178,24 @@ def run(args) -> int:
         return proc.wait()
 
 
+def _hyphens_too(parser) -> None:
+    """accelerate's launcher takes --num-processes as well as --num_processes: every option
+    added to `parser` from here on gets its hyphenated spelling too (same destination)."""
+    add = parser.add_argument
+
+    def add_argument(*names, **kw):
+        extra = [n.replace("_", "-") for n in names if n.startswith("--") and "_" in n[2:]]
+        return add(*names, *extra, **kw)
+
+    parser.add_argument = add_argument
+
+
 def register(sub) -> None:
     p = sub.add_parser("launch", help="Launch a training script on one or several processes.", allow_abbrev=False,
                        description="Flags override the config file (--config_file, else accelerate's default "
-                                   "config file when it exists and --cpu is not given).")
+                                   "config file when it exists and --cpu is not given). Options take hyphens "
+                                   "or underscores (--num-processes or --num_processes), as accelerate's do.")
+    _hyphens_too(p)
     p.add_argument("--config_file", default=None, help="config file to read the settings from")
     p.add_argument("--num_processes", type=int, default=None,
                    help="processes in total, over all machines (default: config file, else 1)")
