@@ -211,3 +211,57 @@ def test_failing_calls_do_not_leak():
         return x
 
     assert_freed(use_mismatch)
+
+
+def test_reducer_and_hooks_do_not_leak():
+    """Reducer (the C bucket plan) and its GradHooks: building, calling (hot path, slow path,
+    launch callback), the double-mark error, and the reference cycle through the glue's bound
+    methods (collected by gc through tp_traverse)."""
+    flat = torch.zeros(400)
+    buf = _C.Buffer(flat)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 300, 5)]
+
+    class Glue:
+        def __init__(self):
+            self.r = _C.Reducer([10, 300, 5], [2, 1, 0], 4, 64, 1024, 32, on_first=self.first,
+                                launch=self.launch, slow=self.slow)  # a cycle: glue -> r -> glue
+
+        def first(self):
+            pass
+
+        def launch(self, a, b):
+            pass
+
+        def slow(self, i, p):
+            return True
+
+    def once():
+        g = Glue()
+        g.r.set_buffer(buf)
+        offs, _ = g.r.layout()
+        views = [flat[o:o + p.numel()] for o, p in zip(offs, params)]
+        hooks = [g.r.hook(i, v) for i, v in enumerate(views)]
+        g.r.launching = True
+        for i, p in enumerate(params):
+            p.grad = views[i] if i != 1 else torch.zeros(300)  # param 1 takes the slow path
+            hooks[i](p)
+        try:
+            hooks[0](params[0])  # marked twice in one backward
+        except _C.CoreError:
+            pass
+        g.r.reset()
+
+    check_no_leak(once, 3000, [flat], RSS_BOUND_SMALL)
+
+    def make_and_use():  # the buffer and the views die with the reducer, its hooks and the glue
+        t = torch.zeros(400)
+        g = Glue()
+        g.r.set_buffer(_C.Buffer(t))
+        h = g.r.hook(0, t[:10])
+        params[0].grad = t[:10]
+        g.r.launching = True
+        h(params[0])
+        params[0].grad = None
+        return t
+
+    assert_freed(make_and_use)
