@@ -107,7 +107,7 @@ def test_reducer_launches_buckets_from_the_hooks_in_c(fake_nccl):
         fake.fake_nccl_last_count.restype = ctypes.c_size_t
         c = _C.NcclComm(_C.nccl_unique_id(), 1, 0)
         python_launches = []
-        sizes = [10, 300, 5]
+        sizes = [10, 300, 20]  # three buckets: 80 B >= 64, 1200 B >= 1024, the rest
         r = _C.Reducer(sizes, [2, 1, 0], 4, 64, 1024, 32, on_first=lambda: None,
                        launch=lambda a, b: python_launches.append((a, b)), slow=lambda i, p: True)
         flat = torch.zeros(r.total())

@@ -76,7 +76,10 @@ ac_result_t ac_bucket_plan_create(ac_bucket_plan_t **out, size_t nparams, const 
     }
     size_t padded = (numel[i] + align - 1) / align * align;
     size_t cap = b == 0 ? first_cap_bytes : cap_bytes;
-    if (p->bsize[b] > 0 && bytes_in + numel[i] * esize > cap) { /* close the bucket */
+    /* torch DDP's rule: a bucket closes as soon as it holds `cap` bytes or more, so a large
+     * weight shares its bucket with the small gradients that arrive just before it (the
+     * bias of the same layer) instead of leaving them a tiny all-reduce of their own */
+    if (p->bsize[b] > 0 && bytes_in >= cap) {
       p->bcount[b] = pos - p->bstart[b];
       b++;
       p->bstart[b] = pos;

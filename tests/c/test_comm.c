@@ -94,7 +94,7 @@ TEST(collectives_and_bucket_launch) {
   CHECK_RC(ac_comm_all_reduce(NULL, src, dst, 5, AC_F32, AC_RED_SUM, NULL), AC_ERR_INVALID_ARG);
 
   /* the reducer's launch: one in-place all-reduce per bucket, over that bucket's range */
-  size_t numel[] = {10, 300, 5}, order[] = {2, 1, 0};
+  size_t numel[] = {10, 300, 20}, order[] = {2, 1, 0}; /* 80 B >= 64: bucket 0; 1200 B >= 1024: bucket 1 */
   ac_bucket_plan_t *plan = NULL;
   CHECK_OK(ac_bucket_plan_create(&plan, 3, numel, order, 4, 64, 1024, 32));
   if (plan) {

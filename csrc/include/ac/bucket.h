@@ -20,9 +20,9 @@ extern "C" {
 typedef struct ac_bucket_plan ac_bucket_plan_t;
 
 /* Creates a plan for `nparams` gradients of numel[i] elements of `esize` bytes each, placed in
- * the order given by `order` (a permutation of 0..nparams-1). A bucket closes once adding the
- * next gradient would exceed its cap (first_cap_bytes for bucket 0, cap_bytes after); a
- * gradient larger than the cap gets a bucket of its own. Each gradient starts at a multiple of
+ * the order given by `order` (a permutation of 0..nparams-1). A bucket closes as soon as it
+ * holds at least its cap (first_cap_bytes for bucket 0, cap_bytes after): torch DDP's rule, so
+ * a bucket exceeds its cap by at most its last gradient. Each gradient starts at a multiple of
  * `align` elements (>= 1). Errors name the bad argument (order not a permutation, zero caps,
  * size overflow). *out is owned by the caller: ac_bucket_plan_destroy. */
 ac_result_t ac_bucket_plan_create(ac_bucket_plan_t **out, size_t nparams, const size_t *numel, const size_t *order,
