@@ -32,6 +32,7 @@ from torch.utils import hooks
 from .checkpoint_load import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, _CKPT_RE, _loader_state, _sfx,
                               complete_checkpoints, load_state)
 from .model_io import find_aliases, save_model as _save_model
+from .safetensors_io import write_durable
 from .safetensors_io import save_file
 from .state_io import (CheckpointError, PickleRequiredError, fsync_dir, rng_state, write_json_durable,
                        write_state)
@@ -128,17 +129,7 @@ def register_load_state_pre_hook(acc, hook) -> hooks.RemovableHandle:
 
 
 def _torch_save_durable(obj, path: str) -> None:
-    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_durable(path, lambda f: torch.save(obj, f))
 
 
 def _safe_tensors(obj, what: str, drop_aliases: bool):

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .safetensors_io import list_tensors, load_into, save_file
+from .safetensors_io import list_tensors, load_into, save_file, write_durable
 
 __all__ = ["save_model", "load_model_weights", "parse_size", "find_aliases", "plan_shards",
            "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
@@ -125,17 +125,7 @@ def _fsync_dir(directory: str) -> None:
 
 
 def _write_durable(path: str, data: bytes) -> None:
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_durable(path, lambda f: f.write(data))
 
 
 def _stale_pattern(safe: bool):

@@ -37,6 +37,24 @@ class TensorInfo(NamedTuple):
     data_offsets: Tuple[int, int]
 
 
+def write_durable(path, write) -> None:
+    """Writes a file atomically from Python: `write(f)` fills a temporary name in the same
+    directory, which is fsynced and renamed over `path`; on any failure the temporary file is
+    removed and `path` is untouched (the directory itself is not synced here)."""
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def _cpu_contiguous(name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .safetensors_io import _torch_dtype, list_tensors, load_into, save_file
+from .safetensors_io import _torch_dtype, list_tensors, load_into, save_file, write_durable
 
 try:  # numpy is optional
     import numpy as np
@@ -61,17 +61,7 @@ def fsync_dir(directory: str) -> None:
 
 def write_bytes_durable(path: str, data: bytes) -> None:
     """Writes ``path`` atomically: a temporary name, fsync, rename (the directory is not synced)."""
-    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_durable(path, lambda f: f.write(data))
 
 
 def write_json_durable(path: str, obj) -> None:
