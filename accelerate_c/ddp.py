@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable
 
 from . import _C
 
@@ -112,8 +113,8 @@ class BucketComm:
     def launch(self, g, first: int, last: int):
         """Starts the all-reduce of buckets [first, last) of group g (called from a hook)."""
         for b in range(first, last):
-            start, count = g.reducer.range(b)
-            t = g.flat[start:start + count]
+            t = g.buckets[b]
+            count = t.numel()
             wire = None
             if self.hook_dtype is not None and self.hook_dtype != t.dtype:
                 # comm_hook fp16/bf16: the 16-bit copy is cast in C and pre-divided, as torch's
@@ -203,7 +204,7 @@ class BucketComm:
                 else:
                     t.copy_(wire)
             if measure:
-                s, nf = _C.sumsq(t)
+                s, nf = _C.sumsq(g.bucket_bufs[b])
                 sumsq += s
                 nonfinite = nonfinite or nf
         g.works = []
@@ -356,8 +357,8 @@ class _ShadowHook:
         for g in groups:
             # the buckets the others reduce, in their order, with zeros (this rank adds nothing;
             # the others divide by the full world size, torch DDP's default under Join)
-            for b in range(g.reducer.count()):
-                _, count = g.reducer.range(b)
+            for t in g.buckets:
+                count = t.numel()
                 if g.nccl:
                     zeros = torch.zeros(count, dtype=g.dtype, device=g.device)
                     comm.nccl.all_reduce(zeros, stream=torch.cuda.current_stream(g.device).cuda_stream)
@@ -382,13 +383,7 @@ class _ShadowHook:
             _broadcast_buffers(j.model, src)
 
 
-def _joinable_base():
-    from torch.distributed.algorithms.join import Joinable
-
-    return Joinable
-
-
-class ModelJoinable(_joinable_base()):
+class ModelJoinable(Joinable):
     """torch's Joinable for one prepared model: join_uneven_inputs() hands it to torch's Join,
     whose loop runs _ShadowHook on the processes that ran out of data."""
 

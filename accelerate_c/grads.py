@@ -75,6 +75,11 @@ class GradGroup:
         # pointers are taken once here; per-step kernel calls pass this object, not a tensor
         self.buf = _C.Buffer(self.flat)
         self.reducer.set_buffer(self.buf)
+        # each bucket's range, as a tensor for the collectives and a Buffer for the C kernels:
+        # made once per layout, not per step
+        spans = [self.reducer.range(b) for b in range(self.reducer.count())]
+        self.buckets = [self.flat[s:s + n] for s, n in spans]
+        self.bucket_bufs = [_C.Buffer(t) for t in self.buckets]
         if self.is_cuda:  # device scalars of GradScaler's unscale, allocated once
             self.inv_dev = torch.ones(1, dtype=torch.float32, device=self.device)
             self.found_dev = torch.zeros(1, dtype=torch.float32, device=self.device)
@@ -149,7 +154,7 @@ class GradGroup:
             return True
         view = self.views[i]
         with torch.no_grad():
-            f = self.reducer.prescale if self.reducer.launching else 1.0
+            f = self.reducer.prescale  # 1.0 unless this backward is reduced (_on_first)
             if f != 1.0:
                 torch.mul(g, f, out=view)  # the copy-in that also averages (torch DDP's trick)
             else:

@@ -876,17 +876,3 @@ def test_pool_backend_borrows_torchs_openmp_and_results_do_not_depend_on_it():
     with pytest.raises(accelerate_c.CoreError, match="unknown pool backend"):
         _C.set_pool_backend("gpu")
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_scale_sumsq_is_scale_then_sumsq(dtype):
-    """The reducer's averaging pass: bitwise scale_ followed by sumsq, and torch's numbers."""
-    x = torch.randn(300_001, generator=torch.Generator().manual_seed(5)).to(dtype)
-    a, b = x.clone(), x.clone()
-    _C.scale_(a, 0.5)
-    want = _C.sumsq(a)
-    got = _C.scale_sumsq_(b, 0.5)
-    assert torch.equal(a, b) and got == want
-    assert torch.equal(b, (x.float() * 0.5).to(dtype))
-    assert math.isclose(got[0], float((b.double() ** 2).sum()), rel_tol=1e-6)
-    b[7] = float("inf")
-    assert _C.scale_sumsq_(b, 1.0)[1] is True

@@ -8,7 +8,6 @@ same training with plain PyTorch on the full batch, and compares; the collective
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -62,7 +61,6 @@ def _model():
 
 def self_check() -> int:
     import torch
-    import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
     from accelerate_c import Accelerator
@@ -129,14 +127,9 @@ def self_check() -> int:
               f"largest parameter difference from plain PyTorch {worst:.2e} (relative)", flush=True)
     failed = torch.tensor(float(bool(problems)), device=acc.device)
     failed = acc.reduce(failed, "sum").item() > 0
-    code = 1 if failed else 0
-    # leave without the interpreter's teardown (gloo may abort there; the result is known by now)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from accelerate_c.state import exit_without_teardown
+
+    exit_without_teardown(1 if failed else 0)
 
 
 if __name__ == "__main__":

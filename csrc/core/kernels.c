@@ -68,7 +68,7 @@ static ac_result_t check_buf(ac_dtype_t dt, const void *p, size_t n, const char 
   return AC_OK;
 }
 
-enum op { OP_STATS, OP_SUMSQ, OP_SCALE, OP_SCALE_STATS, OP_SCALE_SUMSQ, OP_CAST };
+enum op { OP_STATS, OP_SUMSQ, OP_SCALE, OP_SCALE_STATS, OP_CAST };
 
 typedef struct {
   enum op op;
@@ -90,10 +90,6 @@ static void run_chunk(job_t *j, size_t task) {
     case OP_STATS: j->t->stats[j->dt]((const char *)j->src + lo * es, len, &j->partial[task]); break;
     case OP_SUMSQ: j->t->sumsq[j->dt]((const char *)j->src + lo * es, len, &j->partial[task]); break;
     case OP_SCALE: j->t->scale[j->dt]((char *)j->data + lo * es, len, j->f); break;
-    case OP_SCALE_SUMSQ: /* the chunk (256 KiB of fp32) is still in L2 when the norm pass reads it */
-      j->t->scale[j->dt]((char *)j->data + lo * es, len, j->f);
-      j->t->sumsq[j->dt]((const char *)j->data + lo * es, len, &j->partial[task]);
-      break;
     case OP_SCALE_STATS:
       j->t->scale_stats[j->dt]((char *)j->data + lo * es, len, j->f, &j->partial[task]);
       break;
@@ -193,20 +189,6 @@ ac_result_t ac_scale(ac_dtype_t dt, void *data, size_t n, float factor) {
   if (n == 0) return AC_OK;
   job_t j = {.op = OP_SCALE, .t = table_get(), .dt = dt, .data = data, .n = n, .f = factor};
   return run_job(&j, NULL);
-}
-
-ac_result_t ac_scale_sumsq(ac_dtype_t dt, void *data, size_t n, float factor, double *sumsq, int *nonfinite) {
-  AC_CHECK(check_buf(dt, data, n, "ac_scale_sumsq"));
-  if (!sumsq || !nonfinite)
-    return AC_FAIL(AC_ERR_INVALID_ARG, "ac_scale_sumsq: sumsq and nonfinite must not be NULL");
-  ac_stats_t s = {0.0, 0.0f, 0};
-  if (n > 0) {
-    job_t j = {.op = OP_SCALE_SUMSQ, .t = table_get(), .dt = dt, .data = data, .n = n, .f = factor};
-    AC_CHECK(run_job(&j, &s));
-  }
-  *sumsq = s.sumsq;
-  *nonfinite = s.nonfinite;
-  return AC_OK;
 }
 
 ac_result_t ac_scale_stats(ac_dtype_t dt, void *data, size_t n, float factor, ac_stats_t *out) {

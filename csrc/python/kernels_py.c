@@ -90,20 +90,6 @@ static PyObject *py_scale_stats_(PyObject *m, PyObject *const *a, Py_ssize_t n) 
   return stats_tuple(&s);
 }
 
-static PyObject *py_scale_sumsq_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-  float f;
-  pyac_view v;
-  double sq = 0.0;
-  int nf = 0;
-  if (!nargs_ok("scale_sumsq_", n, 2) || get_float(a[1], "factor", &f) < 0) return NULL;
-  if (pyac_view_from(m, a[0], PYAC_WRITE, PYAC_ON_CPU, "tensor", &v) < 0) return NULL;
-  ac_result_t r;
-  Py_BEGIN_ALLOW_THREADS r = ac_scale_sumsq(v.dt, v.data, v.n, f, &sq, &nf);
-  Py_END_ALLOW_THREADS pyac_view_release(&v);
-  if (r != AC_OK) return pyac_raise(m, r);
-  return Py_BuildValue("(dO)", sq, nf ? Py_True : Py_False);
-}
-
 /* Fetches dst and src views; checks equal element counts. */
 static int cast_views(PyObject *m, PyObject *const *a, int where, pyac_view *dst, pyac_view *src) {
   if (pyac_view_from(m, a[0], PYAC_WRITE, where, "dst", dst) < 0) return -1;
@@ -292,9 +278,6 @@ PyMethodDef pyac_kernel_methods[] = {
     FAST("nonfinite", py_nonfinite, "nonfinite(tensor) -> True if any element is NaN or +-Inf (CPU)."),
     FAST("scale_stats_", py_scale_stats_,
          "scale_stats_(tensor, factor) -> stats of tensor after tensor *= factor, in one pass (CPU)."),
-    FAST("scale_sumsq_", py_scale_sumsq_,
-         "scale_sumsq_(tensor, factor) -> (sum_of_squares, has_nonfinite) of tensor after tensor *= factor: "
-         "bitwise scale_ then sumsq, in about one pass (CPU)."),
     FAST("cast_", py_cast_, "cast_(dst, src): dst[:] = src converted to dst's dtype (CPU)."),
     FAST("set_num_threads", py_set_num_threads, "set_num_threads(n): threads used by the CPU kernels."),
     FAST("get_num_threads", py_get_num_threads, "get_num_threads() -> threads used by the CPU kernels."),

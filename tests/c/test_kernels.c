@@ -889,55 +889,6 @@ TEST(sumsq_fast_pass) {
   ac_kernels_set_isa("scalar");
 }
 
-/* ac_scale_sumsq = ac_scale then ac_sumsq, bitwise, on every ISA and thread count; NaN/Inf
- * produced by the scaling itself are flagged. */
-TEST(scale_sumsq_is_scale_then_sumsq) {
-  static const size_t sizes[] = {0, 1, 127, 129, 65536 + 129, 200003};
-  int before = ac_pool_get_threads();
-  for (int d = 0; d < NDT; d++) {
-    ac_dtype_t dt = DTYPES[d];
-    size_t es = dsize(dt);
-    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
-      size_t n = sizes[si];
-      unsigned char *data = xmalloc(n * es + 1), *a = xmalloc(n * es + 1), *b = xmalloc(n * es + 1);
-      fill_finite(dt, data, n, 4242 + d * 17 + si);
-      for (int k = 0; k < NISAS; k++) {
-        if (!use_isa(ISAS[k])) continue;
-        for (int t = 1; t <= 2; t++) {
-          CHECK_OK(ac_pool_set_threads(t));
-          memcpy(a, data, n * es);
-          memcpy(b, data, n * es);
-          double sq_ref = -1.0, sq = -2.0;
-          int nf_ref = -1, nf = -2;
-          CHECK_OK(ac_scale(dt, a, n, 0.37f));
-          CHECK_OK(ac_sumsq(dt, a, n, &sq_ref, &nf_ref));
-          CHECK_OK(ac_scale_sumsq(dt, b, n, 0.37f, &sq, &nf));
-          CHECK_MSG(memcmp(a, b, n * es) == 0, "%s %s n=%zu: scaled data differ", ISAS[k], ac_dtype_name(dt), n);
-          CHECK_MSG(memcmp(&sq, &sq_ref, sizeof sq) == 0 && nf == nf_ref, "%s %s n=%zu t=%d: %.17g/%d vs %.17g/%d",
-                    ISAS[k], ac_dtype_name(dt), n, t, sq, nf, sq_ref, nf_ref);
-        }
-      }
-      if (n > 0) { /* overflow made by the factor is reported */
-        memcpy(b, data, n * es);
-        ref_store(dt, b, n / 2, 2.0f); /* 2 x 3e38 is past every format's largest finite value */
-        double sq;
-        int nf = 0;
-        CHECK_OK(ac_scale_sumsq(dt, b, n, 3e38f, &sq, &nf));
-        CHECK_MSG(nf == 1, "%s n=%zu: overflow from the factor not flagged", ac_dtype_name(dt), n);
-      }
-      free(data);
-      free(a);
-      free(b);
-    }
-  }
-  double sq;
-  int nf;
-  CHECK_RC(ac_scale_sumsq(AC_F32, NULL, 3, 1.0f, &sq, &nf), AC_ERR_INVALID_ARG);
-  CHECK_RC(ac_scale_sumsq(AC_F32, &sq, 1, 1.0f, NULL, &nf), AC_ERR_INVALID_ARG);
-  CHECK_OK(ac_pool_set_threads(before));
-  ac_kernels_set_isa("scalar");
-}
-
 /* Same results whatever the thread count (fixed chunking, ordered combination). */
 TEST(deterministic_across_thread_counts) {
   const size_t n = 1000003;
@@ -1131,7 +1082,6 @@ static const tu_test_t tests[] = {
     TU_CASE(nonfinite_positions),
     TU_CASE(maxabs_ignores_nan),
     TU_CASE(sumsq_fast_pass),
-    TU_CASE(scale_sumsq_is_scale_then_sumsq),
     TU_CASE(deterministic_across_thread_counts),
     TU_CASE(many_chunks_heap_partials),
     TU_CASE(errors),

@@ -53,10 +53,6 @@ ac_result_t ac_nonfinite(ac_dtype_t dt, const void *data, size_t n, int *found);
  * non-finite flag sees overflow caused by the scaling itself). One read and one write. */
 ac_result_t ac_scale_stats(ac_dtype_t dt, void *data, size_t n, float factor, ac_stats_t *out);
 
-/* Fused: data[i] *= factor in place, then ac_sumsq of the scaled values, chunk by chunk while
- * each chunk is still in cache: bitwise the same results as ac_scale followed by ac_sumsq,
- * for about the memory traffic of ac_scale alone. The reducer's averaging pass. */
-ac_result_t ac_scale_sumsq(ac_dtype_t dt, void *data, size_t n, float factor, double *sumsq, int *nonfinite);
 /* dst[i] = (dst_dt) src[i]. Same dtype is a copy. Buffers must not overlap, except when
  * src == dst with the same dtype (a no-op). */
 ac_result_t ac_cast(ac_dtype_t src_dt, const void *src, ac_dtype_t dst_dt, void *dst, size_t n);
