@@ -133,6 +133,18 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], file=N
     file.flush()
 
 
+RATE_HEADERS = ["contender", "steps/s med", "q1", "q3", "ms/step (1/med)", "step ms med", "q1", "q3"]
+
+
+def rate_rows(names, rates: Dict[str, List[float]], per_step: Dict[str, List[float]]):
+    """Rows for RATE_HEADERS: each contender's steps/s (median, quartiles over repeats) and its
+    single steps' times (pooled over repeats)."""
+    S = {n: Summary.of(rates[n]) for n in names}
+    P = {n: Summary.of(per_step[n]) for n in names}
+    return [[n, f"{S[n].median:.3f}", f"{S[n].q1:.3f}", f"{S[n].q3:.3f}", f"{1e3 / S[n].median:.1f}",
+             f"{P[n].median * 1e3:.1f}", f"{P[n].q1 * 1e3:.1f}", f"{P[n].q3 * 1e3:.1f}"] for n in names]
+
+
 def cpu_model() -> str:
     """The CPU's model name where Linux tells it, else platform.processor()."""
     try:

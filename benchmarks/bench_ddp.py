@@ -84,11 +84,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from _common import (  # noqa: E402
+    RATE_HEADERS,
     Summary,
     cpu_model,
     load_sample,
     logical_cpus,
     print_table,
+    rate_rows,
     quantile,
     verdict,
 )
@@ -449,13 +451,11 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         say()
 
         S = {n: Summary.of(rates[n]) for n in names}
-        P = {n: Summary.of(per_step[n]) for n in names}
-        rows = [[n, f"{S[n].median:.3f}", f"{S[n].q1:.3f}", f"{S[n].q3:.3f}", f"{1e3 / S[n].median:.1f}",
-                 f"{P[n].median * 1e3:.1f}", f"{P[n].q1 * 1e3:.1f}", f"{P[n].q3 * 1e3:.1f}"] for n in names]
+        rows = rate_rows(names, rates, per_step)
         say(f"steps/s over {args.repeats} repeats (each: {args.steps} steps / the slowest rank's seconds); and "
             f"single steps' times (slowest rank) pooled over repeats:")
         if main:
-            print_table(["contender", "steps/s med", "q1", "q3", "ms/step (1/med)", "step ms med", "q1", "q3"],
+            print_table(RATE_HEADERS,
                         rows)
         say()
 

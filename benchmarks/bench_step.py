@@ -91,6 +91,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from _common import (  # noqa: E402
     Contender,
+    RATE_HEADERS,
     Summary,
     cpu_model,
     load_sample,
@@ -98,6 +99,7 @@ from _common import (  # noqa: E402
     other_load,
     other_load_between,
     print_table,
+    rate_rows,
     run_interleaved,
     verdict,
 )
@@ -485,12 +487,10 @@ def run_step_benchmark(args, names, cfg, dataset, skip_note):
     print()
 
     S = {n: Summary.of(rates[n]) for n in names}
-    P = {n: Summary.of(per_step[n]) for n in names}
-    rows = [[n, f"{S[n].median:.3f}", f"{S[n].q1:.3f}", f"{S[n].q3:.3f}", f"{1e3 / S[n].median:.1f}",
-             f"{P[n].median * 1e3:.1f}", f"{P[n].q1 * 1e3:.1f}", f"{P[n].q3 * 1e3:.1f}"] for n in names]
+    rows = rate_rows(names, rates, per_step)
     print(f"steps/s over {args.repeats} repeats (each: {args.steps} optimizer steps / their seconds); "
           f"and the single steps' times pooled over repeats ({args.repeats * args.steps} per contender):")
-    print_table(["contender", "steps/s med", "q1", "q3", "ms/step (1/med)", "step ms med", "q1", "q3"], rows)
+    print_table(RATE_HEADERS, rows)
     print()
 
     ours = S["accelerate_c"]

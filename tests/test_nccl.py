@@ -21,8 +21,20 @@ def fake_nccl(tmp_path_factory):
     return str(out)
 
 
+# prepended to every case: expect() fails when the call raises nothing
+EXPECT = """
+def expect(exc, text, fn):
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), (text, str(e))
+        return
+    raise AssertionError(f"no {exc} containing {text!r} was raised")
+"""
+
+
 def run(code, **env):
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+    res = subprocess.run([sys.executable, "-c", EXPECT + textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, **env})
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout
@@ -55,13 +67,6 @@ def test_communicator_calls_reach_nccl(fake_nccl):
         assert _C.nccl_version() == 29999
         uid = _C.nccl_unique_id()
         assert isinstance(uid, bytes) and len(uid) == 128
-        def expect(exc, text, fn):
-            try:
-                fn()
-            except exc as e:
-                assert text in str(e), (text, str(e))
-                return
-            raise AssertionError("no " + repr(exc) + " containing " + repr(text) + " was raised")
         expect(_C.CoreError, "ncclCommInitRank failed: NCCL error 4 (invalid argument (fake))",
                lambda: _C.NcclComm(uid, 2, 0))
         expect(ValueError, "128 bytes", lambda: _C.NcclComm(b"short", 1, 0))
@@ -124,13 +129,6 @@ def test_reducer_launches_buckets_from_the_hooks_in_c(fake_nccl):
         assert fake.fake_nccl_last_count() == r.range(2)[1]
         assert python_launches == []
         r.nccl_wait()
-        def expect(exc, text, fn):
-            try:
-                fn()
-            except exc as e:
-                assert text in str(e), (text, str(e))
-                return
-            raise AssertionError("no " + repr(exc) + " containing " + repr(text) + " was raised")
         expect(TypeError, "Buffer", lambda: r.attach_nccl(c, torch.zeros(3), 0))
         expect(ValueError, "lays out", lambda: r.attach_nccl(c, _C.Buffer(torch.zeros(3)), 0, use_events=False))
         # events need the CUDA runtime, and this machine has no GPU (or no CUDA build)
