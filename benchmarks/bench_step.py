@@ -37,7 +37,7 @@ A second, separate benchmark times the fp16 gradient post-processing that accele
 core replaces, on the same model's gradients: after one fp16-autocast backward with the loss
 scaled by 65536 (accelerate_c's Accelerator(mixed_precision="fp16")), it times
   torch         torch.amp.GradScaler("cpu", init_scale=65536).unscale_(opt) +
-                torch.nn.utils.clip_grad_norm_(params, 1.0), on a copy of the same grads
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), on a copy of the same grads
   accelerate_c  accelerator.clip_grad_norm_(model.parameters(), 1.0) (unscale + non-finite
                 check + norm + clip, fused in C over the flat gradient buffer)
 restoring the scaled gradients (untimed) before every call. The results are checked first
@@ -421,7 +421,8 @@ def bench_fp16_postprocess(cfg, dataset, batch_size, repeats):
     def torch_fn():
         scaler.unscale_(opt_t)
         unscaled[0] = True
-        return torch.nn.utils.clip_grad_norm_(params_t, MAX_NORM)
+        # model.parameters(), as a training loop passes it (and as accelerate_c's contender does)
+        return torch.nn.utils.clip_grad_norm_(model_t.parameters(), MAX_NORM)
 
     def ours_setup():
         for g, s in zip(groups, saved):

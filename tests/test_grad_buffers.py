@@ -6,6 +6,7 @@ except where the fused clip's double-precision norm enters)."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -742,3 +743,54 @@ def test_zero_grad_keep_zeros_drops_a_replaced_gradient_like_torch():
         back(m(x).sum())
         o.step()
     torch.testing.assert_close(model.weight, ref.weight, rtol=1e-6, atol=1e-7)
+
+
+# ---- the C bookkeeping behind intact()/resync(), and the huge-page buffers ------------------------------
+def test_grad_views_reports_loose_gradients_and_broken_groups():
+    from accelerate_c import _C
+
+    params = [nn.Parameter(torch.randn(5)) for _ in range(4)]
+    views = [torch.zeros(5) for _ in params]
+    ptrs = [v.data_ptr() for v in views]
+    for p, v in zip(params, views):
+        p.grad = v
+    assert _C.grad_views(params, views, ptrs, torch.float32, -1) == []
+    params[1].grad = None
+    params[3].grad = torch.ones(5)  # assigned: not the view
+    # the reference: the same answer computed in Python
+    assert _C.grad_views(params, views, ptrs, torch.float32, -1) == [i for i, (p, v) in enumerate(zip(params, views))
+                                                                      if p.grad is not v] == [1, 3]
+    assert _C.grad_views(params, views, ptrs, torch.float64, -1) is None  # a dtype other than the group's
+    assert _C.grad_views(params, views, ptrs, torch.float32, 0) is None  # a device other than the group's
+    views[0].data = torch.zeros(5)  # what module._apply does to `.grad.data`: the view's memory moved
+    assert _C.grad_views(params, views, ptrs, torch.float32, -1) is None
+    with pytest.raises(ValueError, match="4 params but 3 views"):
+        _C.grad_views(params, views[:3], ptrs, torch.float32, -1)
+    with pytest.raises(TypeError, match="must be lists"):
+        _C.grad_views(tuple(params), views, ptrs, torch.float32, -1)
+
+
+def test_big_cpu_gradient_buffers_start_on_a_huge_page_and_train_like_torch():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 8))  # 2.1 MB of fp32 gradients
+    ref = copy.deepcopy(model)
+    acc = Accelerator(cpu=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    (g,) = acc._grads.groups
+    assert g.flat.data_ptr() % (2 << 20) == 0 and g.flat.numel() * 4 >= (2 << 20)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = torch.randn(16, 512), torch.randn(16, 8)
+    for _ in range(3):
+        for m, o, backward in ((model, opt, acc.backward), (ref, opt_ref, torch.Tensor.backward)):
+            o.zero_grad()
+            backward(nn.functional.mse_loss(m(x), y))
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=0)
+    from accelerate_c import _C
+
+    # madvise(MADV_HUGEPAGE) succeeds wherever the kernel has THP at all (even set to "never")
+    assert _C.advise_hugepages(g.flat) is os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    with pytest.raises(TypeError):
+        _C.advise_hugepages(torch.zeros(4, dtype=torch.int64))

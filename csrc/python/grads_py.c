@@ -1,0 +1,118 @@
+/* grads_py.c — per-step bookkeeping of the flat gradient buffers, moved out of Python loops:
+ * which parameters' `.grad` still is their view of the buffer, and huge-page advice for the
+ * buffers themselves. Both run on every optimizer step (or once per buffer), over every
+ * parameter, where a Python loop costs ~1 us per parameter. */
+#define _GNU_SOURCE /* MADV_HUGEPAGE */
+#include "pyac.h"
+
+#include <stdint.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+/* grad_views(params, views, ptrs, dtype, device_index) -> list of indices, or None.
+ *
+ * None: the group is broken (a parameter was cast or moved after prepare(): its dtype is not
+ * `dtype`, or its device index is not `device_index` (-1: CPU), or a `.grad` that still is
+ * its view has had its storage swapped underneath, as module._apply does with
+ * `param.grad.data = ...`). Otherwise: the indices i whose params[i].grad is not views[i]
+ * (None or an assigned tensor), which the caller resyncs; an empty list is the common case. */
+static PyObject *py_grad_views(PyObject *mod, PyObject *const *a, Py_ssize_t n) {
+  (void)mod;
+  if (n != 5) {
+    PyErr_Format(PyExc_TypeError, "grad_views(params, views, ptrs, dtype, device_index) takes 5 arguments (%zd given)", n);
+    return NULL;
+  }
+  PyObject *params = a[0], *views = a[1], *ptrs = a[2], *dtype = a[3];
+  if (!PyList_Check(params) || !PyList_Check(views) || !PyList_Check(ptrs)) {
+    PyErr_SetString(PyExc_TypeError, "grad_views: params, views and ptrs must be lists");
+    return NULL;
+  }
+  Py_ssize_t np = PyList_GET_SIZE(params);
+  if (PyList_GET_SIZE(views) != np || PyList_GET_SIZE(ptrs) != np) {
+    PyErr_Format(PyExc_ValueError, "grad_views: %zd params but %zd views and %zd pointers", np,
+                 PyList_GET_SIZE(views), PyList_GET_SIZE(ptrs));
+    return NULL;
+  }
+  long dev = PyLong_AsLong(a[4]);
+  if (dev == -1 && PyErr_Occurred()) return NULL;
+  PyObject *loose = PyList_New(0);
+  if (!loose) return NULL;
+  PyObject *s_grad = PyUnicode_InternFromString("grad"), *s_dtype = PyUnicode_InternFromString("dtype");
+  PyObject *s_get_device = PyUnicode_InternFromString("get_device");
+  PyObject *s_data_ptr = PyUnicode_InternFromString("data_ptr");
+  PyObject *result = NULL;
+  if (!s_grad || !s_dtype || !s_get_device || !s_data_ptr) goto done;
+  for (Py_ssize_t i = 0; i < np; i++) {
+    PyObject *p = PyList_GET_ITEM(params, i), *v = PyList_GET_ITEM(views, i);
+    PyObject *dt = PyObject_GetAttr(p, s_dtype);
+    if (!dt) goto done;
+    int same_dtype = dt == dtype;
+    Py_DECREF(dt);
+    if (!same_dtype) goto broken;
+    PyObject *d = PyObject_CallMethodNoArgs(p, s_get_device);
+    if (!d) goto done;
+    long pd = PyLong_AsLong(d);
+    Py_DECREF(d);
+    if (pd == -1 && PyErr_Occurred()) goto done;
+    if (pd != dev) goto broken;
+    PyObject *g = PyObject_GetAttr(p, s_grad);
+    if (!g) goto done;
+    int is_view = g == v;
+    Py_DECREF(g);
+    if (!is_view) {
+      PyObject *idx = PyLong_FromSsize_t(i);
+      if (!idx || PyList_Append(loose, idx) < 0) {
+        Py_XDECREF(idx);
+        goto done;
+      }
+      Py_DECREF(idx);
+      continue;
+    }
+    PyObject *ptr = PyObject_CallMethodNoArgs(v, s_data_ptr);
+    if (!ptr) goto done;
+    int moved = PyObject_RichCompareBool(ptr, PyList_GET_ITEM(ptrs, i), Py_NE);
+    Py_DECREF(ptr);
+    if (moved < 0) goto done;
+    if (moved) goto broken;
+  }
+  result = loose;
+  loose = NULL;
+  goto done;
+broken:
+  result = Py_NewRef(Py_None);
+done:
+  Py_XDECREF(loose);
+  Py_XDECREF(s_grad);
+  Py_XDECREF(s_dtype);
+  Py_XDECREF(s_get_device);
+  Py_XDECREF(s_data_ptr);
+  return result;
+}
+
+/* advise_hugepages(buffer) -> bool: asks the kernel to back the whole 2 MiB pages inside a CPU
+ * Buffer's memory with transparent huge pages (madvise MADV_HUGEPAGE). Given before the memory
+ * is first touched, every later fault maps 2 MiB at once: the whole-buffer passes (backward's
+ * copy-in, unscale/norm/clip, the optimizer's reads) take 512x fewer TLB misses. A hint: False
+ * where the kernel has no THP or refuses (the buffer works the same, only slower). */
+static PyObject *py_advise_hugepages(PyObject *mod, PyObject *arg) {
+  pyac_view v;
+  if (pyac_view_from(mod, arg, PYAC_WRITE, PYAC_ON_CPU, "buffer", &v) < 0) return NULL;
+  int ok = 0;
+#ifdef MADV_HUGEPAGE
+  const uintptr_t huge = (uintptr_t)2 << 20;
+  uintptr_t lo = ((uintptr_t)v.data + huge - 1) & ~(huge - 1);
+  uintptr_t hi = ((uintptr_t)v.data + v.n * ac_dtype_size(v.dt)) & ~(huge - 1);
+  if (hi > lo) ok = madvise((void *)lo, hi - lo, MADV_HUGEPAGE) == 0;
+#endif
+  pyac_view_release(&v);
+  return PyBool_FromLong(ok);
+}
+
+PyMethodDef pyac_grads_methods[] = {
+    {"grad_views", (PyCFunction)(void (*)(void))py_grad_views, METH_FASTCALL,
+     "grad_views(params, views, ptrs, dtype, device_index) -> indices whose .grad is not its view, "
+     "or None if a parameter was cast or moved."},
+    {"advise_hugepages", py_advise_hugepages, METH_O,
+     "advise_hugepages(buffer) -> bool: madvise(MADV_HUGEPAGE) on the whole 2 MiB pages of a CPU buffer."},
+    {NULL, NULL, 0, NULL},
+};
