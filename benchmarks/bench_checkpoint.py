@@ -10,7 +10,13 @@ Saves are timed until durable for every contender: accelerate_c fsyncs every fil
 directory itself; for accelerate and torch.save the benchmark fsyncs each file they wrote inside
 the timed region. Every save goes to a fresh directory (the previous one is removed and synced untimed: see rm()).
 The save limit: the same number of bytes as one big buffer, written with os.write to a fresh
-file, then fsynced. Loads read files that are in the page cache (just written), in two cases: a resume
+file, then fsynced (through the page cache, as accelerate and torch.save write; the targets
+compare against this row). A second limit row writes the same bytes from one page-aligned buffer
+with O_DIRECT in 8 MiB pieces, then fsyncs: the bound for accelerate_c's files of 4 MiB and more,
+which it writes with O_DIRECT (ACCELERATE_C_DIRECT_IO, docs/checkpoints.md); the row is left out
+where the file system refuses O_DIRECT.
+Loads read files that are in the page cache: O_DIRECT leaves accelerate_c's files out of it, so
+before each load phase every contender's files are read once, untimed. Two cases: a resume
 (the optimizer has no state yet, so every contender allocates it; limit: the limit's file read into
 freshly allocated memory with one preadv per CPU over disjoint ranges) and a reload into a running state (model and
 optimizer state exist: accelerate_c reads straight into them; limit: the same read into
@@ -23,6 +29,7 @@ and >= 50% of the page-cache read limit.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
 import sys
@@ -123,6 +130,35 @@ def main():
         finally:
             os.close(fd)
 
+    # The O_DIRECT limit: the same bytes in one page-aligned buffer (an anonymous mmap), written
+    # in 8 MiB pieces (aligned offsets and lengths; the last piece padded to 4096, then the file
+    # is cut to size) and fsynced.
+    p_direct = os.path.join(work, "direct.bin")
+    padded = (nbytes + 4095) // 4096 * 4096
+    direct_buf = mmap.mmap(-1, padded)
+    direct_buf[:nbytes] = chunk_view
+    direct_view = memoryview(direct_buf)
+
+    def direct_write():
+        fd = os.open(p_direct, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+        try:
+            for off in range(0, padded, 8 << 20):
+                end = min(padded, off + (8 << 20))
+                while off < end:
+                    off += os.pwrite(fd, direct_view[off:end], off)
+            os.ftruncate(fd, nbytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    try:
+        direct_write()
+        have_direct = hasattr(os, "O_DIRECT")
+    except OSError as e:  # EINVAL: this file system refuses O_DIRECT
+        have_direct = False
+        print(f"note: no O_DIRECT limit row: {e}")
+    rm(p_direct)
+
     def acc_save():
         theirs.save_state(d_acc)
         fsync_tree(d_acc)
@@ -135,12 +171,17 @@ def main():
 
     saves = [
         Contender("write + fsync, one buffer (limit)", plain_write, setup=lambda: rm(p_plain)),
+        *([Contender("write + fsync, O_DIRECT one buffer", direct_write, setup=lambda: rm(p_direct))]
+          if have_direct else []),
         Contender("accelerate_c save_state", lambda: ours.save_state(d_ours), setup=lambda: rm(d_ours)),
         Contender("accelerate save_state + fsync", acc_save, setup=lambda: rm(d_acc)),
         Contender("torch.save + fsync", torch_save, setup=lambda: rm(p_torch)),
     ]
     a = load_sample()
     t_save = run_interleaved(saves, args.repeats)
+    rm(p_direct)
+    del direct_view
+    direct_buf.close()
 
     def sums():
         return ([float(v.double().sum()) for v in model.state_dict().values()],
@@ -200,7 +241,22 @@ def main():
             Contender("parallel read, touched memory (limit)", lambda: plain_read(touched)),
         ]
 
+    read_buf = bytearray(8 << 20)
+
+    def into_page_cache():
+        """Reads every contender's files once (untimed), so every load starts from the page
+        cache: accelerate_c's O_DIRECT saves leave their files out of it."""
+        for top in (d_ours, d_acc, p_torch, p_plain):
+            paths = ([os.path.join(r, f) for r, _d, fs in os.walk(top) for f in fs] if os.path.isdir(top)
+                     else [top])
+            for path in paths:
+                with open(path, "rb", buffering=0) as f:
+                    while f.readinto(read_buf):
+                        pass
+
+    into_page_cache()
     t_resume = run_interleaved(loads(True), args.repeats)
+    into_page_cache()
     t_live = run_interleaved(loads(False), args.repeats)
     b = load_sample()
     # what ours loaded is what was saved: from a fresh optimizer and zeroed weights
@@ -229,8 +285,12 @@ def main():
                            "cache)", t_live, "accelerate_c load_state", "parallel read, touched memory (limit)",
                            "accelerate load_state")
     print()
+    direct_note = ""
+    if have_direct:
+        dl = Summary.of(t_save["write + fsync, O_DIRECT one buffer"]).median
+        direct_note = f"; {dl / Summary.of(t_save['accelerate_c save_state']).median * 100:.0f}% of O_DIRECT write+fsync"
     print(f"save: {sv_acc:.2f}x accelerate (target >= 1.5x: {verdict(sv_acc >= 1.5)}), "
-          f"{sv_lim * 100:.0f}% of write+fsync (target >= 60%: {verdict(sv_lim >= 0.6)})")
+          f"{sv_lim * 100:.0f}% of write+fsync (target >= 60%: {verdict(sv_lim >= 0.6)}){direct_note}")
     print(f"load (resume): {ld_acc:.2f}x accelerate (target >= 1.3x: {verdict(ld_acc >= 1.3)}), "
           f"{ld_lim * 100:.0f}% of the page-cache read into new memory (target >= 50%: {verdict(ld_lim >= 0.5)})")
     print(f"load (running): {lv_acc:.2f}x accelerate (target >= 1.3x: {verdict(lv_acc >= 1.3)}), "

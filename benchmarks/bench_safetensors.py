@@ -7,8 +7,9 @@ Saves: every contender's file is fsynced (ours always fsyncs and renames a temp 
 for the others the benchmark calls os.fsync right after their save), so the timings compare the
 same durability. The "plain write" rows are the physical limit measured in the same run: the same
 bytes written with os.pwritev from one thread, then fsynced (and, separately, without fsync: the
-page-cache write bandwidth). Loads read files that are in the page cache (each was just written);
-the limit is a plain readinto() of the whole file into freshly allocated memory (for
+page-cache write bandwidth). Loads read files that are in the page cache (each was just written;
+ours is written with O_DIRECT, which bypasses the cache, so the value check before the load
+tables reads it in, as the warm-up round would anyway); the limit is a plain readinto() of the whole file into freshly allocated memory (for
 load_file) or into memory touched before (for loading into existing tensors, the way a model's
 parameters are filled). safetensors' load_file maps the file and reads nothing until the
 tensors are used, so its load_file row times no data movement; the "into existing tensors"
@@ -101,7 +102,8 @@ def main():
     ]
     t_save = run_interleaved(saves, args.repeats)
 
-    # every file is now written and in the page cache
+    # every file is now written; the check below reads them all, so each is in the page cache
+    # (our O_DIRECT save left its own out)
     def plain_read():
         buf = torch.empty(os.path.getsize(p_plain), dtype=torch.uint8)
         with open(p_plain, "rb", buffering=0) as f:

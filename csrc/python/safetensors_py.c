@@ -435,6 +435,11 @@ done:
   return ret;
 }
 
+static PyObject *py_st_last_write_mode(PyObject *m, PyObject *unused) {
+  (void)m, (void)unused;
+  return PyUnicode_FromString(ac_st_last_write_mode());
+}
+
 #define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))(fn), METH_FASTCALL, doc}
 
 PyMethodDef pyac_safetensors_methods[] = {
@@ -447,5 +452,8 @@ PyMethodDef pyac_safetensors_methods[] = {
     FAST("st_load_into", py_st_load_into,
          "st_load_into(path, {name: tensor}, threads): read those tensors straight into the given contiguous, "
          "writable CPU tensors of the file's dtype and shape."),
+    {"st_last_write_mode", py_st_last_write_mode, METH_NOARGS,
+     "st_last_write_mode() -> 'direct', 'buffered' or 'none': how the last st_save on this thread wrote its "
+     "data (O_DIRECT or through the page cache; 'none' if it failed before writing)."},
     {NULL, NULL, 0, NULL},
 };

@@ -18,7 +18,7 @@ SECS="${1:-${FUZZ_SECONDS:-25}}"
 OUT=tests/c/bin/fuzz
 SEEDS=tests/c/corpus/safetensors
 DICT=tests/c/corpus/safetensors.dict
-SRCS=(tests/c/fuzz_safetensors.c csrc/core/safetensors.c csrc/core/error.c)
+SRCS=(tests/c/fuzz_safetensors.c csrc/core/safetensors.c csrc/core/st_direct.c csrc/core/error.c)
 COMMON=(-std=c11 -g -O1 -Wall -Wextra -Werror -fno-omit-frame-pointer -pthread -Icsrc/include)
 mkdir -p "$OUT/corpus"
 

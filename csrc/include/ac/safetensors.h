@@ -79,10 +79,18 @@ typedef struct {
 /* Writes a safetensors file at `path`, durably and atomically:
  *   1. every argument is validated before any file is created;
  *   2. the file is written under a hidden temporary name in the same directory
- *      (".<name>.<pid>.<n>.tmp", so the final rename never crosses file systems), its data by
- *      up to `threads` threads with pwritev in jobs of <= 8 MiB (0 = one thread: the kernel
- *      serialises buffered writes to one file, so more threads only contend; several files
- *      written at once do scale);
+ *      (".<name>.<pid>.<n>.tmp", so the final rename never crosses file systems), in one of two
+ *      ways chosen by the environment variable ACCELERATE_C_DIRECT_IO, read on every call:
+ *      - direct ("auto", the default, for files of 4 MiB and more; "1" for every file): the
+ *        file is opened with O_DIRECT and written as aligned 8 MiB chunks, each copied into a
+ *        worker's aligned staging buffer and written with one pwrite, by up to `threads`
+ *        workers (0 = 2); the page cache is bypassed, so the file is not cached afterwards.
+ *        If the file system refuses O_DIRECT (EINVAL), "auto" rewrites the file buffered and
+ *        "1" fails with AC_ERR_UNSUPPORTED;
+ *      - buffered ("auto" below 4 MiB, or "0"): through the page cache, by up to `threads`
+ *        threads with pwritev in jobs of <= 8 MiB (0 = one thread: the kernel serialises
+ *        buffered writes to one file, so more threads only contend; several files written at
+ *        once do scale);
  *   3. the file is fsynced, renamed onto `path` (replacing an existing file atomically) and the
  *      directory is fsynced, so after a crash `path` is either the old file or the new one.
  * On any failure the temporary file is removed and `path` is untouched.
@@ -92,9 +100,15 @@ typedef struct {
  * the header carries a "__metadata__" object with those entries (models use {"format": "pt"},
  * which transformers' loader checks). Errors: AC_ERR_INVALID_ARG (bad argument: the message names
  * the tensor or key), AC_ERR_IO (an OS call failed: the message names the call, file and errno),
- * AC_ERR_NOMEM, AC_ERR_UNSUPPORTED (big-endian host). */
+ * AC_ERR_NOMEM, AC_ERR_UNSUPPORTED (big-endian host; ACCELERATE_C_DIRECT_IO=1 where O_DIRECT
+ * is refused). An ACCELERATE_C_DIRECT_IO other than unset, "", "auto", "0" or "1" is
+ * AC_ERR_INVALID_ARG naming the variable and its value. */
 ac_result_t ac_st_save(const char *path, const ac_st_tensor_t *tensors, size_t ntensors,
                        const ac_st_kv_t *metadata, size_t nmeta, int threads);
+
+/* How the last ac_st_save on this thread wrote its data: "direct" (O_DIRECT), "buffered", or
+ * "none" (no save yet, or it failed before writing any data). Thread-local; never NULL. */
+const char *ac_st_last_write_mode(void);
 
 /* ---- parsing and reading ------------------------------------------------------------------- */
 
