@@ -196,7 +196,9 @@ def load_sample():
         return None
     # /proc/stat: user nice system idle iowait irq softirq steal; busy counts steal too
     busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
-    return busy, sum(v[:8]), int(fields[11]) + int(fields[12]), ncpu  # self: utime + stime
+    # self: utime + stime, plus cutime + cstime of the children it waited for (benchmarks that
+    # run contenders in child processes must not count them as other load)
+    return busy, sum(v[:8]), sum(int(x) for x in fields[11:15]), ncpu
 
 
 def other_load_between(a, b) -> Optional[float]:

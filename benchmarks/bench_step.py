@@ -21,8 +21,12 @@ inside the timed region. The contenders run the same code a user would write:
   accelerate_c  the same code with `from accelerate_c import Accelerator`
 
 Repeats are interleaved: in every repeat each contender (in an order rotated from repeat to
-repeat) builds a fresh model, optimizer, scheduler and loader from the same seed, prepares
-them, runs --warmup untimed optimizer steps, then --steps timed ones. A repeat's sample is
+repeat) starts a fresh process (this script with --one-repeat), builds a fresh model,
+optimizer, scheduler and loader from the same seed, prepares them, runs --warmup untimed
+optimizer steps, then --steps timed ones. A process per repeat keeps process-wide state each
+contender's own, as in a real run: the C library's heap, and the glibc malloc settings that
+accelerate_c's Accelerator applies (ACCELERATE_C_MALLOC_TUNING) would otherwise carry over to
+the contenders timed after it in the same process. A repeat's sample is
 steps / seconds; the table gives the median and quartiles over repeats. Garbage collection is
 paused while timing. Before timing, the three contenders train --check-steps steps from the
 same seed and their losses are compared: accelerate_c must match plain torch within bf16
@@ -78,8 +82,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -306,31 +312,46 @@ def check_losses(names, cfg, dataset, batch_size, steps):
     return ok
 
 
-def bench_steps(names, cfg, dataset, batch_size, repeats, steps, warmup):
-    """Interleaved repeats; returns ({name: [steps/s per repeat]}, {name: [s per step]})."""
+def time_one_repeat(name, cfg, dataset, batch_size, steps, warmup):
+    """One contender's repeat, in this process: --warmup untimed steps, then the seconds of
+    each of --steps timed ones."""
+    gen, keep = make_run(name, cfg, dataset, batch_size)
+    for _ in range(warmup):
+        next(gen)
+    gc.collect()
+    gc.disable()
+    times = []
+    try:
+        t_prev = now()
+        for _ in range(steps):
+            next(gen)
+            t = now()
+            times.append(t - t_prev)
+            t_prev = t
+    finally:
+        gc.enable()
+    gen.close()
+    return times
+
+
+def bench_steps(names, cfg, dataset, batch_size, repeats, steps, warmup, child_argv):
+    """Interleaved repeats, each contender's repeat in a fresh process (this script with
+    --one-repeat NAME): process-wide state (the C library's heap, accelerate_c's malloc
+    settings, torch's thread pools) is then each contender's own, as in a real run, and one
+    contender's leftovers never slow or speed up the next. Returns ({name: [steps/s per
+    repeat]}, {name: [s per step]})."""
     rates = {n: [] for n in names}
     per_step = {n: [] for n in names}
     for r in range(repeats):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            gen, keep = make_run(name, cfg, dataset, batch_size)
-            for _ in range(warmup):
-                next(gen)
-            gc.collect()
-            gc.disable()
-            try:
-                t_start = t_prev = now()
-                for _ in range(steps):
-                    next(gen)
-                    t = now()
-                    per_step[name].append(t - t_prev)
-                    t_prev = t
-            finally:
-                gc.enable()
-            rates[name].append(steps / (t_prev - t_start))
-            gen.close()
-            del gen, keep
-            gc.collect()
+            cmd = [sys.executable, os.path.abspath(__file__), "--one-repeat", name] + child_argv
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise SystemExit(f"the {name} repeat failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+            times = json.loads(res.stdout.strip().splitlines()[-1])["step_seconds"]
+            per_step[name] += times
+            rates[name].append(len(times) / sum(times))
         print(f"  repeat {r + 1}/{repeats}: " + ", ".join(f"{n} {rates[n][-1]:.3f}" for n in names) + " steps/s",
               flush=True)
     return rates, per_step
@@ -483,7 +504,8 @@ def run_step_benchmark(args, names, cfg, dataset, skip_note):
 
     print("timing:")
     a = load_sample()
-    rates, per_step = bench_steps(names, cfg, dataset, args.batch, args.repeats, args.steps, args.warmup)
+    rates, per_step = bench_steps(names, cfg, dataset, args.batch, args.repeats, args.steps, args.warmup,
+                                  args.child_argv)
     load = other_load_between(a, load_sample())
     print()
 
@@ -522,6 +544,37 @@ def run_step_benchmark(args, names, cfg, dataset, skip_note):
     return results
 
 
+def run_fp16_benchmark(args, cfg, dataset):
+    """The fp16 post-processing micro-benchmark with its checks and table; returns [ok], or
+    None when the results differ beyond the limits."""
+    print(f"fp16 gradient post-processing (unscale + non-finite check + clip) on the same model's "
+          f"gradients, {args.fp16_repeats} interleaved repeats:")
+    a = load_sample()
+    ok, times, info = bench_fp16_postprocess(cfg, dataset, args.batch, args.fp16_repeats)
+    load = other_load_between(a, load_sample())
+    print(f"  {info['numel'] / 1e6:.1f}M fp32 gradient elements, loss scale {FP16_SCALE:g}; "
+          f"norm {info['norm']:.6f} ({'clipped' if info['clipped'] else 'not clipped'} at {MAX_NORM})")
+    print(f"  check against an fp64 reference: accelerate_c norm rel err {info['norm_rel']:.1e}, grads max rel "
+          f"err {info['grad_rel']:.1e} (limit {info['rtol']:g}); torch norm rel err {info['torch_norm_rel']:.1e} "
+          f"(fp32 sums; limit {TORCH_NORM_SANITY:g}); accelerate_c vs torch grads max rel diff "
+          f"{info['grad_vs_torch']:.1e} (limit {info['rtol']:g} + torch's norm error)")
+    if not ok:
+        print("ERROR: the unscale+clip results differ beyond the limits above", file=sys.stderr)
+        return None
+    T = {n: Summary.of(v) for n, v in times.items()}
+    rows = [[n, f"{T[n].median * 1e3:.2f}", f"{T[n].q1 * 1e3:.2f}", f"{T[n].q3 * 1e3:.2f}",
+             f"{T[n].min * 1e3:.2f}"] for n in times]
+    print_table(["contender", "ms median", "q1", "q3", "min"], rows)
+    speedup = T["torch"].median / T["accelerate_c"].median
+    ok = speedup >= TARGET_FP16_SPEEDUP
+    print(f"  speedup (median torch / median accelerate_c): {speedup:.2f}x   target >= "
+          f"{TARGET_FP16_SPEEDUP:.1f}x   {verdict(ok)}")
+    if load is not None and load > 0.25:
+        print(f"warning: other processes kept ~{load:.1f} CPUs busy while timing; the numbers are noisy")
+    print()
+    return [ok]
+
+
 # ---- main -------------------------------------------------------------------------------
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -542,6 +595,9 @@ def main(argv=None):
     ap.add_argument("--skip-fp16", action="store_true", help="skip the fp16 post-processing micro-benchmark")
     ap.add_argument("--skip-steps", action="store_true", help="run only the fp16 post-processing micro-benchmark")
     ap.add_argument("--breakdown", action="store_true", help="also print where each contender's step goes")
+    ap.add_argument("--one-repeat", choices=["torch", "accelerate", "accelerate_c"], default=None,
+                    help=argparse.SUPPRESS)  # internal: one contender's timed repeat, printed as JSON
+    ap.add_argument("--fp16-child", action="store_true", help=argparse.SUPPRESS)  # internal: the fp16 part only
     args = ap.parse_args(argv)
     global DEVICE
     if args.device == "cuda":
@@ -582,6 +638,19 @@ def main(argv=None):
 
     micro_batches = ACCUM * (max(args.warmup + args.steps, args.check_steps) + 1) + 2  # + the loader's lookahead
     dataset = TokenDataset(make_tokens(micro_batches * args.batch, seq, cfg.vocab_size, seed=DATA_SEED))
+    # what a --one-repeat child needs to rebuild the same model and data (the resolved values)
+    args.child_argv = ["--model", args.model, "--device", args.device, "--batch", str(args.batch), "--seq", str(seq),
+                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--check-steps", str(args.check_steps)]
+    if args.one_repeat:
+        times = time_one_repeat(args.one_repeat, cfg, dataset, args.batch, args.steps, args.warmup)
+        print(json.dumps({"step_seconds": times}))
+        return 0
+    if args.fp16_child:
+        fp16 = run_fp16_benchmark(args, cfg, dataset)
+        if fp16 is None:
+            return 1
+        print(json.dumps({"fp16": fp16}))
+        return 0
     n_params = GPT(cfg).num_params()
 
     print(f"bench_step: {cpu_model()}, {logical_cpus()} logical CPUs; torch {torch.__version__} "
@@ -620,32 +689,20 @@ def main(argv=None):
         results += step_results
 
     if not args.skip_fp16:
-        print(f"fp16 gradient post-processing (unscale + non-finite check + clip) on the same model's "
-              f"gradients, {args.fp16_repeats} interleaved repeats:")
-        a = load_sample()
-        ok, times, info = bench_fp16_postprocess(cfg, dataset, args.batch, args.fp16_repeats)
-        load = other_load_between(a, load_sample())
-        print(f"  {info['numel'] / 1e6:.1f}M fp32 gradient elements, loss scale {FP16_SCALE:g}; "
-              f"norm {info['norm']:.6f} ({'clipped' if info['clipped'] else 'not clipped'} at {MAX_NORM})")
-        print(f"  check against an fp64 reference: accelerate_c norm rel err {info['norm_rel']:.1e}, grads max rel "
-              f"err {info['grad_rel']:.1e} (limit {info['rtol']:g}); torch norm rel err {info['torch_norm_rel']:.1e} "
-              f"(fp32 sums; limit {TORCH_NORM_SANITY:g}); accelerate_c vs torch grads max rel diff "
-              f"{info['grad_vs_torch']:.1e} (limit {info['rtol']:g} + torch's norm error)")
-        if not ok:
-            print("ERROR: the unscale+clip results differ beyond the limits above", file=sys.stderr)
+        if args.skip_steps:
+            fp16 = run_fp16_benchmark(args, cfg, dataset)
+        else:
+            # in a fresh process, as when run alone (--skip-steps): after the step benchmark this
+            # process's heap is fragmented and huge pages are scarcer, which shifted the ratio
+            cmd = [sys.executable, os.path.abspath(__file__), "--fp16-child", "--fp16-repeats",
+                   str(args.fp16_repeats)] + args.child_argv
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            out = res.stdout.rstrip().splitlines()
+            print("\n".join(out[:-1]) if res.returncode == 0 else res.stdout + res.stderr[-3000:])
+            fp16 = json.loads(out[-1])["fp16"] if res.returncode == 0 and out else None
+        if fp16 is None:
             return 1
-        T = {n: Summary.of(v) for n, v in times.items()}
-        rows = [[n, f"{T[n].median * 1e3:.2f}", f"{T[n].q1 * 1e3:.2f}", f"{T[n].q3 * 1e3:.2f}",
-                 f"{T[n].min * 1e3:.2f}"] for n in times]
-        print_table(["contender", "ms median", "q1", "q3", "min"], rows)
-        speedup = T["torch"].median / T["accelerate_c"].median
-        ok = speedup >= TARGET_FP16_SPEEDUP
-        results.append(ok)
-        print(f"  speedup (median torch / median accelerate_c): {speedup:.2f}x   target >= "
-              f"{TARGET_FP16_SPEEDUP:.1f}x   {verdict(ok)}")
-        if load is not None and load > 0.25:
-            print(f"warning: other processes kept ~{load:.1f} CPUs busy while timing; the numbers are noisy")
-        print()
+        results += fp16
 
     print(f"total {time.perf_counter() - t_all:.0f} s; targets: "
           f"{sum(results)}/{len(results)} PASS" + ("" if all(results) else " (a MISS is reported, not an error)"))
