@@ -52,6 +52,37 @@ ac_result_t ac_cuda_stream_wait(void *waiter, void *waitee, void *event) {
   return NOT_BUILT();
 }
 
+ac_result_t ac_cuda_check_device(int device) {
+  (void)device;
+  return NOT_BUILT();
+}
+
+ac_result_t ac_cuda_host_alloc(void **ptr, size_t bytes, int device) {
+  (void)bytes, (void)device;
+  if (ptr) *ptr = NULL;
+  return NOT_BUILT();
+}
+
+void ac_cuda_host_free(void *ptr) { (void)ptr; }
+
+ac_result_t ac_cuda_stream_create(void **stream, int device) {
+  (void)device;
+  if (stream) *stream = NULL;
+  return NOT_BUILT();
+}
+
+void ac_cuda_stream_destroy(void *stream, int device) { (void)stream, (void)device; }
+
+ac_result_t ac_cuda_copy_to_host_async(void *dst, const void *src, size_t n, int device, void *stream) {
+  (void)dst, (void)src, (void)n, (void)device, (void)stream;
+  return NOT_BUILT();
+}
+
+ac_result_t ac_cuda_stream_sync(void *stream, int device) {
+  (void)stream, (void)device;
+  return NOT_BUILT();
+}
+
 #else
 typedef int ac_cuda_stub_unused_t; /* ISO C forbids an empty translation unit */
 #endif

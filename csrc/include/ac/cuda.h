@@ -47,6 +47,34 @@ void ac_cuda_event_destroy(void *event);        /* NULL is a no-op */
  * cudaStreamWaitEvent); nothing blocks on the host. */
 ac_result_t ac_cuda_stream_wait(void *waiter, void *waitee, void *event);
 
+/* ---- staging device memory through pinned host memory (the checkpoint writer) ----------------
+ * `device` is a CUDA device ordinal. The calls that take one make it the calling thread's
+ * current device (cudaSetDevice) and leave it so: call them from threads of your own, not from
+ * a thread whose current device others rely on (the safetensors writer calls them only from
+ * the worker threads it starts; ac_cuda_check_device changes nothing). */
+
+/* AC_OK if `device` is a visible CUDA device; AC_ERR_INVALID_ARG if it is out of range,
+ * AC_ERR_CUDA when no driver or device can be reached (the message has the CUDA error text). */
+ac_result_t ac_cuda_check_device(int device);
+
+/* Page-locked host memory (cudaHostAlloc, portable: every device's streams can copy into it at
+ * full speed). The driver hands out whole pages, so it is page-aligned in practice; callers
+ * that need an alignment (O_DIRECT) still check. *ptr is NULL on failure. */
+ac_result_t ac_cuda_host_alloc(void **ptr, size_t bytes, int device);
+void ac_cuda_host_free(void *ptr); /* NULL is a no-op */
+
+/* A stream of its own on `device` (non-blocking: not ordered with the legacy default stream,
+ * so it never waits on, nor holds up, other work on the device). */
+ac_result_t ac_cuda_stream_create(void **stream, int device);
+void ac_cuda_stream_destroy(void *stream, int device); /* NULL is a no-op */
+
+/* Queues a copy of n bytes from device memory `src` (on `device`) to host memory `dst` on
+ * `stream` (cudaMemcpyAsync, DeviceToHost): asynchronous when dst is pinned. dst must stay
+ * valid until ac_cuda_stream_sync on that stream has returned. */
+ac_result_t ac_cuda_copy_to_host_async(void *dst, const void *src, size_t n, int device, void *stream);
+/* Waits for everything queued on `stream` (of `device`); errors of the copies show here. */
+ac_result_t ac_cuda_stream_sync(void *stream, int device);
+
 #ifdef __cplusplus
 }
 #endif
