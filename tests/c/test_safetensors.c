@@ -1,14 +1,17 @@
 /* test_safetensors.c — csrc/include/ac/safetensors.h: write/read roundtrips, every header
- * validation error, argument errors, the atomic-write protocol under injected failures, and the
- * O_DIRECT writer (byte-identical to the buffered one; ACCELERATE_C_DIRECT_IO; fallback). */
+ * validation error, argument errors, the atomic-write protocol under injected failures, the
+ * O_DIRECT writer (byte-identical to the buffered one; ACCELERATE_C_DIRECT_IO; fallback), and GPU
+ * tensors staged through pinned buffers (against a fake device that swaps in for the CUDA layer). */
 #define _GNU_SOURCE /* mkdtemp, setrlimit, ftruncate under -std=c11 */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -126,18 +129,19 @@ TEST(roundtrip_all_dtypes) {
     bufs[nt] = malloc(nb);
     for (size_t i = 0; i < nb; i++) bufs[nt][i] = (unsigned char)tu_rand32(&rng);
     snprintf(names[nt], sizeof names[nt], "t.%s", ac_st_dtype_name((ac_st_dtype_t)d));
-    t[nt] = (ac_st_tensor_t){names[nt], (ac_st_dtype_t)d, 2, shapes[nt], bufs[nt]};
+    t[nt] = (ac_st_tensor_t){names[nt], (ac_st_dtype_t)d, 2, shapes[nt], bufs[nt], AC_ST_HOST, 0};
   }
   /* a scalar, an empty tensor, and one bigger than an I/O job (split over several jobs) */
   static float scalar = 2.5f;
-  t[nt++] = (ac_st_tensor_t){"scalar", AC_ST_F32, 0, NULL, &scalar};
+  t[nt++] = (ac_st_tensor_t){"scalar", AC_ST_F32, 0, NULL, &scalar, AC_ST_HOST, 0};
   shapes[nt][0] = 0;
   shapes[nt][1] = 7;
-  t[nt++] = (ac_st_tensor_t){"empty", AC_ST_F64, 2, shapes[nt - 1], NULL};
+  t[nt] = (ac_st_tensor_t){"empty", AC_ST_F64, 2, shapes[nt], NULL, AC_ST_HOST, 0};
+  nt++;
   shapes[nt][0] = 5 << 20; /* 20 MiB of F32 */
   bufs[nt] = malloc((size_t)shapes[nt][0] * 4);
   for (size_t i = 0; i < (size_t)shapes[nt][0] * 4; i++) bufs[nt][i] = (unsigned char)(i * 31 + 7);
-  t[nt] = (ac_st_tensor_t){"big", AC_ST_F32, 1, shapes[nt], bufs[nt]};
+  t[nt] = (ac_st_tensor_t){"big", AC_ST_F32, 1, shapes[nt], bufs[nt], AC_ST_HOST, 0};
   nt++;
   ac_st_kv_t meta[] = {{"format", "pt"}, {"note", "quote \" backslash \\ newline \n tab \t é"}};
   for (int threads = 1; threads <= 4; threads += 3) {
@@ -194,7 +198,7 @@ TEST(many_small_tensors_and_subset_reads) {
   for (int i = 0; i < N; i++) {
     for (int k = 0; k < 3; k++) data[i][k] = i * 10 + k;
     snprintf(names[i], sizeof names[i], "w%03d", i);
-    t[i] = (ac_st_tensor_t){names[i], AC_ST_I32, 1, shape, data[i]};
+    t[i] = (ac_st_tensor_t){names[i], AC_ST_I32, 1, shape, data[i], AC_ST_HOST, 0};
   }
   CHECK_OK(ac_st_save(path, t, N, NULL, 0, 3));
   ac_st_reader_t *r;
@@ -236,7 +240,7 @@ TEST(names_needing_escapes_roundtrip) {
   static uint8_t one = 1;
   const char *names[] = {"a\"b", "back\\slash", "new\nline", "ctl\x01", "\xc3\xa9t\xc3\xa9", "\xf0\x9f\x98\x80", ""};
   ac_st_tensor_t t[7];
-  for (int i = 0; i < 7; i++) t[i] = (ac_st_tensor_t){names[i], AC_ST_U8, 0, NULL, &one};
+  for (int i = 0; i < 7; i++) t[i] = (ac_st_tensor_t){names[i], AC_ST_U8, 0, NULL, &one, AC_ST_HOST, 0};
   CHECK_OK(ac_st_save(path, t, 7, NULL, 0, 0));
   ac_st_reader_t *r;
   if (!CHECK_OK(ac_st_reader_create(&r, path))) return;
@@ -421,7 +425,7 @@ TEST(save_argument_errors_create_nothing) {
   path_of(path, sizeof path, "args.safetensors");
   static float x[4];
   int64_t s1[1] = {4}, sneg[1] = {-1};
-  ac_st_tensor_t ok = {"x", AC_ST_F32, 1, s1, x};
+  ac_st_tensor_t ok = {"x", AC_ST_F32, 1, s1, x, AC_ST_HOST, 0};
   struct {
     ac_st_tensor_t t[2];
     size_t n;
@@ -430,14 +434,14 @@ TEST(save_argument_errors_create_nothing) {
     const char *want;
   } cases[] = {
       {{ok, ok}, 2, {{0}}, 0, "tensor name 'x' is given twice"},
-      {{{"__metadata__", AC_ST_F32, 1, s1, x}}, 1, {{0}}, 0, "'__metadata__' is reserved"},
-      {{{NULL, AC_ST_F32, 1, s1, x}}, 1, {{0}}, 0, "has no name"},
-      {{{"bad\xff", AC_ST_F32, 1, s1, x}}, 1, {{0}}, 0, "not valid UTF-8"},
-      {{{"x", (ac_st_dtype_t)99, 1, s1, x}}, 1, {{0}}, 0, "invalid dtype code 99"},
-      {{{"x", AC_ST_F32, 1, sneg, x}}, 1, {{0}}, 0, "negative extent -1"},
-      {{{"x", AC_ST_F32, -1, s1, x}}, 1, {{0}}, 0, "has ndim -1"},
-      {{{"x", AC_ST_F32, 1, NULL, x}}, 1, {{0}}, 0, "NULL shape"},
-      {{{"x", AC_ST_F32, 1, s1, NULL}}, 1, {{0}}, 0, "NULL data"},
+      {{{"__metadata__", AC_ST_F32, 1, s1, x, AC_ST_HOST, 0}}, 1, {{0}}, 0, "'__metadata__' is reserved"},
+      {{{NULL, AC_ST_F32, 1, s1, x, AC_ST_HOST, 0}}, 1, {{0}}, 0, "has no name"},
+      {{{"bad\xff", AC_ST_F32, 1, s1, x, AC_ST_HOST, 0}}, 1, {{0}}, 0, "not valid UTF-8"},
+      {{{"x", (ac_st_dtype_t)99, 1, s1, x, AC_ST_HOST, 0}}, 1, {{0}}, 0, "invalid dtype code 99"},
+      {{{"x", AC_ST_F32, 1, sneg, x, AC_ST_HOST, 0}}, 1, {{0}}, 0, "negative extent -1"},
+      {{{"x", AC_ST_F32, -1, s1, x, AC_ST_HOST, 0}}, 1, {{0}}, 0, "has ndim -1"},
+      {{{"x", AC_ST_F32, 1, NULL, x, AC_ST_HOST, 0}}, 1, {{0}}, 0, "NULL shape"},
+      {{{"x", AC_ST_F32, 1, s1, NULL, AC_ST_HOST, 0}}, 1, {{0}}, 0, "NULL data"},
       {{ok}, 1, {{"k", "a"}, {"k", "b"}}, 2, "metadata key 'k' is given twice"},
       {{ok}, 1, {{"k", NULL}}, 1, "NULL key or value"},
       {{ok}, 1, {{"k", "\xc0"}}, 1, "not valid UTF-8"},
@@ -469,7 +473,7 @@ TEST(failed_write_leaves_old_file_and_no_temp) {
   unsigned char *big = malloc(nb);
   memset(big, 0x5a, nb);
   int64_t shape[1] = {(int64_t)nb};
-  ac_st_tensor_t t = {"big", AC_ST_U8, 1, shape, big};
+  ac_st_tensor_t t = {"big", AC_ST_U8, 1, shape, big, AC_ST_HOST, 0};
   /* both write paths: the buffered one, and O_DIRECT (also what "auto" picks for 4 MiB) */
   static const char *const modes[][2] = {{"0", "buffered"}, {"1", "direct"}, {"auto", "direct"}};
   int temps;
@@ -516,7 +520,7 @@ TEST(file_shrinking_after_open_is_a_short_read) {
   path_of(path, sizeof path, "shrink.safetensors");
   static double v[1000];
   int64_t shape[1] = {1000};
-  ac_st_tensor_t t = {"v", AC_ST_F64, 1, shape, v};
+  ac_st_tensor_t t = {"v", AC_ST_F64, 1, shape, v, AC_ST_HOST, 0};
   CHECK_OK(ac_st_save(path, &t, 1, NULL, 0, 1));
   ac_st_reader_t *r;
   if (!CHECK_OK(ac_st_reader_create(&r, path))) return;
@@ -588,7 +592,7 @@ static size_t u8_file_len(unsigned char *data, size_t n) {
   char p[512];
   path_of(p, sizeof p, "probe.safetensors");
   int64_t shape[1] = {(int64_t)n};
-  ac_st_tensor_t t = {"x", AC_ST_U8, 1, shape, data};
+  ac_st_tensor_t t = {"x", AC_ST_U8, 1, shape, data, AC_ST_HOST, 0};
   setenv(DIO_ENV, "0", 1);
   size_t len = 0;
   if (CHECK_OK(ac_st_save(p, &t, 1, NULL, 0, 1))) {
@@ -611,7 +615,7 @@ static void check_file_of_len(const char *label, size_t target, unsigned char *d
   }
   if (!CHECK_MSG(u8_file_len(data, n) == target, "%s: no tensor size gives a %zu-byte file", label, target)) return;
   int64_t shape[1] = {(int64_t)n};
-  ac_st_tensor_t t = {"x", AC_ST_U8, 1, shape, data};
+  ac_st_tensor_t t = {"x", AC_ST_U8, 1, shape, data, AC_ST_HOST, 0};
   CHECK_EQ_INT(check_direct_same(label, &t, 1, NULL, 0, threads), target);
 }
 
@@ -644,13 +648,13 @@ TEST(direct_bytes_equal_buffered) {
     int64_t s_f64[1] = {3001}, s_bf16[2] = {7, 111}, s_i8[1] = {13}, s_empty[2] = {0, 5}, s_u16[1] = {6000};
     static int64_t scalar = 0x0102030405060708LL;
     ac_st_tensor_t t[] = {
-        {"w.f64", AC_ST_F64, 1, s_f64, data},       /* 24008 bytes: crosses two boundaries */
-        {"w.bf16", AC_ST_BF16, 2, s_bf16, data + 1},
-        {"w.i8", AC_ST_I8, 1, s_i8, data + 2},
-        {"empty.a", AC_ST_F32, 2, s_empty, NULL},
-        {"empty.b", AC_ST_U8, 2, s_empty, NULL},
-        {"step", AC_ST_I64, 0, NULL, &scalar},
-        {"w.u16", AC_ST_U16, 1, s_u16, data + 3},
+        {"w.f64", AC_ST_F64, 1, s_f64, data, AC_ST_HOST, 0}, /* 24008 bytes: crosses two boundaries */
+        {"w.bf16", AC_ST_BF16, 2, s_bf16, data + 1, AC_ST_HOST, 0},
+        {"w.i8", AC_ST_I8, 1, s_i8, data + 2, AC_ST_HOST, 0},
+        {"empty.a", AC_ST_F32, 2, s_empty, NULL, AC_ST_HOST, 0},
+        {"empty.b", AC_ST_U8, 2, s_empty, NULL, AC_ST_HOST, 0},
+        {"step", AC_ST_I64, 0, NULL, &scalar, AC_ST_HOST, 0},
+        {"w.u16", AC_ST_U16, 1, s_u16, data + 3, AC_ST_HOST, 0},
     };
     for (int threads = 0; threads <= 16; threads = threads ? threads * 4 : 1)
       check_direct_same("straddling tensors", t, sizeof t / sizeof t[0], meta, 1, threads);
@@ -666,7 +670,7 @@ TEST(direct_bytes_equal_buffered) {
     for (int i = 0; i < N; i++) {
       shapes[i] = i % 10 == 0 ? 0 : 1 + i % 7;
       snprintf(names[i], sizeof names[i], "model.layers.%03d.tiny_parameter", i);
-      t[i] = (ac_st_tensor_t){names[i], AC_ST_U8, 1, &shapes[i], shapes[i] ? data + off : NULL};
+      t[i] = (ac_st_tensor_t){names[i], AC_ST_U8, 1, &shapes[i], shapes[i] ? data + off : NULL, AC_ST_HOST, 0};
       off += (size_t)shapes[i];
     }
     for (int threads = 1; threads <= 3; threads += 2) {
@@ -689,7 +693,8 @@ TEST(direct_io_env_values) {
   size_t nbig = (size_t)4 << 20; /* with the header: just above the 4 MiB "auto" threshold */
   unsigned char *big = calloc(nbig, 1);
   int64_t s_small[1] = {sizeof small}, s_big[1] = {(int64_t)nbig};
-  ac_st_tensor_t ts = {"s", AC_ST_U8, 1, s_small, small}, tb = {"b", AC_ST_U8, 1, s_big, big};
+  ac_st_tensor_t ts = {"s", AC_ST_U8, 1, s_small, small, AC_ST_HOST, 0};
+  ac_st_tensor_t tb = {"b", AC_ST_U8, 1, s_big, big, AC_ST_HOST, 0};
   struct {
     const char *value; /* NULL = unset */
     const ac_st_tensor_t *t;
@@ -736,7 +741,7 @@ TEST(direct_io_refused_falls_back_or_fails) {
   unsigned char *big = malloc(nbig);
   for (size_t i = 0; i < nbig; i++) big[i] = (unsigned char)(i * 131 + (i >> 13));
   int64_t shape[1] = {(int64_t)nbig};
-  ac_st_tensor_t t = {"big", AC_ST_U8, 1, shape, big};
+  ac_st_tensor_t t = {"big", AC_ST_U8, 1, shape, big, AC_ST_HOST, 0};
   size_t lref = 0, len = 0;
   setenv(DIO_ENV, "0", 1);
   CHECK_OK(ac_st_save(ref, &t, 1, NULL, 0, 1));
@@ -787,6 +792,606 @@ TEST(direct_io_refused_falls_back_or_fails) {
   clear_dir();
 }
 
+/* ---- GPU tensors: the staged chunk pipeline against a fake device ------------------------------ */
+
+/* The fake device: "device memory" is a memfd mapped twice, once PROT_NONE (the address the
+ * writer gets, so any host access to it crashes, as it would for real device memory) and once
+ * readable (where the fake copy engine reads), holding every byte XOR FAKE_KEY, so bytes that
+ * reach the file other than through the fake copy (which decodes) differ from the reference. Copies are queued on the fake stream and only done at its sync, as a real
+ * cudaMemcpyAsync into pinned memory may finish late: a pwrite before the sync writes garbage.
+ * Every device op checks that it runs off the main thread (the writer must not change the
+ * caller's current device), that its device is the one the memory is registered on, and that
+ * the destination lies inside a live pinned buffer; it counts what it does. */
+#define FAKE_KEY 0x5a
+#define FAKE_MAX_RANGES 2048
+#define FAKE_MAX_PINNED 64
+#define FAKE_PIN_SKEW 8 /* the fake pinned allocator returns addresses 8 bytes past 4096-alignment */
+
+typedef struct {
+  const unsigned char *p;     /* the device address (PROT_NONE) */
+  const unsigned char *alias; /* the same bytes, readable by the fake copy engine */
+  size_t n;
+  int device;
+} fake_range;
+
+typedef struct {
+  void *dst;
+  const void *src;
+  size_t n;
+} fake_copy;
+
+typedef struct {
+  int device;
+  fake_copy *q;
+  size_t nq, cap;
+} fake_stream;
+
+static struct {
+  fake_range ranges[FAKE_MAX_RANGES];
+  int nranges;
+  pthread_t main_thread;
+  pthread_mutex_t mu; /* the pinned table */
+  struct {
+    char *p;
+    size_t n;
+  } pinned[FAKE_MAX_PINNED];
+  const unsigned char *fail_src; /* copy_async fails when its source lies in this range */
+  size_t fail_n;
+  int fail_sync;   /* stream_sync fails (after doing the copies) */
+  int fail_alloc;  /* host_alloc number fail_alloc (1-based) and all later ones fail; 0 = never */
+} fk = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static atomic_long fk_allocs, fk_frees, fk_streams, fk_stream_frees, fk_copies, fk_syncs, fk_checks, fk_bad;
+static atomic_size_t fk_bytes;
+
+static void fake_reset(void) {
+  fk.nranges = 0;
+  fk.main_thread = pthread_self();
+  fk.fail_src = NULL;
+  fk.fail_n = 0;
+  fk.fail_sync = 0;
+  fk.fail_alloc = 0;
+  atomic_store(&fk_allocs, 0);
+  atomic_store(&fk_frees, 0);
+  atomic_store(&fk_streams, 0);
+  atomic_store(&fk_stream_frees, 0);
+  atomic_store(&fk_copies, 0);
+  atomic_store(&fk_syncs, 0);
+  atomic_store(&fk_checks, 0);
+  atomic_store(&fk_bad, 0);
+  atomic_store(&fk_bytes, 0);
+}
+
+static void fake_bad(const char *what) {
+  atomic_fetch_add(&fk_bad, 1);
+  printf("    fake device: %s\n", what);
+}
+
+static int on_main(void) { return pthread_equal(pthread_self(), fk.main_thread); }
+
+static ac_result_t fake_check_device(int device) {
+  atomic_fetch_add(&fk_checks, 1);
+  if (device > 3) return AC_FAIL(AC_ERR_INVALID_ARG, "CUDA device %d does not exist (4 visible)", device);
+  return AC_OK;
+}
+
+static ac_result_t fake_host_alloc(void **ptr, size_t bytes, int device) {
+  *ptr = NULL;
+  if (on_main()) fake_bad("host_alloc on the caller's thread");
+  if (device < 0 || device > 3) fake_bad("host_alloc with a bad device");
+  long k = atomic_fetch_add(&fk_allocs, 1) + 1;
+  if (fk.fail_alloc && k >= fk.fail_alloc) {
+    atomic_fetch_add(&fk_frees, 1); /* nothing to free: keep the balance */
+    return AC_FAIL(AC_ERR_NOMEM, "cudaHostAlloc of %zu bytes (device %d current) failed: fake out of pinned memory",
+                   bytes, device);
+  }
+  char *base = malloc(bytes + 4096 + FAKE_PIN_SKEW);
+  if (!base) return AC_FAIL(AC_ERR_NOMEM, "fake: malloc failed");
+  char *p = (char *)(((uintptr_t)base + 4095) / 4096 * 4096) + FAKE_PIN_SKEW;
+  pthread_mutex_lock(&fk.mu);
+  int slot = -1;
+  for (int i = 0; i < FAKE_MAX_PINNED && slot < 0; i++)
+    if (!fk.pinned[i].p) slot = i;
+  if (slot >= 0) {
+    fk.pinned[slot].p = p;
+    fk.pinned[slot].n = bytes;
+  }
+  pthread_mutex_unlock(&fk.mu);
+  if (slot < 0) {
+    free(base);
+    fake_bad("too many live pinned buffers");
+    return AC_FAIL(AC_ERR_NOMEM, "fake: too many pinned buffers");
+  }
+  /* remember the malloc base just before the returned address (inside the alignment slack) */
+  memcpy(p - FAKE_PIN_SKEW, &base, sizeof base);
+  *ptr = p;
+  return AC_OK;
+}
+
+static void fake_host_free(void *ptr) {
+  if (!ptr) return;
+  if (on_main()) fake_bad("host_free on the caller's thread");
+  int found = 0;
+  pthread_mutex_lock(&fk.mu);
+  for (int i = 0; i < FAKE_MAX_PINNED; i++)
+    if (fk.pinned[i].p == ptr) {
+      fk.pinned[i].p = NULL;
+      found = 1;
+    }
+  pthread_mutex_unlock(&fk.mu);
+  if (!found) {
+    fake_bad("host_free of something not allocated");
+    return;
+  }
+  atomic_fetch_add(&fk_frees, 1);
+  char *base;
+  memcpy(&base, (char *)ptr - FAKE_PIN_SKEW, sizeof base);
+  free(base);
+}
+
+static ac_result_t fake_stream_create(void **stream, int device) {
+  if (on_main()) fake_bad("stream_create on the caller's thread");
+  fake_stream *s = calloc(1, sizeof *s);
+  if (!s) return AC_FAIL(AC_ERR_NOMEM, "fake: no stream");
+  s->device = device;
+  atomic_fetch_add(&fk_streams, 1);
+  *stream = s;
+  return AC_OK;
+}
+
+static void fake_stream_destroy(void *stream, int device) {
+  fake_stream *s = stream;
+  if (on_main()) fake_bad("stream_destroy on the caller's thread");
+  if (s->device != device) fake_bad("stream destroyed with another device");
+  if (s->nq) fake_bad("stream destroyed with copies pending");
+  atomic_fetch_add(&fk_stream_frees, 1);
+  free(s->q);
+  free(s);
+}
+
+static ac_result_t fake_copy_async(void *dst, const void *src, size_t n, int device, void *stream) {
+  fake_stream *s = stream;
+  if (on_main()) fake_bad("copy on the caller's thread");
+  if (s->device != device) fake_bad("copy on a stream of another device");
+  const unsigned char *q = src, *readable = NULL;
+  for (int i = 0; i < fk.nranges && !readable; i++)
+    if (q >= fk.ranges[i].p && q + n <= fk.ranges[i].p + fk.ranges[i].n && fk.ranges[i].device == device)
+      readable = fk.ranges[i].alias + (q - fk.ranges[i].p);
+  if (!readable) {
+    fake_bad("copy from memory that is not on that fake device");
+    return AC_FAIL(AC_ERR_CUDA, "fake: invalid device pointer");
+  }
+  int pinned = 0;
+  pthread_mutex_lock(&fk.mu);
+  for (int i = 0; i < FAKE_MAX_PINNED && !pinned; i++)
+    pinned = fk.pinned[i].p && (char *)dst >= fk.pinned[i].p && (char *)dst + n <= fk.pinned[i].p + fk.pinned[i].n;
+  pthread_mutex_unlock(&fk.mu);
+  if (!pinned) fake_bad("copy into memory that is not a live pinned buffer");
+  if (fk.fail_src && q < fk.fail_src + fk.fail_n && fk.fail_src < q + n)
+    return AC_FAIL(AC_ERR_CUDA, "cudaMemcpyAsync (device %d to host, %zu bytes) failed: fake device fault", device, n);
+  if (s->nq == s->cap) {
+    size_t cap = s->cap ? 2 * s->cap : 8;
+    fake_copy *nq = realloc(s->q, cap * sizeof *nq);
+    if (!nq) return AC_FAIL(AC_ERR_NOMEM, "fake: queue");
+    s->q = nq;
+    s->cap = cap;
+  }
+  s->q[s->nq++] = (fake_copy){dst, readable, n};
+  atomic_fetch_add(&fk_copies, 1);
+  return AC_OK;
+}
+
+static ac_result_t fake_stream_sync(void *stream, int device) {
+  fake_stream *s = stream;
+  if (on_main()) fake_bad("sync on the caller's thread");
+  if (s->device != device) fake_bad("sync of a stream with another device");
+  for (size_t i = 0; i < s->nq; i++) { /* the "DMA": decode into the pinned buffer */
+    unsigned char *d = s->q[i].dst;
+    const unsigned char *src = s->q[i].src;
+    for (size_t k = 0; k < s->q[i].n; k++) d[k] = src[k] ^ FAKE_KEY;
+    atomic_fetch_add(&fk_bytes, s->q[i].n);
+  }
+  s->nq = 0;
+  atomic_fetch_add(&fk_syncs, 1);
+  if (fk.fail_sync)
+    return AC_FAIL(AC_ERR_CUDA, "cudaStreamSynchronize (device-to-host copies) on device %d failed: fake illegal "
+                   "address", device);
+  return AC_OK;
+}
+
+static const st_device_ops fake_ops = {
+    .check_device = fake_check_device,
+    .host_alloc = fake_host_alloc,
+    .host_free = fake_host_free,
+    .stream_create = fake_stream_create,
+    .stream_destroy = fake_stream_destroy,
+    .copy_async = fake_copy_async,
+    .stream_sync = fake_stream_sync,
+};
+
+/* "Moves" tensor t to fake device `device`: an encoded copy in a fresh double mapping,
+ * registered. Returns its handle for free_fake_device. */
+static fake_range *to_fake_device(ac_st_tensor_t *t, int device) {
+  size_t n = ac_st_dtype_size(t->dtype);
+  for (int32_t d = 0; d < t->ndim; d++) n *= (size_t)t->shape[d];
+  if (!CHECK(fk.nranges < FAKE_MAX_RANGES)) return NULL;
+  size_t len = (n + 4095) / 4096 * 4096 + 4096;
+  int fd = memfd_create("fake_device", MFD_CLOEXEC);
+  if (!CHECK(fd >= 0 && ftruncate(fd, (off_t)len) == 0)) return NULL;
+  unsigned char *alias = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  unsigned char *dev = mmap(NULL, len, PROT_NONE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (!CHECK(alias != MAP_FAILED && dev != MAP_FAILED)) return NULL;
+  for (size_t i = 0; i < n; i++) alias[i] = ((const unsigned char *)t->data)[i] ^ FAKE_KEY;
+  fake_range *r = &fk.ranges[fk.nranges++];
+  *r = (fake_range){dev, alias, len, device};
+  t->data = n ? dev : NULL;
+  t->memory = AC_ST_CUDA;
+  t->device = device;
+  return r;
+}
+
+static void free_fake_device(fake_range *r) {
+  if (!r) return;
+  munmap((void *)(uintptr_t)r->p, r->n);
+  munmap((void *)(uintptr_t)r->alias, r->n);
+  r->p = r->alias = NULL;
+  r->n = 0;
+}
+
+/* The ops' books balance after a save: every buffer and stream freed, nothing misused. */
+static void check_fake_books(const char *label) {
+  CHECK_MSG(atomic_load(&fk_allocs) == atomic_load(&fk_frees), "%s: %ld pinned allocs, %ld frees", label,
+            atomic_load(&fk_allocs), atomic_load(&fk_frees));
+  CHECK_MSG(atomic_load(&fk_streams) == atomic_load(&fk_stream_frees), "%s: %ld streams, %ld destroyed", label,
+            atomic_load(&fk_streams), atomic_load(&fk_stream_frees));
+  CHECK_MSG(atomic_load(&fk_bad) == 0, "%s: %ld misuses of the fake device", label, atomic_load(&fk_bad));
+}
+
+/* Saves `t` (host tensors) as the reference, then again with the tensors whose index has a
+ * non-negative dev[i] on that fake device, under ACCELERATE_C_DIRECT_IO=mode; checks the files
+ * are byte-identical, the reported write mode, every device byte copied exactly once, and the
+ * books. */
+static void check_staged_same(const char *label, const ac_st_tensor_t *t, size_t n, const int *dev, const char *mode,
+                              const char *want_mode, int threads) {
+  char ref[512], out[512];
+  path_of(ref, sizeof ref, "ref.safetensors");
+  path_of(out, sizeof out, "staged.safetensors");
+  setenv(DIO_ENV, "0", 1);
+  CHECK_MSG(ac_st_save(ref, t, n, NULL, 0, 1) == AC_OK, "%s: %s", label, ac_last_error());
+  ac_st_tensor_t *ts = malloc((n ? n : 1) * sizeof *ts);
+  fake_range **owned = calloc(n ? n : 1, sizeof *owned);
+  fake_reset();
+  size_t dev_bytes = 0;
+  for (size_t i = 0; i < n; i++) {
+    ts[i] = t[i];
+    if (dev[i] >= 0) {
+      owned[i] = to_fake_device(&ts[i], dev[i]);
+      size_t b = ac_st_dtype_size(t[i].dtype);
+      for (int32_t d = 0; d < t[i].ndim; d++) b *= (size_t)t[i].shape[d];
+      dev_bytes += b;
+    }
+  }
+  setenv(DIO_ENV, mode, 1);
+  CHECK_MSG(ac_st_save(out, ts, n, NULL, 0, threads) == AC_OK, "%s (%s=%s, threads %d): %s", label, DIO_ENV, mode,
+            threads, ac_last_error());
+  unsetenv(DIO_ENV);
+  CHECK_MSG(strcmp(ac_st_last_write_mode(), want_mode) == 0, "%s (%s=%s): mode %s, expected %s", label, DIO_ENV, mode,
+            ac_st_last_write_mode(), want_mode);
+  size_t la = 0, lb = 0;
+  unsigned char *a = read_whole(ref, &la), *b = read_whole(out, &lb);
+  CHECK_MSG(a && b && la == lb, "%s: %zu bytes from host memory, %zu staged", label, la, lb);
+  if (a && b && la == lb) {
+    size_t i = 0;
+    while (i < la && a[i] == b[i]) i++;
+    CHECK_MSG(i == la, "%s (%s=%s, threads %d): first difference at byte %zu of %zu", label, DIO_ENV, mode, threads,
+              i, la);
+  }
+  /* exactly once each; a refused first O_DIRECT write costs the copies of the chunks before it */
+  if (st_direct_fault() == ST_DIRECT_FAULT_WRITE)
+    CHECK_MSG(atomic_load(&fk_bytes) > dev_bytes, "%s: %zu device bytes copied, expected more than %zu", label,
+              atomic_load(&fk_bytes), dev_bytes);
+  else
+    CHECK_MSG(atomic_load(&fk_bytes) == dev_bytes, "%s: %zu device bytes copied, expected %zu", label,
+              atomic_load(&fk_bytes), dev_bytes);
+  if (dev_bytes) CHECK(atomic_load(&fk_allocs) >= 1 && atomic_load(&fk_syncs) >= 1);
+  check_fake_books(label);
+  free(a);
+  free(b);
+  for (size_t i = 0; i < n; i++) free_fake_device(owned[i]);
+  free(owned);
+  free(ts);
+  int temps;
+  CHECK_EQ_INT(dir_count(&temps), 2);
+  CHECK_EQ_INT(temps, 0);
+  clear_dir();
+}
+
+TEST(gpu_tensors_staged_bytes_equal_host) {
+  st_direct_set_device_ops(&fake_ops);
+  if (!CHECK(st_direct_set_chunk_bytes(SMALL_CHUNK) == 0)) return;
+  tu_rng_t rng = {0x6a0ULL};
+  size_t cap = 8 * SMALL_CHUNK;
+  unsigned char *data = malloc(cap);
+  for (size_t i = 0; i < cap; i++) data[i] = (unsigned char)tu_rand32(&rng);
+  static const char *const modes[][2] = {{"1", "direct"}, {"0", "buffered"}, {"auto", "buffered"}};
+
+  /* one big tensor across several chunks, alone and next to host tensors in the same chunks */
+  {
+    int64_t s_big[1] = {3 * SMALL_CHUNK + 1001}, s_a[1] = {77}, s_b[2] = {5, 9};
+    ac_st_tensor_t t[] = {
+        {"big", AC_ST_U8, 1, s_big, data, AC_ST_HOST, 0},
+        {"a.f32", AC_ST_F32, 1, s_a, data + 5, AC_ST_HOST, 0},
+        {"b.bf16", AC_ST_BF16, 2, s_b, data + 7, AC_ST_HOST, 0},
+    };
+    const int all[] = {0, 0, 0}, big_only[] = {0, -1, -1}, small_only[] = {-1, 1, 3}, none[] = {-1, -1, -1};
+    const int *cases[] = {all, big_only, small_only, none};
+    for (int c = 0; c < 4; c++)
+      for (int m = 0; m < 3; m++)
+        for (int threads = 0; threads <= 4; threads += 2) {
+          char label[64];
+          snprintf(label, sizeof label, "big tensor, case %d", c);
+          /* an all-host save is the plain writer: direct or pwritev, no staging */
+          check_staged_same(label, t, 3, cases[c], modes[m][0], c == 3 && m == 2 ? "buffered" : modes[m][1], threads);
+        }
+  }
+
+  /* files of exactly 1, 2 chunks (+-1 byte) from one device tensor */
+  {
+    const size_t lens[] = {SMALL_CHUNK, SMALL_CHUNK - 1, SMALL_CHUNK + 1, 2 * SMALL_CHUNK, 4096, 4095};
+    for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++) {
+      size_t n = lens[k] > 128 ? lens[k] - 128 : 1;
+      for (int it = 0; it < 8; it++) {
+        size_t len = u8_file_len(data, n);
+        if (len == lens[k] || len == 0) break;
+        n = n + lens[k] - len;
+      }
+      if (!CHECK_MSG(u8_file_len(data, n) == lens[k], "no tensor size gives a %zu-byte file", lens[k])) continue;
+      int64_t shape[1] = {(int64_t)n};
+      ac_st_tensor_t t = {"x", AC_ST_U8, 1, shape, data, AC_ST_HOST, 0};
+      const int d[] = {2};
+      char label[64];
+      snprintf(label, sizeof label, "a %zu-byte file", lens[k]);
+      for (int m = 0; m < 2; m++) check_staged_same(label, &t, 1, d, modes[m][0], modes[m][1], 2);
+    }
+  }
+
+  /* tensors straddling chunk edges, host and device pieces (two devices) in one chunk, zero-size
+   * device tensors and a device scalar */
+  {
+    int64_t s_f64[1] = {3001}, s_bf16[2] = {7, 111}, s_i8[1] = {13}, s_empty[2] = {0, 5}, s_u16[1] = {6000};
+    static int64_t scalar = 0x0102030405060708LL;
+    ac_st_tensor_t t[] = {
+        {"w.f64", AC_ST_F64, 1, s_f64, data, AC_ST_HOST, 0},
+        {"w.bf16", AC_ST_BF16, 2, s_bf16, data + 1, AC_ST_HOST, 0},
+        {"w.i8", AC_ST_I8, 1, s_i8, data + 2, AC_ST_HOST, 0},
+        {"empty.a", AC_ST_F32, 2, s_empty, NULL, AC_ST_HOST, 0},
+        {"empty.b", AC_ST_U8, 2, s_empty, NULL, AC_ST_HOST, 0},
+        {"step", AC_ST_I64, 0, NULL, &scalar, AC_ST_HOST, 0},
+        {"w.u16", AC_ST_U16, 1, s_u16, data + 3, AC_ST_HOST, 0},
+    };
+    const int d1[] = {0, -1, 1, 0, -1, 1, -1}, d2[] = {-1, 2, -1, -1, 3, -1, 0}, d3[] = {1, 1, 1, 1, 1, 1, 1};
+    const int *cases[] = {d1, d2, d3};
+    for (int c = 0; c < 3; c++)
+      for (int m = 0; m < 3; m++)
+        for (int threads = 1; threads <= 16; threads *= 4)
+          check_staged_same("straddling tensors", t, sizeof t / sizeof t[0], cases[c], modes[m][0], modes[m][1],
+                            threads);
+  }
+
+  /* many tiny tensors alternating host / device 0 / device 1: dozens of pieces per chunk */
+  {
+    enum { N = 600 };
+    ac_st_tensor_t *t = calloc(N, sizeof *t);
+    int64_t *shapes = calloc(N, sizeof *shapes);
+    int *dev = calloc(N, sizeof *dev);
+    char (*names)[40] = calloc(N, sizeof *names);
+    size_t off = 0;
+    for (int i = 0; i < N; i++) {
+      shapes[i] = i % 10 == 0 ? 0 : 1 + i % 7;
+      snprintf(names[i], sizeof names[i], "model.layers.%03d.tiny_parameter", i);
+      t[i] = (ac_st_tensor_t){names[i], AC_ST_U8, 1, &shapes[i], shapes[i] ? data + off : NULL, AC_ST_HOST, 0};
+      dev[i] = i % 3 - 1;
+      off += (size_t)shapes[i];
+    }
+    for (int m = 0; m < 2; m++) check_staged_same("600 tiny tensors", t, N, dev, modes[m][0], modes[m][1], 3);
+    free(t);
+    free(shapes);
+    free(dev);
+    free(names);
+  }
+
+  /* a file system that refuses O_DIRECT: "auto" (direct from 4 MiB) redoes the staged save
+   * through the page cache, with the same bytes and every buffer of the first try freed */
+  {
+    size_t nbig = (size_t)4 << 20;
+    unsigned char *big = malloc(nbig);
+    for (size_t i = 0; i < nbig; i++) big[i] = (unsigned char)(i * 131 + (i >> 13));
+    int64_t s_big[1] = {(int64_t)nbig}, s_a[1] = {33};
+    ac_st_tensor_t t[] = {{"big", AC_ST_U8, 1, s_big, big, AC_ST_HOST, 0},
+                          {"a", AC_ST_F32, 1, s_a, data, AC_ST_HOST, 0}};
+    const int d[] = {0, -1};
+    check_staged_same("4 MiB, auto", t, 2, d, "auto", "direct", 0);
+    const int faults[] = {ST_DIRECT_FAULT_OPEN, ST_DIRECT_FAULT_WRITE};
+    for (int k = 0; k < 2; k++) {
+      st_direct_set_fault(faults[k]);
+      check_staged_same("4 MiB, O_DIRECT refused", t, 2, d, "auto", "buffered", 0);
+      st_direct_set_fault(ST_DIRECT_FAULT_NONE);
+    }
+    free(big);
+  }
+  free(data);
+  CHECK(st_direct_set_chunk_bytes(0) == 0);
+  st_direct_set_device_ops(NULL);
+}
+
+/* Failures while staging: a copy that cannot be queued, a wait that reports an error, no pinned
+ * memory, a failed write. Each names the file and the tensor (and the device layer's text), leaves
+ * no temporary file and the old file untouched, and frees every pinned buffer and stream. */
+TEST(gpu_tensors_staging_failures) {
+  st_direct_set_device_ops(&fake_ops);
+  if (!CHECK(st_direct_set_chunk_bytes(SMALL_CHUNK) == 0)) return;
+  char path[512];
+  path_of(path, sizeof path, "fail.safetensors");
+  static const char old[] = "the previous checkpoint";
+  size_t nb = 5 * SMALL_CHUNK;
+  unsigned char *host = malloc(nb);
+  for (size_t i = 0; i < nb; i++) host[i] = (unsigned char)(i * 7 + (i >> 9));
+  int64_t s_big[1] = {(int64_t)(4 * SMALL_CHUNK)}, s_small[1] = {1000}, s_tail[1] = {3000};
+  static const char *const modes[] = {"1", "0"};
+  int temps;
+  for (int m = 0; m < 2; m++)
+    for (int what = 0; what < 5; what++) {
+      fake_reset();
+      ac_st_tensor_t t[] = {
+          {"layer.0.weight", AC_ST_U8, 1, s_big, host, AC_ST_HOST, 0},
+          {"layer.1.bias", AC_ST_U8, 1, s_small, host + 11, AC_ST_HOST, 0},
+          {"layer.2.scale", AC_ST_U8, 1, s_tail, host + 13, AC_ST_HOST, 0},
+      };
+      fake_range *d0 = to_fake_device(&t[0], 0), *d1 = to_fake_device(&t[1], 1);
+      if (!d0 || !d1) break;
+      const char *want[3] = {NULL, NULL, NULL};
+      ac_result_t want_rc = AC_ERR_CUDA;
+      struct rlimit saved, lim;
+      int limited = 0;
+      void (*prev)(int) = SIG_DFL;
+      if (what == 0) { /* queueing the copy of the second device tensor fails */
+        fk.fail_src = d1->p + 100;
+        fk.fail_n = 1;
+        want[0] = "copying tensor 'layer.1.bias' from CUDA device 1 into the staging buffer of";
+        want[1] = "cudaMemcpyAsync (device 1 to host, 1000 bytes) failed: fake device fault";
+      } else if (what == 1) { /* the first wait fails */
+        fk.fail_sync = 1;
+        want[0] = "from CUDA device ";
+        want[1] = "cudaStreamSynchronize (device-to-host copies) on device";
+        want[2] = "fake illegal address";
+      } else if (what == 2) { /* no pinned memory at all */
+        fk.fail_alloc = 1;
+        want_rc = AC_ERR_NOMEM;
+        want[0] = "no pinned staging buffer for";
+        want[1] = "fake out of pinned memory";
+      } else if (what == 3) { /* the file-size limit hits half-way */
+        want_rc = AC_ERR_IO;
+        want[0] = "writing tensor 'layer.0.weight' at file offset";
+        want[1] = "File too large";
+        getrlimit(RLIMIT_FSIZE, &saved);
+        prev = signal(SIGXFSZ, SIG_IGN);
+        lim = saved;
+        lim.rlim_cur = 2 * SMALL_CHUNK;
+        limited = setrlimit(RLIMIT_FSIZE, &lim) == 0;
+        CHECK(limited);
+      } else { /* only the second pinned buffer fails: one worker does it all */
+        fk.fail_alloc = 2;
+        want_rc = AC_OK;
+      }
+      write_whole(path, old, sizeof old);
+      setenv(DIO_ENV, modes[m], 1);
+      ac_result_t r = ac_st_save(path, t, 3, NULL, 0, 2);
+      unsetenv(DIO_ENV);
+      if (limited) {
+        setrlimit(RLIMIT_FSIZE, &saved);
+        signal(SIGXFSZ, prev);
+      }
+      char label[64];
+      snprintf(label, sizeof label, "%s=%s, failure %d", DIO_ENV, modes[m], what);
+      CHECK_MSG(r == want_rc, "%s: %s (%s)", label, ac_result_string(r), ac_last_error());
+      size_t len = 0;
+      unsigned char *now = read_whole(path, &len);
+      if (want_rc != AC_OK) {
+        CHECK_CONTAINS(ac_last_error(), "fail.safetensors: ");
+        CHECK_CONTAINS(ac_last_error(), ".tmp");
+        for (int k = 0; k < 3; k++)
+          if (want[k]) CHECK_MSG(strstr(ac_last_error(), want[k]) != NULL, "%s: \"%s\" lacks \"%s\"", label,
+                                 ac_last_error(), want[k]);
+        CHECK_MSG(now && len == sizeof old && memcmp(now, old, len) == 0, "%s: the old file changed", label);
+      } else {
+        CHECK_EQ_INT(atomic_load(&fk_allocs), 2);
+        ac_st_reader_t *rd;
+        if (CHECK_OK(ac_st_reader_create(&rd, path))) {
+          const ac_st_header_t *h = ac_st_reader_header(rd);
+          size_t idx;
+          CHECK_OK(ac_st_header_find(h, "layer.0.weight", &idx));
+          unsigned char *back = malloc(4 * SMALL_CHUNK);
+          ac_st_read_t q = {idx, back, 4 * SMALL_CHUNK};
+          CHECK_OK(ac_st_reader_read(rd, &q, 1, 1));
+          CHECK(memcmp(back, host, 4 * SMALL_CHUNK) == 0);
+          free(back);
+          ac_st_reader_destroy(rd);
+        }
+      }
+      if (what == 1) {
+        /* the wait names the first tensor queued on that device in the chunk */
+        CHECK(strstr(ac_last_error(), "tensor 'layer.0.weight'") || strstr(ac_last_error(), "tensor 'layer.1.bias'"));
+      }
+      free(now);
+      check_fake_books(label);
+      CHECK_EQ_INT(dir_count(&temps), 1);
+      CHECK_EQ_INT(temps, 0);
+      free_fake_device(d0);
+      free_fake_device(d1);
+    }
+  /* a sync failure covering several tensors of one device says how many */
+  {
+    fake_reset();
+    int64_t s1[1] = {10};
+    ac_st_tensor_t t[] = {{"p.a", AC_ST_U8, 1, s1, host, AC_ST_HOST, 0}, {"p.b", AC_ST_U8, 1, s1, host + 1, AC_ST_HOST, 0},
+                          {"p.c", AC_ST_U8, 1, s1, host + 2, AC_ST_HOST, 0}};
+    fake_range *d[3];
+    for (int i = 0; i < 3; i++) d[i] = to_fake_device(&t[i], 2);
+    fk.fail_sync = 1;
+    CHECK_RC(ac_st_save(path, t, 3, NULL, 0, 0), AC_ERR_CUDA);
+    CHECK_CONTAINS(ac_last_error(), "copying tensor 'p.a' (and 2 more of its chunk) from CUDA device 2");
+    check_fake_books("three tensors, failed wait");
+    for (int i = 0; i < 3; i++) free_fake_device(d[i]);
+    CHECK_EQ_INT(dir_count(&temps), 1);
+    CHECK_EQ_INT(temps, 0);
+  }
+  free(host);
+  clear_dir();
+  CHECK(st_direct_set_chunk_bytes(0) == 0);
+  st_direct_set_device_ops(NULL);
+}
+
+/* Argument checks of device tensors happen before any file exists. With the real CUDA layer of
+ * this CPU-only build (cuda_stub.c), a device tensor is "built without CUDA". */
+TEST(gpu_tensors_argument_errors) {
+  char path[512];
+  path_of(path, sizeof path, "dev.safetensors");
+  static float x[4];
+  int64_t s1[1] = {4};
+  int temps;
+  st_direct_set_device_ops(NULL);
+  ac_st_tensor_t t = {"w", AC_ST_F32, 1, s1, x, AC_ST_CUDA, 0};
+  for (int mode = 0; mode < 2; mode++) {
+    setenv(DIO_ENV, mode ? "1" : "0", 1);
+    CHECK_RC(ac_st_save(path, &t, 1, NULL, 0, 0), AC_ERR_UNSUPPORTED);
+    CHECK_CONTAINS(ac_last_error(), "dev.safetensors: tensor 'w' is on CUDA device 0: accelerate_c was built "
+                                    "without CUDA");
+    CHECK_CONTAINS(ac_last_error(), "hint: reinstall with nvcc");
+    CHECK_STREQ(ac_st_last_write_mode(), "none");
+    CHECK_EQ_INT(dir_count(&temps), 0);
+  }
+  unsetenv(DIO_ENV);
+  ac_st_tensor_t empty = {"e", AC_ST_F32, 1, (int64_t[]){0}, NULL, AC_ST_CUDA, 0};
+  CHECK_RC(ac_st_save(path, &empty, 1, NULL, 0, 0), AC_ERR_UNSUPPORTED);
+  ac_st_tensor_t bad_kind = {"k", AC_ST_F32, 1, s1, x, (ac_st_memory_t)7, 0};
+  CHECK_RC(ac_st_save(path, &bad_kind, 1, NULL, 0, 0), AC_ERR_INVALID_ARG);
+  CHECK_CONTAINS(ac_last_error(), "tensor 'k' has an invalid memory kind 7");
+  ac_st_tensor_t neg = {"n", AC_ST_F32, 1, s1, x, AC_ST_CUDA, -1};
+  CHECK_RC(ac_st_save(path, &neg, 1, NULL, 0, 0), AC_ERR_INVALID_ARG);
+  CHECK_CONTAINS(ac_last_error(), "tensor 'n' has CUDA device -1");
+  /* a device the (fake) driver does not have; a host tensor's device field is ignored */
+  st_direct_set_device_ops(&fake_ops);
+  fake_reset();
+  ac_st_tensor_t two[] = {{"host", AC_ST_F32, 1, s1, x, AC_ST_HOST, 99}, {"far", AC_ST_F32, 1, s1, x, AC_ST_CUDA, 9}};
+  CHECK_RC(ac_st_save(path, two, 2, NULL, 0, 0), AC_ERR_INVALID_ARG);
+  CHECK_CONTAINS(ac_last_error(), "dev.safetensors: tensor 'far' is on CUDA device 9: CUDA device 9 does not exist");
+  CHECK_EQ_INT(atomic_load(&fk_checks), 1);
+  CHECK_EQ_INT(atomic_load(&fk_allocs), 0);
+  CHECK_EQ_INT(dir_count(&temps), 0);
+  st_direct_set_device_ops(NULL);
+}
+
 TEST(cleanup) {
   clear_dir();
   CHECK(rmdir(tmpdir()) == 0);
@@ -806,6 +1411,9 @@ static const tu_test_t tests[] = {
     TU_CASE(direct_bytes_equal_buffered),
     TU_CASE(direct_io_env_values),
     TU_CASE(direct_io_refused_falls_back_or_fails),
+    TU_CASE(gpu_tensors_staged_bytes_equal_host),
+    TU_CASE(gpu_tensors_staging_failures),
+    TU_CASE(gpu_tensors_argument_errors),
     TU_CASE(cleanup),
 };
 TU_MAIN(tests)

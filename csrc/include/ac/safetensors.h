@@ -59,15 +59,24 @@ ac_result_t ac_st_dtype_from_name(const char *name, ac_st_dtype_t *out);
 
 /* ---- writing ------------------------------------------------------------------------------- */
 
+/* Where a tensor's bytes live. */
+typedef enum {
+  AC_ST_HOST = 0, /* host memory (the default: a zeroed ac_st_tensor_t is a host tensor) */
+  AC_ST_CUDA = 1  /* memory of CUDA device `device` (needs a CUDA build; see ac_st_save) */
+} ac_st_memory_t;
+
 /* One tensor to write. `data` points to dtype_size * prod(shape) bytes of C-order, little-endian
- * memory that must stay valid and unmodified during ac_st_save. The caller keeps ownership of
- * every pointer. ndim == 0 is a scalar (one element). */
+ * memory that must stay valid and unmodified during ac_st_save (for a CUDA tensor: no work that
+ * writes it may be pending on any stream; the writer copies it on streams of its own). The
+ * caller keeps ownership of every pointer. ndim == 0 is a scalar (one element). */
 typedef struct {
   const char *name;      /* UTF-8, unique, not "__metadata__" */
   ac_st_dtype_t dtype;
   int32_t ndim;
   const int64_t *shape;  /* ndim entries, each >= 0 */
   const void *data;      /* may be NULL only when the tensor has no bytes */
+  ac_st_memory_t memory; /* AC_ST_HOST (0) or AC_ST_CUDA */
+  int32_t device;        /* the CUDA device ordinal when memory is AC_ST_CUDA; ignored otherwise */
 } ac_st_tensor_t;
 
 /* One "__metadata__" entry (UTF-8 strings, keys unique). */
@@ -91,6 +100,15 @@ typedef struct {
  *        threads with pwritev in jobs of <= 8 MiB (0 = one thread: the kernel serialises
  *        buffered writes to one file, so more threads only contend; several files written at
  *        once do scale);
+ *      A save with any tensor in CUDA memory always takes the chunked path: O_DIRECT when the
+ *      rules above choose direct, else the same chunks through the page cache ("buffered"); the
+ *      staging buffers are then pinned host memory, each worker is a thread of its own that
+ *      copies its chunk's GPU pieces with cudaMemcpyAsync on its own stream (and waits for
+ *      them) while memcpy'ing the host pieces, so with two workers one's device->host copy
+ *      overlaps the other's write. The calling thread's current CUDA device is never changed;
+ *      the workers make each tensor's device current before copying it. A CPU-only build
+ *      refuses CUDA tensors with AC_ERR_UNSUPPORTED ("built without CUDA") before creating
+ *      anything; a failed copy is AC_ERR_CUDA naming the file, the tensor and the CUDA error;
  *   3. the file is fsynced, renamed onto `path` (replacing an existing file atomically) and the
  *      directory is fsynced, so after a crash `path` is either the old file or the new one.
  * On any failure the temporary file is removed and `path` is untouched.
@@ -101,7 +119,7 @@ typedef struct {
  * which transformers' loader checks). Errors: AC_ERR_INVALID_ARG (bad argument: the message names
  * the tensor or key), AC_ERR_IO (an OS call failed: the message names the call, file and errno),
  * AC_ERR_NOMEM, AC_ERR_UNSUPPORTED (big-endian host; ACCELERATE_C_DIRECT_IO=1 where O_DIRECT
- * is refused). An ACCELERATE_C_DIRECT_IO other than unset, "", "auto", "0" or "1" is
+ * is refused; a CUDA tensor in a CPU-only build), AC_ERR_CUDA (a CUDA call failed). An ACCELERATE_C_DIRECT_IO other than unset, "", "auto", "0" or "1" is
  * AC_ERR_INVALID_ARG naming the variable and its value. */
 ac_result_t ac_st_save(const char *path, const ac_st_tensor_t *tensors, size_t ntensors,
                        const ac_st_kv_t *metadata, size_t nmeta, int threads);
