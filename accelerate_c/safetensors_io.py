@@ -55,14 +55,22 @@ def write_durable(path, write) -> None:
         raise
 
 
-def _cpu_contiguous(name: str, t) -> torch.Tensor:
+def _cuda_staging() -> bool:
+    """Whether the C writer takes CUDA tensors itself (staged through pinned buffers): only a
+    CUDA build of the extension can, and only for NVIDIA CUDA (not a ROCm torch)."""
+    return bool(_C.has_cuda) and torch.version.hip is None
+
+
+def _contiguous(name: str, t, cuda_ok: bool) -> torch.Tensor:
+    """Detached, contiguous, with no lazy conj/neg bit: on the CPU, or on its CUDA device when
+    the C writer stages CUDA tensors itself (`cuda_ok`); other devices are copied to the CPU."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
     t = t.detach()
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" and not (cuda_ok and t.device.type == "cuda"):
         t = t.to("cpu")
     if not t.is_contiguous():
-        t = t.contiguous()
+        t = t.contiguous()  # on the GPU for a CUDA tensor: one device copy, not a strided D2H
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
@@ -70,15 +78,29 @@ def _cpu_contiguous(name: str, t) -> torch.Tensor:
     return t
 
 
+def _export_cuda(t: torch.Tensor):
+    """A DLPack capsule of a CUDA tensor. torch exports one only while its device is the current
+    one, so a save holding tensors of several GPUs exports each under its own device."""
+    with torch.cuda.device(t.device):
+        try:
+            # no stream argument: save_file has synchronised the device already
+            return t.__dlpack__(max_version=(1, 0))
+        except TypeError:  # an older torch without max_version
+            return t.__dlpack__()
+
+
 def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dict[str, str]] = None,
               *, threads: int = 0) -> None:
     """Writes ``tensors`` to ``filename`` (like ``safetensors.torch.save_file``).
 
-    GPU or non-contiguous tensors are first copied to contiguous CPU memory; others are written
-    from their own memory. The file appears under its name only once complete and fsynced (a
-    temporary file is renamed into place); on failure nothing is left behind and an existing
-    file is untouched. ``metadata`` (str -> str) becomes the header's ``__metadata__``.
-    Tensors sharing memory are each written in full (``save_model`` drops tied aliases)."""
+    CPU tensors are written from their own memory. CUDA tensors, when the extension was built
+    with CUDA, are taken as they are (non-contiguous ones are made contiguous on the GPU first)
+    and copied by the C writer through pinned staging buffers, chunk by chunk; without a CUDA
+    build, and for other devices, tensors are copied to the CPU first. The file appears under
+    its name only once complete and fsynced (a temporary file is renamed into place); on failure
+    nothing is left behind and an existing file is untouched. ``metadata`` (str -> str) becomes
+    the header's ``__metadata__``. Tensors sharing memory are each written in full
+    (``save_model`` drops tied aliases)."""
     if not isinstance(tensors, dict):
         raise TypeError(f"tensors must be a dict of name -> tensor, got {type(tensors).__name__}")
     names = list(tensors)
@@ -91,7 +113,19 @@ def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dic
         for k, v in metadata.items():
             if not isinstance(k, str) or not isinstance(v, str):
                 raise TypeError(f"metadata must map str to str; got {k!r}: {v!r}")
-    values = [_cpu_contiguous(n, tensors[n]) for n in names]
+    cuda_ok = _cuda_staging()
+    values = [_contiguous(n, tensors[n], cuda_ok) for n in names]
+    devices = sorted({t.device.index for t in values if t.device.type == "cuda"})
+    if devices:
+        # The C writer copies CUDA tensors with cudaMemcpyAsync on streams of its own, from
+        # threads of its own: nothing orders those copies after the kernels still queued on
+        # torch's streams that write these tensors (including the .contiguous() copies above).
+        # Wait for everything queued so far on each involved device's current stream, as
+        # t.to("cpu") would have; the tensors stay referenced (values, capsules) until st_save
+        # has returned, so the caching allocator cannot hand their memory out meanwhile.
+        for d in devices:
+            torch.cuda.current_stream(d).synchronize()
+        values = [_export_cuda(t) if t.device.type == "cuda" else t for t in values]
     _C.st_save(os.fspath(filename), names, values, metadata, int(threads))
 
 

@@ -3,6 +3,7 @@ roundtrips of every dtype against the tensors themselves, compatibility both way
 `safetensors` package, one crafted file per validation rule, atomic writes under injected
 failures, the O_DIRECT write path (ACCELERATE_C_DIRECT_IO), and Hugging Face sharded
 checkpoints (index, tied weights, stale shards)."""
+import ctypes
 import json
 import mmap
 import os
@@ -705,3 +706,82 @@ def test_gpu_tensors(tmp_path):
     dst = torch.zeros(1000, device="cuda")
     load_into(tmp_path / "g.safetensors", {"g": dst})
     assert torch.equal(dst, t)
+
+
+# ---- CUDA tensors through DLPack (checkable without a GPU) ---------------------------------------
+
+_CapsuleGetPointer = ctypes.pythonapi.PyCapsule_GetPointer
+_CapsuleGetPointer.restype = ctypes.c_void_p
+_CapsuleGetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+# DLManagedTensorVersioned: version (2 x u32), manager_ctx, deleter, flags (u64), then the
+# DLTensor: data pointer, then DLDevice {int32 device_type, int32 device_id}
+_DEVICE_OFFSET = 8 + 8 + 8 + 8 + 8
+_KDLCUDA = 2
+
+
+def _as_cuda_capsule(t, device_id=0):
+    """A real DLPack capsule of CPU tensor `t` whose DLDevice says CUDA device `device_id`: what
+    the C writer receives for a CUDA tensor (only the device field differs; torch's deleter still
+    frees it). The writer must never touch its memory from the host: here it must refuse it
+    before that (no GPU on this machine)."""
+    cap = t.__dlpack__(max_version=(1, 0))
+    base = _CapsuleGetPointer(cap, b"dltensor_versioned")
+    ctypes.c_int32.from_address(base + _DEVICE_OFFSET).value = _KDLCUDA
+    ctypes.c_int32.from_address(base + _DEVICE_OFFSET + 4).value = device_id
+    return cap
+
+
+def test_st_save_takes_dlpack_capsules(tmp_path):
+    a, b = torch.arange(10, dtype=torch.int32), torch.randn(3, 4)
+    _C.st_save(str(tmp_path / "c.safetensors"), ["a", "b"], [a.__dlpack__(), b.__dlpack__(max_version=(1, 0))],
+               None, 0)
+    st_pkg.save_file({"a": a, "b": b}, tmp_path / "ref.safetensors")
+    assert (tmp_path / "c.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    used = a.__dlpack__()
+    _C.st_save(str(tmp_path / "d.safetensors"), ["a"], [used], None, 0)
+    with pytest.raises(ValueError, match="'a': this DLPack capsule was already consumed"):
+        _C.st_save(str(tmp_path / "e.safetensors"), ["a"], [used], None, 0)
+    assert sorted(_listdir(tmp_path)) == ["c.safetensors", "d.safetensors", "ref.safetensors"]
+
+
+@pytest.mark.parametrize("direct_io", ["0", "1", "auto"])
+def test_cuda_dlpack_tensor_reaches_the_core(tmp_path, monkeypatch, direct_io):
+    """st_save hands a CUDA DLPack tensor to the C writer, which checks the device before it
+    creates anything: a CPU-only build says it was built without CUDA; a CUDA build on this
+    GPU-less machine says no device can be used. The old file stays; no temp file is left."""
+    monkeypatch.setenv(DIRECT_ENV, direct_io)
+    path = tmp_path / "g.safetensors"
+    save_file({"old": torch.ones(3)}, path)
+    before = path.read_bytes()
+    host = torch.randn(1000)
+    with pytest.raises(CoreError) as ei:
+        _C.st_save(str(path), ["cpu", "layer.gpu"], [torch.zeros(4), _as_cuda_capsule(host, 0)], None, 0)
+    msg = str(ei.value)
+    assert "g.safetensors: tensor 'layer.gpu' is on CUDA device 0" in msg
+    if _C.has_cuda:
+        assert ei.value.code in ("AC_ERR_CUDA", "AC_ERR_INVALID_ARG")
+    else:
+        assert ei.value.code == "AC_ERR_UNSUPPORTED"
+        assert "built without CUDA" in msg and "nvcc" in msg
+    assert _C.st_last_write_mode() == "none"
+    assert path.read_bytes() == before
+    assert _listdir(tmp_path) == ["g.safetensors"]
+
+
+def test_cuda_dlpack_tensor_refused_as_load_target(tmp_path):
+    path = tmp_path / "x.safetensors"
+    save_file({"w": torch.zeros(5)}, path)
+    with pytest.raises(ValueError, match="'w' is on DLPack device type 2; copy it to the CPU first"):
+        _C.st_load_into(str(path), {"w": _as_cuda_capsule(torch.zeros(5))}, 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the GPU path is in tests/test_cuda.py")
+def test_save_file_device_routing_without_gpu(monkeypatch):
+    """Without a CUDA build save_file copies device tensors to the CPU; with one it keeps CUDA
+    tensors on their device (checked here on the decision helper, as no CUDA tensor exists)."""
+    from accelerate_c import safetensors_io
+    t = torch.arange(6.0).reshape(2, 3).t()
+    out = safetensors_io._contiguous("t", t, cuda_ok=True)
+    assert out.is_contiguous() and out.device.type == "cpu" and torch.equal(out, t)
+    monkeypatch.setattr(safetensors_io._C, "has_cuda", False)
+    assert not safetensors_io._cuda_staging()

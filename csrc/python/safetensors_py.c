@@ -19,6 +19,8 @@ typedef struct {
   void *data;
   size_t nbytes;
   ac_st_dtype_t dtype;
+  ac_st_memory_t memory; /* AC_ST_CUDA for CUDA device (or managed) memory */
+  int32_t device;
 } st_view;
 
 static void st_view_release(st_view *v) {
@@ -81,31 +83,39 @@ static int map_dtype(DLDataType d, ac_st_dtype_t *out) {
   return 0;
 }
 
-/* Exports `obj` (anything with __dlpack__) and checks it is contiguous CPU memory of a
- * supported dtype; `writable` also requires memory the producer did not copy or mark
- * read-only. `name` labels errors. Returns 0, or -1 with an exception set. */
-static int st_view_from(PyObject *obj, int writable, const char *name, st_view *v) {
+/* Exports `obj` (anything with __dlpack__, or a DLPack capsule) and checks it is contiguous
+ * memory of a supported dtype: CPU memory, or with `cuda_ok` also CUDA device memory (which
+ * the core stages through pinned buffers; a CPU-only core refuses it with a clear error).
+ * `writable` also requires memory the producer did not copy or mark read-only. `name` labels
+ * errors. Returns 0, or -1 with an exception set. */
+static int st_view_from(PyObject *obj, int writable, int cuda_ok, const char *name, st_view *v) {
   memset(v, 0, sizeof *v);
-  PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
-  if (!meth) {
-    PyErr_Clear();
-    PyErr_Format(PyExc_TypeError, "'%s': expected a tensor (an object with __dlpack__), got %s", name,
-                 Py_TYPE(obj)->tp_name);
-    return -1;
+  PyObject *cap = NULL;
+  if (PyCapsule_CheckExact(obj)) {
+    /* exported by the caller (safetensors_io exports CUDA tensors under their device) */
+    cap = Py_NewRef(obj);
+  } else {
+    PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
+    if (!meth) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_TypeError, "'%s': expected a tensor (an object with __dlpack__), got %s", name,
+                   Py_TYPE(obj)->tp_name);
+      return -1;
+    }
+    PyObject *kw = Py_BuildValue("{s:(ii)}", "max_version", AC_DLPACK_MAJOR, 0);
+    if (kw) {
+      PyObject *empty = PyTuple_New(0);
+      if (empty) cap = PyObject_Call(meth, empty, kw);
+      Py_XDECREF(empty);
+      Py_DECREF(kw);
+    }
+    if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) { /* a producer without max_version */
+      PyErr_Clear();
+      cap = PyObject_CallNoArgs(meth);
+    }
+    Py_DECREF(meth);
+    if (!cap) return -1;
   }
-  PyObject *cap = NULL, *kw = Py_BuildValue("{s:(ii)}", "max_version", AC_DLPACK_MAJOR, 0);
-  if (kw) {
-    PyObject *empty = PyTuple_New(0);
-    if (empty) cap = PyObject_Call(meth, empty, kw);
-    Py_XDECREF(empty);
-    Py_DECREF(kw);
-  }
-  if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) { /* a producer without max_version */
-    PyErr_Clear();
-    cap = PyObject_CallNoArgs(meth);
-  }
-  Py_DECREF(meth);
-  if (!cap) return -1;
   const DLTensor *t = NULL;
   uint64_t flags = 0;
   if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
@@ -126,6 +136,13 @@ static int st_view_from(PyObject *obj, int writable, const char *name, st_view *
       v->owner = m;
       t = &m->dl_tensor;
     }
+  } else if (PyCapsule_CheckExact(obj)) {
+    const char *cn = PyCapsule_GetName(cap);
+    PyErr_Clear();
+    if (cn && strncmp(cn, "used_", 5) == 0)
+      PyErr_Format(PyExc_ValueError, "'%s': this DLPack capsule was already consumed; export the tensor again", name);
+    else
+      PyErr_Format(PyExc_TypeError, "'%s': capsule '%s' is not a DLPack tensor", name, cn ? cn : "(unnamed)");
   } else {
     PyErr_Format(PyExc_TypeError, "'%s': __dlpack__ did not return a DLPack capsule", name);
   }
@@ -134,7 +151,8 @@ static int st_view_from(PyObject *obj, int writable, const char *name, st_view *
   v->t = t;
   char why[160] = "";
   int dev = t->device.device_type;
-  if (dev != kDLCPU && dev != kDLCUDAHost)
+  int on_cuda = dev == kDLCUDA || dev == kDLCUDAManaged;
+  if (dev != kDLCPU && dev != kDLCUDAHost && !(cuda_ok && on_cuda))
     snprintf(why, sizeof why, "is on DLPack device type %d; copy it to the CPU first", dev);
   else if (!map_dtype(t->dtype, &v->dtype))
     snprintf(why, sizeof why, "has an unsupported dtype (DLPack code %u, %u bits, %u lanes)", (unsigned)t->dtype.code,
@@ -166,6 +184,8 @@ static int st_view_from(PyObject *obj, int writable, const char *name, st_view *
     }
     v->nbytes = n * ac_st_dtype_size(v->dtype);
     v->data = v->nbytes ? (char *)t->data + t->byte_offset : NULL;
+    v->memory = on_cuda ? AC_ST_CUDA : AC_ST_HOST;
+    v->device = on_cuda ? t->device.device_id : 0;
   }
   if (why[0]) {
     PyErr_Format(PyExc_ValueError, "tensor '%s' %s", name, why);
@@ -253,13 +273,15 @@ static PyObject *py_st_save(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   }
   for (Py_ssize_t i = 0; i < nt; i++) {
     const char *nm_i = utf8_of(PyTuple_GET_ITEM(names, i), "tensor name");
-    if (!nm_i || st_view_from(PyTuple_GET_ITEM(tensors, i), 0, nm_i, &views[i]) < 0) goto done;
+    if (!nm_i || st_view_from(PyTuple_GET_ITEM(tensors, i), 0, 1, nm_i, &views[i]) < 0) goto done;
     nv = i + 1;
     ts[i].name = nm_i;
     ts[i].dtype = views[i].dtype;
     ts[i].ndim = views[i].t->ndim;
     ts[i].shape = views[i].t->shape;
     ts[i].data = views[i].data;
+    ts[i].memory = views[i].memory;
+    ts[i].device = views[i].device;
   }
   const char *p = PyBytes_AS_STRING(path);
   ac_result_t r;
@@ -400,7 +422,7 @@ static PyObject *py_st_load_into(PyObject *m, PyObject *const *a, Py_ssize_t n) 
       PyErr_Format(PyExc_KeyError, "%R: no tensor of that name in %R", PyTuple_GET_ITEM(item, 0), a[0]);
       goto done;
     }
-    if (st_view_from(PyTuple_GET_ITEM(item, 1), 1, name, &views[i]) < 0) goto done;
+    if (st_view_from(PyTuple_GET_ITEM(item, 1), 1, 0, name, &views[i]) < 0) goto done;
     nv = i + 1;
     ac_st_info_t info;
     if (ac_st_header_info(h, idx, &info) != AC_OK) {
@@ -444,8 +466,10 @@ static PyObject *py_st_last_write_mode(PyObject *m, PyObject *unused) {
 
 PyMethodDef pyac_safetensors_methods[] = {
     FAST("st_save", py_st_save,
-         "st_save(path, names, tensors, metadata, threads): write a safetensors file (contiguous CPU tensors, "
-         "any dtype) atomically and durably; metadata is a dict of str or None; threads 0 = choose."),
+         "st_save(path, names, tensors, metadata, threads): write a safetensors file (contiguous tensors or "
+         "DLPack capsules, any dtype; CPU memory, or CUDA memory in a CUDA build, staged through pinned buffers: "
+         "the caller orders pending GPU work first) atomically and durably; metadata is a dict of str or None; "
+         "threads 0 = choose."),
     FAST("st_header", py_st_header,
          "st_header(path) -> {'tensors': [(name, dtype, shape, begin, end), ...] in offset order, "
          "'metadata': dict or None, 'data_start': int}; validates the whole header."),
