@@ -59,7 +59,7 @@ def _tune_host_malloc():
     """glibc keeps the memory of freed tensors for the next step instead of faulting it in
     again (see _C.tune_host_malloc; ~1% of a CPU step here). Process-wide, so it can be
     turned off: ACCELERATE_C_MALLOC_TUNING=0."""
-    value = os.environ.get("ACCELERATE_C_MALLOC_TUNING", "1").strip()
+    value = os.environ.get("ACCELERATE_C_MALLOC_TUNING", "").strip() or "1"
     if value not in ("0", "1"):
         raise ValueError(f"ACCELERATE_C_MALLOC_TUNING={value!r}: expected 1 (default) or 0")
     if value == "1":

@@ -132,6 +132,7 @@ WARMUP_LR_STEPS = 20
 TARGET_VS_ACCELERATE = 1.00  # median / median
 TARGET_VS_TORCH_Q1 = 0.98  # q1(ours) / median(torch)
 TARGET_FP16_SPEEDUP = 1.5
+CHILD_TIMEOUT_S = 1800  # a child process (one repeat, or the fp16 part) that hangs stops the benchmark
 FP16_SCALE = 65536.0
 FP16_RTOL = 1e-6
 TORCH_NORM_SANITY = 1e-3
@@ -346,7 +347,7 @@ def bench_steps(names, cfg, dataset, batch_size, repeats, steps, warmup, child_a
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             cmd = [sys.executable, os.path.abspath(__file__), "--one-repeat", name] + child_argv
-            res = subprocess.run(cmd, capture_output=True, text=True)
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
             if res.returncode != 0:
                 raise SystemExit(f"the {name} repeat failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
             times = json.loads(res.stdout.strip().splitlines()[-1])["step_seconds"]
@@ -696,7 +697,7 @@ def main(argv=None):
             # process's heap is fragmented and huge pages are scarcer, which shifted the ratio
             cmd = [sys.executable, os.path.abspath(__file__), "--fp16-child", "--fp16-repeats",
                    str(args.fp16_repeats)] + args.child_argv
-            res = subprocess.run(cmd, capture_output=True, text=True)
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
             out = res.stdout.rstrip().splitlines()
             print("\n".join(out[:-1]) if res.returncode == 0 else res.stdout + res.stderr[-3000:])
             fp16 = json.loads(out[-1])["fp16"] if res.returncode == 0 and out else None

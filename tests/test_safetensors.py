@@ -747,17 +747,19 @@ def test_st_save_takes_dlpack_capsules(tmp_path):
 @pytest.mark.parametrize("direct_io", ["0", "1", "auto"])
 def test_cuda_dlpack_tensor_reaches_the_core(tmp_path, monkeypatch, direct_io):
     """st_save hands a CUDA DLPack tensor to the C writer, which checks the device before it
-    creates anything: a CPU-only build says it was built without CUDA; a CUDA build on this
-    GPU-less machine says no device can be used. The old file stays; no temp file is left."""
+    creates anything: a CPU-only build says it was built without CUDA; a CUDA build says no
+    device 1000 can be used (on a GPU machine too: that device cannot exist, so the check, not
+    a copy from the host memory behind this capsule, is what answers). The old file stays; no
+    temp file is left."""
     monkeypatch.setenv(DIRECT_ENV, direct_io)
     path = tmp_path / "g.safetensors"
     save_file({"old": torch.ones(3)}, path)
     before = path.read_bytes()
     host = torch.randn(1000)
     with pytest.raises(CoreError) as ei:
-        _C.st_save(str(path), ["cpu", "layer.gpu"], [torch.zeros(4), _as_cuda_capsule(host, 0)], None, 0)
+        _C.st_save(str(path), ["cpu", "layer.gpu"], [torch.zeros(4), _as_cuda_capsule(host, 1000)], None, 0)
     msg = str(ei.value)
-    assert "g.safetensors: tensor 'layer.gpu' is on CUDA device 0" in msg
+    assert "g.safetensors: tensor 'layer.gpu' is on CUDA device 1000" in msg
     if _C.has_cuda:
         assert ei.value.code in ("AC_ERR_CUDA", "AC_ERR_INVALID_ARG")
     else:

@@ -15,10 +15,47 @@
 /* grad_views(params, views, ptrs, dtype, device_index) -> list of indices, or None.
  *
  * None: the group is broken (a parameter was cast or moved after prepare(): its dtype is not
- * `dtype`, or its device index is not `device_index` (-1: CPU), or a `.grad` that still is
+ * `dtype`, or it is not on the group's device: the CPU for device_index -1, else CUDA device
+ * `device_index` (p.is_cuda and p.get_device()), or a `.grad` that still is
  * its view has had its storage swapped underneath, as module._apply does with
  * `param.grad.data = ...`). Otherwise: the indices i whose params[i].grad is not views[i]
  * (None or an assigned tensor), which the caller resyncs; an empty list is the common case. */
+enum { GV_VIEW = 0, GV_LOOSE = 1, GV_BROKEN = 2 };
+
+/* One parameter: GV_VIEW (its .grad is its view, intact), GV_LOOSE (.grad is None or another
+ * tensor), GV_BROKEN (cast or moved, see grad_views), or -1 with an exception set. */
+static int grad_view_state(PyObject *p, PyObject *v, PyObject *ptr0, PyObject *dtype, long dev, PyObject *s_dtype,
+                           PyObject *s_is_cuda, PyObject *s_get_device, PyObject *s_grad, PyObject *s_data_ptr) {
+  PyObject *dt = PyObject_GetAttr(p, s_dtype);
+  if (!dt) return -1;
+  int same_dtype = dt == dtype;
+  Py_DECREF(dt);
+  if (!same_dtype) return GV_BROKEN;
+  /* the device type first: get_device() gives 0 for device 0 of any accelerator */
+  PyObject *c = PyObject_GetAttr(p, s_is_cuda);
+  if (!c) return -1;
+  int is_cuda = PyObject_IsTrue(c);
+  Py_DECREF(c);
+  if (is_cuda < 0) return -1;
+  PyObject *d = PyObject_CallMethodNoArgs(p, s_get_device);
+  if (!d) return -1;
+  long pd = PyLong_AsLong(d); /* -1 on the CPU */
+  Py_DECREF(d);
+  if (pd == -1 && PyErr_Occurred()) return -1;
+  if (is_cuda != (dev >= 0) || pd != dev) return GV_BROKEN;
+  PyObject *g = PyObject_GetAttr(p, s_grad);
+  if (!g) return -1;
+  int is_view = g == v;
+  Py_DECREF(g);
+  if (!is_view) return GV_LOOSE;
+  PyObject *ptr = PyObject_CallMethodNoArgs(v, s_data_ptr);
+  if (!ptr) return -1;
+  int moved = PyObject_RichCompareBool(ptr, ptr0, Py_NE);
+  Py_DECREF(ptr);
+  if (moved < 0) return -1;
+  return moved ? GV_BROKEN : GV_VIEW;
+}
+
 static PyObject *py_grad_views(PyObject *mod, PyObject *const *a, Py_ssize_t n) {
   (void)mod;
   if (n != 5) {
@@ -43,52 +80,41 @@ static PyObject *py_grad_views(PyObject *mod, PyObject *const *a, Py_ssize_t n) 
   PyObject *s_grad = PyUnicode_InternFromString("grad"), *s_dtype = PyUnicode_InternFromString("dtype");
   PyObject *s_get_device = PyUnicode_InternFromString("get_device");
   PyObject *s_data_ptr = PyUnicode_InternFromString("data_ptr");
+  PyObject *s_is_cuda = PyUnicode_InternFromString("is_cuda");
   PyObject *result = NULL;
-  if (!s_grad || !s_dtype || !s_get_device || !s_data_ptr) goto done;
+  if (!s_grad || !s_dtype || !s_get_device || !s_data_ptr || !s_is_cuda) goto done;
   for (Py_ssize_t i = 0; i < np; i++) {
-    PyObject *p = PyList_GET_ITEM(params, i), *v = PyList_GET_ITEM(views, i);
-    PyObject *dt = PyObject_GetAttr(p, s_dtype);
-    if (!dt) goto done;
-    int same_dtype = dt == dtype;
-    Py_DECREF(dt);
-    if (!same_dtype) goto broken;
-    PyObject *d = PyObject_CallMethodNoArgs(p, s_get_device);
-    if (!d) goto done;
-    long pd = PyLong_AsLong(d);
-    Py_DECREF(d);
-    if (pd == -1 && PyErr_Occurred()) goto done;
-    if (pd != dev) goto broken;
-    PyObject *g = PyObject_GetAttr(p, s_grad);
-    if (!g) goto done;
-    int is_view = g == v;
-    Py_DECREF(g);
-    if (!is_view) {
+    /* owned for the iteration: the calls below may run Python code (a tensor subclass's
+     * __torch_function__) that could change the lists */
+    PyObject *p = Py_NewRef(PyList_GET_ITEM(params, i)), *v = Py_NewRef(PyList_GET_ITEM(views, i));
+    PyObject *ptr0 = Py_NewRef(PyList_GET_ITEM(ptrs, i));
+    int st = grad_view_state(p, v, ptr0, dtype, dev, s_dtype, s_is_cuda, s_get_device, s_grad, s_data_ptr);
+    Py_DECREF(p);
+    Py_DECREF(v);
+    Py_DECREF(ptr0);
+    if (st < 0) goto done;
+    if (st == GV_BROKEN) {
+      result = Py_NewRef(Py_None);
+      goto done;
+    }
+    if (st == GV_LOOSE) {
       PyObject *idx = PyLong_FromSsize_t(i);
       if (!idx || PyList_Append(loose, idx) < 0) {
         Py_XDECREF(idx);
         goto done;
       }
       Py_DECREF(idx);
-      continue;
     }
-    PyObject *ptr = PyObject_CallMethodNoArgs(v, s_data_ptr);
-    if (!ptr) goto done;
-    int moved = PyObject_RichCompareBool(ptr, PyList_GET_ITEM(ptrs, i), Py_NE);
-    Py_DECREF(ptr);
-    if (moved < 0) goto done;
-    if (moved) goto broken;
   }
   result = loose;
   loose = NULL;
-  goto done;
-broken:
-  result = Py_NewRef(Py_None);
 done:
   Py_XDECREF(loose);
   Py_XDECREF(s_grad);
   Py_XDECREF(s_dtype);
   Py_XDECREF(s_get_device);
   Py_XDECREF(s_data_ptr);
+  Py_XDECREF(s_is_cuda);
   return result;
 }
 
