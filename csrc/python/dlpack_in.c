@@ -39,8 +39,11 @@ static const char *dtype_desc(DLDataType t, char *buf, size_t len) {
   return buf;
 }
 
-static void release_managed(void *owner, int versioned) {
+void pyac_dlpack_release(void *owner, int versioned) {
   if (!owner) return;
+  /* Error paths release views after raising; a producer's deleter may call into Python, which
+   * must not run with an exception set (it could clear or replace it). Park it meanwhile. */
+  PyObject *pending = PyErr_Occurred() ? take_exception() : NULL;
   if (versioned) {
     DLManagedTensorVersioned *m = owner;
     if (m->deleter) m->deleter(m);
@@ -48,16 +51,12 @@ static void release_managed(void *owner, int versioned) {
     DLManagedTensor *m = owner;
     if (m->deleter) m->deleter(m);
   }
+  if (pending) restore_exception(pending);
 }
 
 void pyac_view_release(pyac_view *v) {
-  if (!v->owner) return;
-  /* Error paths release views after raising; a producer's deleter may call into Python, which
-   * must not run with an exception set (it could clear or replace it). Park it meanwhile. */
-  PyObject *pending = PyErr_Occurred() ? take_exception() : NULL;
-  release_managed(v->owner, v->versioned);
+  pyac_dlpack_release(v->owner, v->versioned);
   v->owner = NULL;
-  if (pending) restore_exception(pending);
 }
 
 /* Validates one DLTensor into *v (no ownership change). */
@@ -121,9 +120,11 @@ static int check_tensor(const DLTensor *t, int where, const char *arg, pyac_view
   return 0;
 }
 
-/* Consumes a capsule: validate first (a rejected capsule stays usable and is freed by its own
- * destructor), then rename it "used_..." and take ownership, as the DLPack spec requires. */
-static int view_from_capsule(PyObject *cap, int access, int where, const char *arg, pyac_view *v) {
+/* Consumes a capsule: `check` validates first (a rejected capsule stays usable and is freed by
+ * its own destructor), then the capsule is renamed "used_..." and its tensor owned, as the
+ * DLPack spec requires. */
+static int take_capsule(PyObject *cap, const char *arg, pyac_dlpack_check check, void *ctx, void **owner,
+                        int *versioned) {
   if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
     DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
     if (!m) return -1;
@@ -132,27 +133,19 @@ static int view_from_capsule(PyObject *cap, int access, int where, const char *a
                    arg, (unsigned)m->version.major, AC_DLPACK_MAJOR);
       return -1;
     }
-    if (access == PYAC_WRITE && (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY)) {
-      PyErr_Format(PyExc_ValueError, "%s: the producer exported read-only memory, but this kernel writes in place", arg);
-      return -1;
-    }
-    if (access == PYAC_WRITE && (m->flags & DLPACK_FLAG_BITMASK_IS_COPIED)) {
-      PyErr_Format(PyExc_ValueError, "%s: the producer exported a copy, so an in-place result would be lost", arg);
-      return -1;
-    }
-    if (check_tensor(&m->dl_tensor, where, arg, v) < 0) return -1;
+    if (check(&m->dl_tensor, m->flags, ctx) < 0) return -1;
     if (PyCapsule_SetName(cap, "used_dltensor_versioned") < 0) return -1;
-    v->owner = m;
-    v->versioned = 1;
+    *owner = m;
+    *versioned = 1;
     return 0;
   }
   if (PyCapsule_IsValid(cap, "dltensor")) {
     DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
     if (!m) return -1;
-    if (check_tensor(&m->dl_tensor, where, arg, v) < 0) return -1;
+    if (check(&m->dl_tensor, 0, ctx) < 0) return -1;
     if (PyCapsule_SetName(cap, "used_dltensor") < 0) return -1;
-    v->owner = m;
-    v->versioned = 0;
+    *owner = m;
+    *versioned = 0;
     return 0;
   }
   const char *name = PyCapsule_GetName(cap);
@@ -164,26 +157,11 @@ static int view_from_capsule(PyObject *cap, int access, int where, const char *a
   return -1;
 }
 
-int pyac_view_from(PyObject *module, PyObject *obj, int access, int where, const char *arg, pyac_view *v) {
-  pyac_state *st = pyac_get_state(module);
-  memset(v, 0, sizeof *v);
-  if (PyObject_TypeCheck(obj, st->buffer_type)) {
-    /* Buffers are validated once at creation; the view is borrowed. */
-    const pyac_view *b = &((BufferObject *)obj)->view;
-    if (where == PYAC_ON_CPU && b->device.device_type != kDLCPU && b->device.device_type != kDLCUDAHost) {
-      PyErr_Format(PyExc_TypeError, "%s: Buffer is on a CUDA device: use the cuda_* kernels", arg);
-      return -1;
-    }
-    if (where == PYAC_ON_CUDA && b->device.device_type != kDLCUDA && b->device.device_type != kDLCUDAManaged) {
-      PyErr_Format(PyExc_TypeError, "%s: Buffer is not on a CUDA device", arg);
-      return -1;
-    }
-    *v = *b;
-    v->owner = NULL;
-    return 0;
-  }
-  if (PyCapsule_CheckExact(obj)) return view_from_capsule(obj, access, where, arg, v);
-
+int pyac_dlpack_take(PyObject *obj, const char *arg, pyac_dlpack_check check, void *ctx, void **owner,
+                     int *versioned) {
+  *owner = NULL;
+  *versioned = 0;
+  if (PyCapsule_CheckExact(obj)) return take_capsule(obj, arg, check, ctx, owner, versioned);
   PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
   if (!meth) {
     PyErr_Clear();
@@ -219,9 +197,57 @@ int pyac_view_from(PyObject *module, PyObject *obj, int access, int where, const
     Py_DECREF(cap);
     return -1;
   }
-  int rc = view_from_capsule(cap, access, where, arg, v);
+  int rc = take_capsule(cap, arg, check, ctx, owner, versioned);
   Py_DECREF(cap);
   return rc;
+}
+
+/* pyac_view_from's check: the kernels' access and placement rules, then check_tensor. */
+typedef struct {
+  int access, where;
+  const char *arg;
+  pyac_view *v;
+} view_check_ctx;
+
+static int view_check(const DLTensor *t, uint64_t flags, void *p) {
+  view_check_ctx *c = p;
+  if (c->access == PYAC_WRITE && (flags & DLPACK_FLAG_BITMASK_READ_ONLY)) {
+    PyErr_Format(PyExc_ValueError, "%s: the producer exported read-only memory, but this kernel writes in place",
+                 c->arg);
+    return -1;
+  }
+  if (c->access == PYAC_WRITE && (flags & DLPACK_FLAG_BITMASK_IS_COPIED)) {
+    PyErr_Format(PyExc_ValueError, "%s: the producer exported a copy, so an in-place result would be lost", c->arg);
+    return -1;
+  }
+  return check_tensor(t, c->where, c->arg, c->v);
+}
+
+int pyac_view_from(PyObject *module, PyObject *obj, int access, int where, const char *arg, pyac_view *v) {
+  pyac_state *st = pyac_get_state(module);
+  memset(v, 0, sizeof *v);
+  if (PyObject_TypeCheck(obj, st->buffer_type)) {
+    /* Buffers are validated once at creation; the view is borrowed. */
+    const pyac_view *b = &((BufferObject *)obj)->view;
+    if (where == PYAC_ON_CPU && b->device.device_type != kDLCPU && b->device.device_type != kDLCUDAHost) {
+      PyErr_Format(PyExc_TypeError, "%s: Buffer is on a CUDA device: use the cuda_* kernels", arg);
+      return -1;
+    }
+    if (where == PYAC_ON_CUDA && b->device.device_type != kDLCUDA && b->device.device_type != kDLCUDAManaged) {
+      PyErr_Format(PyExc_TypeError, "%s: Buffer is not on a CUDA device", arg);
+      return -1;
+    }
+    *v = *b;
+    v->owner = NULL;
+    return 0;
+  }
+  view_check_ctx ctx = {access, where, arg, v};
+  void *owner;
+  int versioned;
+  if (pyac_dlpack_take(obj, arg, view_check, &ctx, &owner, &versioned) < 0) return -1;
+  v->owner = owner;
+  v->versioned = versioned;
+  return 0;
 }
 
 /* ---- Buffer: a consumed tensor kept alive, validated once ---------------------------------- */

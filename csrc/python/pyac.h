@@ -47,6 +47,18 @@ enum { PYAC_ON_CPU = 0, PYAC_ON_CUDA = 1, PYAC_ON_ANY = 2 };
 int pyac_view_from(PyObject *module, PyObject *obj, int access, int where, const char *arg, pyac_view *v);
 void pyac_view_release(pyac_view *v);
 
+/* The DLPack exchange under pyac_view_from, for consumers with rules of their own (the
+ * safetensors engine takes every dtype): exports `obj` (asking for a versioned capsule first,
+ * a legacy one if the producer refuses max_version) or takes a capsule, checks the DLPack
+ * version, lets `check(tensor, flags, ctx)` accept it (0) or raise (-1) before the capsule is
+ * renamed "used_...", then owns it: *owner / *versioned go to pyac_dlpack_release. `arg` prefixes
+ * the error messages. Returns 0, or -1 with an exception set (nothing owned). */
+typedef int (*pyac_dlpack_check)(const DLTensor *t, uint64_t flags, void *ctx);
+int pyac_dlpack_take(PyObject *obj, const char *arg, pyac_dlpack_check check, void *ctx, void **owner,
+                     int *versioned);
+/* Runs the producer's deleter (NULL owner: nothing), keeping a pending exception intact. */
+void pyac_dlpack_release(void *owner, int versioned);
+
 /* Buffer type spec and the kernel function table (defined in their own files). */
 extern PyType_Spec pyac_buffer_spec;
 extern PyType_Spec pyac_scaler_spec;

@@ -24,26 +24,7 @@ typedef struct {
 } st_view;
 
 static void st_view_release(st_view *v) {
-  if (!v->owner) return;
-  /* a deleter may run Python code, which must not see a pending exception */
-#if PY_VERSION_HEX >= 0x030C0000
-  PyObject *pending = PyErr_GetRaisedException();
-#else
-  PyObject *et, *ev, *tb;
-  PyErr_Fetch(&et, &ev, &tb);
-#endif
-  if (v->versioned) {
-    DLManagedTensorVersioned *m = v->owner;
-    if (m->deleter) m->deleter(m);
-  } else {
-    DLManagedTensor *m = v->owner;
-    if (m->deleter) m->deleter(m);
-  }
-#if PY_VERSION_HEX >= 0x030C0000
-  PyErr_SetRaisedException(pending);
-#else
-  PyErr_Restore(et, ev, tb);
-#endif
+  pyac_dlpack_release(v->owner, v->versioned);
   v->owner = NULL;
 }
 
@@ -83,85 +64,32 @@ static int map_dtype(DLDataType d, ac_st_dtype_t *out) {
   return 0;
 }
 
-/* Exports `obj` (anything with __dlpack__, or a DLPack capsule) and checks it is contiguous
- * memory of a supported dtype: CPU memory, or with `cuda_ok` also CUDA device memory (which
- * the core stages through pinned buffers; a CPU-only core refuses it with a clear error).
- * `writable` also requires memory the producer did not copy or mark read-only. `name` labels
- * errors. Returns 0, or -1 with an exception set. */
-static int st_view_from(PyObject *obj, int writable, int cuda_ok, const char *name, st_view *v) {
-  memset(v, 0, sizeof *v);
-  PyObject *cap = NULL;
-  if (PyCapsule_CheckExact(obj)) {
-    /* exported by the caller (safetensors_io exports CUDA tensors under their device) */
-    cap = Py_NewRef(obj);
-  } else {
-    PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
-    if (!meth) {
-      PyErr_Clear();
-      PyErr_Format(PyExc_TypeError, "'%s': expected a tensor (an object with __dlpack__), got %s", name,
-                   Py_TYPE(obj)->tp_name);
-      return -1;
-    }
-    PyObject *kw = Py_BuildValue("{s:(ii)}", "max_version", AC_DLPACK_MAJOR, 0);
-    if (kw) {
-      PyObject *empty = PyTuple_New(0);
-      if (empty) cap = PyObject_Call(meth, empty, kw);
-      Py_XDECREF(empty);
-      Py_DECREF(kw);
-    }
-    if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) { /* a producer without max_version */
-      PyErr_Clear();
-      cap = PyObject_CallNoArgs(meth);
-    }
-    Py_DECREF(meth);
-    if (!cap) return -1;
-  }
-  const DLTensor *t = NULL;
-  uint64_t flags = 0;
-  if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
-    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
-    if (m && m->version.major != AC_DLPACK_MAJOR) {
-      PyErr_Format(PyExc_BufferError, "'%s': DLPack major version %u is not supported", name, (unsigned)m->version.major);
-      m = NULL;
-    }
-    if (m && PyCapsule_SetName(cap, "used_dltensor_versioned") == 0) {
-      v->owner = m;
-      v->versioned = 1;
-      t = &m->dl_tensor;
-      flags = m->flags;
-    }
-  } else if (PyCapsule_IsValid(cap, "dltensor")) {
-    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
-    if (m && PyCapsule_SetName(cap, "used_dltensor") == 0) {
-      v->owner = m;
-      t = &m->dl_tensor;
-    }
-  } else if (PyCapsule_CheckExact(obj)) {
-    const char *cn = PyCapsule_GetName(cap);
-    PyErr_Clear();
-    if (cn && strncmp(cn, "used_", 5) == 0)
-      PyErr_Format(PyExc_ValueError, "'%s': this DLPack capsule was already consumed; export the tensor again", name);
-    else
-      PyErr_Format(PyExc_TypeError, "'%s': capsule '%s' is not a DLPack tensor", name, cn ? cn : "(unnamed)");
-  } else {
-    PyErr_Format(PyExc_TypeError, "'%s': __dlpack__ did not return a DLPack capsule", name);
-  }
-  Py_DECREF(cap);
-  if (!t) return -1;
-  v->t = t;
+typedef struct {
+  int writable, cuda_ok;
+  const char *name;
+  st_view *v;
+} st_check_ctx;
+
+/* The engine's rules for one exported tensor (pyac_dlpack_take's check): contiguous memory of a
+ * supported dtype, on the CPU, or with `cuda_ok` also CUDA device memory (which the core stages
+ * through pinned buffers; a CPU-only core refuses it with a clear error); `writable` also
+ * requires memory the producer did not copy or mark read-only. Fills the view's fields. */
+static int st_check(const DLTensor *t, uint64_t flags, void *p) {
+  st_check_ctx *c = p;
+  st_view *v = c->v;
   char why[160] = "";
   int dev = t->device.device_type;
   int on_cuda = dev == kDLCUDA || dev == kDLCUDAManaged;
-  if (dev != kDLCPU && dev != kDLCUDAHost && !(cuda_ok && on_cuda))
+  if (dev != kDLCPU && dev != kDLCUDAHost && !(c->cuda_ok && on_cuda))
     snprintf(why, sizeof why, "is on DLPack device type %d; copy it to the CPU first", dev);
   else if (!map_dtype(t->dtype, &v->dtype))
     snprintf(why, sizeof why, "has an unsupported dtype (DLPack code %u, %u bits, %u lanes)", (unsigned)t->dtype.code,
              (unsigned)t->dtype.bits, (unsigned)t->dtype.lanes);
   else if (t->ndim < 0)
     snprintf(why, sizeof why, "has a negative ndim");
-  else if (writable && (flags & DLPACK_FLAG_BITMASK_READ_ONLY))
+  else if (c->writable && (flags & DLPACK_FLAG_BITMASK_READ_ONLY))
     snprintf(why, sizeof why, "is read-only and cannot be loaded into");
-  else if (writable && (flags & DLPACK_FLAG_BITMASK_IS_COPIED))
+  else if (c->writable && (flags & DLPACK_FLAG_BITMASK_IS_COPIED))
     snprintf(why, sizeof why, "was exported as a copy, so loading into it would be lost");
   if (!why[0]) {
     size_t n = 1;
@@ -182,17 +110,28 @@ static int st_view_from(PyObject *obj, int writable, int cuda_ok, const char *na
         expect *= t->shape[d];
       }
     }
+    v->t = t;
     v->nbytes = n * ac_st_dtype_size(v->dtype);
     v->data = v->nbytes ? (char *)t->data + t->byte_offset : NULL;
     v->memory = on_cuda ? AC_ST_CUDA : AC_ST_HOST;
     v->device = on_cuda ? t->device.device_id : 0;
   }
   if (why[0]) {
-    PyErr_Format(PyExc_ValueError, "tensor '%s' %s", name, why);
-    st_view_release(v);
+    PyErr_Format(PyExc_ValueError, "tensor '%s' %s", c->name, why);
     return -1;
   }
   return 0;
+}
+
+/* Exports `obj` (anything with __dlpack__, or a DLPack capsule, e.g. one safetensors_io
+ * exported under a CUDA tensor's own device) under the engine's rules (st_check). `name`
+ * labels errors. Returns 0, or -1 with an exception set. */
+static int st_view_from(PyObject *obj, int writable, int cuda_ok, const char *name, st_view *v) {
+  memset(v, 0, sizeof *v);
+  char arg[256];
+  snprintf(arg, sizeof arg, "'%s'", name);
+  st_check_ctx ctx = {writable, cuda_ok, name, v};
+  return pyac_dlpack_take(obj, arg, st_check, &ctx, &v->owner, &v->versioned);
 }
 
 static int get_threads(PyObject *o, int *out) {
