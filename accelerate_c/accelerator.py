@@ -562,7 +562,6 @@ class Accelerator:
         self._grads.prepare_step()
         groups = self._grads.full_groups(trainable) if trainable else None
         if groups is not None and norm_type in (2.0, math.inf):
-            self._grads.resync(groups)
             inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
             total = self._grads.clip_norm_fused(groups, max_norm, norm_type, inv)
             if total is not None:

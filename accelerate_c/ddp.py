@@ -239,8 +239,7 @@ class BucketComm:
 def sync_gradients(manager, groups, extras) -> None:
     """All-reduces whole buffers (and float64 params) that missed the bucketed reduction, with
     one collective each; all ranks call this at the same point with the same groups."""
-    world = dist.get_world_size()
-    manager.resync(groups)
+    world = dist.get_world_size()  # prepare_step has resynced the groups' assignments
     flags = [p.grad is v for g in groups for p, v in zip(g.params, g.views)]
     flags += [p.grad is not None for p in extras]
     device = groups[0].device if groups and groups[0].is_cuda else torch.device("cpu")

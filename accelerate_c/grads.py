@@ -103,9 +103,10 @@ class GradGroup:
         spans = [self.reducer.range(b) for b in range(self.reducer.count())]
         self.buckets = [self.flat[s:s + n] for s, n in spans]
         self.bucket_bufs = [_C.Buffer(t) for t in self.buckets]
-        if self.is_cuda:  # device scalars of GradScaler's unscale, allocated once
+        if self.is_cuda:  # device scalars of GradScaler's unscale and of clip, allocated once
             self.inv_dev = torch.ones(1, dtype=torch.float32, device=self.device)
             self.found_dev = torch.zeros(1, dtype=torch.float32, device=self.device)
+            self.stats_dev = torch.zeros(3, dtype=torch.float32, device=self.device)  # sumsq, maxabs, non-finite
         for h in self.hooks:
             h.remove()
         # the hooks are C callables (_C.GradHook): a gradient that already is its view is
@@ -185,23 +186,21 @@ class GradGroup:
         p.grad = view
         return True
 
-    def intact(self) -> bool:
-        """False when the parameters were cast or moved after prepare() (model.to(...)
-        swaps `.grad.data` under the view, so the range would silently stop being used)."""
-        return not self.broken and self._grad_views() is not None
-
-    def _grad_views(self):
-        """None if a parameter was cast or moved (see intact), else the indices whose `.grad`
-        is not its view: one C walk over the parameters, run at every step."""
+    def loose_or_broken(self):
+        """None when the group is broken: a parameter was cast or moved after prepare()
+        (model.to(...) swaps `.grad.data` under the view, so the range would silently stop
+        being used). Else the indices whose `.grad` is not its view, for resync(). One C walk
+        over the parameters, run once per step (GradManager.prepare_step)."""
+        if self.broken:
+            return None
         return _C.grad_views(self.params, self.views, self.ptrs, self.dtype, self.device_index)
 
     @torch.no_grad()
-    def resync(self):
-        """Brings `.grad` assignments made outside backward into the buffer; zeroes the ranges
-        of params without a gradient (their `.grad` stays None), so whole-buffer passes see
-        zeros there."""
-        loose = self._grad_views()
-        for i in range(len(self.params)) if loose is None else loose:
+    def resync(self, loose):
+        """Brings the `.grad` assignments made outside backward (params `loose`, from
+        loose_or_broken) into the buffer; zeroes the ranges of params without a gradient
+        (their `.grad` stays None), so whole-buffer passes see zeros there."""
+        for i in loose:
             p, v = self.params[i], self.views[i]
             g = p.grad
             if g is v:
@@ -392,10 +391,11 @@ class GradManager:
 
     def prepare_step(self):
         """What every entry point that reads gradients (clip, unscale, optimizer step) runs
-        first: rebuild groups invalidated by model.to(...); on a sync step of a multi-process
-        run, reduce what the bucketed reducer could not (groups rebuilt mid-step, float64
-        params) with one all-reduce each (every rank reaches the same entry points)."""
-        self.ensure_intact()
+        first: rebuild groups invalidated by model.to(...), bring `.grad` assignments into the
+        buffers; on a sync step of a multi-process run, reduce what the bucketed reducer could
+        not (groups rebuilt mid-step, float64 params) with one all-reduce each (every rank
+        reaches the same entry points)."""
+        self.sync_views()
         if self.comm is None:
             return
         todo = [g for g in self.groups if g.pending_sync]
@@ -404,9 +404,15 @@ class GradManager:
 
             sync_gradients(self, todo, self.extra if self.extra_pending else [])
 
-    def ensure_intact(self):
-        """Rebuilds the groups whose parameters were cast or moved since prepare()."""
-        for g in [g for g in self.groups if not g.intact()]:
+    def sync_views(self):
+        """One walk per group: resyncs the `.grad` assignments of intact groups and rebuilds
+        the groups whose parameters were cast or moved since prepare() (a rebuilt group takes
+        the gradients in as it is built)."""
+        for g in list(self.groups):
+            loose = g.loose_or_broken()
+            if loose is not None:
+                g.resync(loose)
+                continue
             params = g.params
             g.remove()
             self.groups.remove(g)
@@ -479,18 +485,14 @@ class GradManager:
                 return None, loose
         return list(touched), loose
 
-    def resync(self, groups=None):
-        for g in self.groups if groups is None else groups:
-            g.resync()
-
     def ready(self, params, inv_scale: float | None = None) -> bool:
         """Brings the gradients of `params` up to date for a consumer (optimizer step,
         unscale_gradients, clip_grad_value_): groups rebuilt if needed, all-reduced on a sync
-        step, assignments resynced, and unscaled when inv_scale is given. Returns whether any
-        of these params' gradients is non-finite (only checked when unscaling)."""
+        step, assignments resynced (all three by prepare_step), and unscaled when inv_scale is
+        given. Returns whether any of these params' gradients is non-finite (only checked when
+        unscaling)."""
         self.prepare_step()
         touched, loose = self.split(params)
-        self.resync(list(touched))
         return self.unscale(touched, loose, inv_scale) if inv_scale is not None else False
 
     def unscale(self, touched: dict, loose, inv_scale: float) -> bool:
@@ -563,11 +565,11 @@ class GradManager:
         return torch.tensor(total, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
 
     def _clip_cuda(self, groups, max_norm, norm_type, inv_scale):
-        device, stream = groups[0].device, groups[0].stream()
+        stream = groups[0].stream()
         for g in groups:
             if inv_scale is not None and g.needs_unscale:
                 g.unscale_(inv_scale)
-        acc = torch.zeros(3, dtype=torch.float32, device=device)  # sumsq, maxabs, non-finite
+        acc = groups[0].stats_dev.zero_()  # sumsq, maxabs, non-finite of all the groups
         for g in groups:
             _C.cuda_stats_(g.buf, acc, stream)
         total = acc[1] if norm_type == math.inf else acc[0].sqrt()
