@@ -110,20 +110,32 @@ class BucketComm:
         if g.nccl:
             g.reducer.set_compute_stream(torch.cuda.current_stream(g.device).cuda_stream)
 
+    def wire_bufs(self, g):
+        """Per bucket of g: None when it is all-reduced in place, else the buffer it travels in
+        (a 16-bit comm_hook's dtype, or fp32 where the backend does not take the gradients'
+        dtype). Made once per layout (GradGroup._build resets it), not at every launch."""
+        if g.wire_bufs is None:
+            bufs = []
+            for t in g.buckets:
+                hook = self.hook_dtype is not None and self.hook_dtype != t.dtype
+                dt = self.hook_dtype if hook else _wire_dtype(t)
+                bufs.append(None if dt == t.dtype else torch.empty(t.numel(), dtype=dt, device=t.device))
+            g.wire_bufs = bufs
+        return g.wire_bufs
+
     def launch(self, g, first: int, last: int):
         """Starts the all-reduce of buckets [first, last) of group g (called from a hook)."""
+        wires = self.wire_bufs(g)
         for b in range(first, last):
-            t = g.buckets[b]
+            t, wire = g.buckets[b], wires[b]
             count = t.numel()
-            wire = None
-            if self.hook_dtype is not None and self.hook_dtype != t.dtype:
+            if wire is not None and wire.dtype == self.hook_dtype:
                 # comm_hook fp16/bf16: the 16-bit copy is cast in C and pre-divided, as torch's
                 # fp16_compress_hook does, so the sum cannot overflow where torch's would not
-                wire = torch.empty(count, dtype=self.hook_dtype, device=t.device)
                 self._cast(wire, t, g.is_cuda)
                 wire.div_(self.world)
-            elif _wire_dtype(t) != t.dtype:
-                wire = t.to(_wire_dtype(t))
+            elif wire is not None:
+                wire.copy_(t)
             try:
                 work = dist.all_reduce(t if wire is None else wire, async_op=True)
             except RuntimeError as e:
@@ -198,11 +210,10 @@ class BucketComm:
                 work.wait()
             except RuntimeError as e:
                 raise RuntimeError(self._where(g, b, t.numel()) + f" failed or timed out: {e}") from e
-            if wire is not None:
-                if self.hook_dtype is not None and wire.dtype == self.hook_dtype:
-                    self._cast(t, wire, g.is_cuda)
-                else:
-                    t.copy_(wire)
+            if wire is not None and wire.dtype == self.hook_dtype:
+                self._cast(t, wire, g.is_cuda)
+            elif wire is not None:
+                t.copy_(wire)
             if measure:
                 s, nf = _C.sumsq(g.bucket_bufs[b])
                 sumsq += s
@@ -356,13 +367,15 @@ class _ShadowHook:
         for g in groups:
             # the buckets the others reduce, in their order, with zeros (this rank adds nothing;
             # the others divide by the full world size, torch DDP's default under Join)
-            for t in g.buckets:
+            wires = None if g.nccl else comm.wire_bufs(g)
+            for b, t in enumerate(g.buckets):
                 count = t.numel()
                 if g.nccl:
                     zeros = torch.zeros(count, dtype=g.dtype, device=g.device)
                     comm.nccl.all_reduce(zeros, stream=torch.cuda.current_stream(g.device).cuda_stream)
                     continue
-                wire = comm.hook_dtype or _wire_dtype(g.flat)
+                # the dtype the others send this bucket in (the same rule as launch)
+                wire = t.dtype if wires[b] is None else wires[b].dtype
                 dist.all_reduce(torch.zeros(count, dtype=wire, device=g.device))
             if comm.find_unused:
                 dist.all_reduce(torch.zeros(len(g.params), dtype=torch.int32, device=g.flat.device))

@@ -103,6 +103,7 @@ class GradGroup:
         spans = [self.reducer.range(b) for b in range(self.reducer.count())]
         self.buckets = [self.flat[s:s + n] for s, n in spans]
         self.bucket_bufs = [_C.Buffer(t) for t in self.buckets]
+        self.wire_bufs = None  # per bucket: its wire-dtype buffer or None (ddp.BucketComm.wire_bufs)
         if self.is_cuda:  # device scalars of GradScaler's unscale and of clip, allocated once
             self.inv_dev = torch.ones(1, dtype=torch.float32, device=self.device)
             self.found_dev = torch.zeros(1, dtype=torch.float32, device=self.device)
