@@ -32,10 +32,8 @@ from torch.utils import hooks
 from .checkpoint_load import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, _CKPT_RE, _loader_state, _sfx,
                               complete_checkpoints, load_state)
 from .model_io import find_aliases, save_model as _save_model
-from .safetensors_io import write_durable
-from .safetensors_io import save_file
-from .state_io import (CheckpointError, PickleRequiredError, fsync_dir, rng_state, write_json_durable,
-                       write_state)
+from .safetensors_io import fsync_dir, save_file, write_durable
+from .state_io import CheckpointError, PickleRequiredError, rng_state, write_json_durable, write_state
 
 __all__ = ["save_state", "load_state", "save", "save_model", "get_state_dict", "register_for_checkpointing",
            "register_save_state_pre_hook", "register_load_state_pre_hook", "complete_checkpoints",

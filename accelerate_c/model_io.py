@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .safetensors_io import list_tensors, load_into, save_file, write_durable
+from .safetensors_io import fsync_dir, list_tensors, load_into, save_file, write_durable
 
 __all__ = ["save_model", "load_model_weights", "parse_size", "find_aliases", "plan_shards",
            "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
@@ -114,20 +114,6 @@ def _shard_writers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a directory; nothing more can be done there
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: str, data: bytes) -> None:
-    write_durable(path, lambda f: f.write(data))
-
-
 def _stale_pattern(safe: bool):
     if safe:
         return re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
@@ -211,8 +197,8 @@ def save_model(model_or_state_dict, save_directory, max_shard_size: Union[int, s
             os.replace(tmp, os.path.join(save_directory, fname))
         temps = []
         if index_data is not None:
-            _write_durable(os.path.join(save_directory, index_name), index_data)
-        _fsync_dir(save_directory)
+            write_durable(os.path.join(save_directory, index_name), lambda f: f.write(index_data))
+        fsync_dir(save_directory)
     finally:
         for tmp in temps:
             if os.path.exists(tmp):

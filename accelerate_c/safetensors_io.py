@@ -14,8 +14,8 @@ import torch
 
 from . import _C
 
-__all__ = ["TensorInfo", "save_file", "load_file", "load_into", "list_tensors", "read_metadata",
-           "DTYPES"]
+__all__ = ["TensorInfo", "save_file", "load_file", "load_into", "list_tensors", "read_metadata", "write_durable",
+           "fsync_dir", "DTYPES"]
 
 # safetensors dtype names <-> torch dtypes (every byte-sized type the format and torch share)
 DTYPES: Dict[str, torch.dtype] = {
@@ -53,6 +53,17 @@ def write_durable(path, write) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def fsync_dir(directory) -> None:
+    """fsyncs a directory, so the renames and creations in it survive a crash."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a directory; nothing more can be done there
+    finally:
+        os.close(fd)
 
 
 def _cuda_staging() -> bool:

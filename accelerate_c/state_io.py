@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - numpy is installed with torch here
     np = None
 
 __all__ = ["CheckpointError", "PickleRequiredError", "encode", "decode", "write_state", "StateFile",
-           "read_state", "rng_state", "check_rng_state", "set_rng_state", "torch_load", "write_json_durable", "fsync_dir"]
+           "read_state", "rng_state", "check_rng_state", "set_rng_state", "torch_load", "write_json_durable"]
 
 STATE_FORMAT = "accelerate_c.state"
 STATE_VERSION = 1
@@ -49,23 +49,10 @@ class PickleRequiredError(CheckpointError):
 
 
 # ---- files -----------------------------------------------------------------------------------
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a directory
-    finally:
-        os.close(fd)
-
-
-def write_bytes_durable(path: str, data: bytes) -> None:
-    """Writes ``path`` atomically: a temporary name, fsync, rename (the directory is not synced)."""
-    write_durable(path, lambda f: f.write(data))
-
-
 def write_json_durable(path: str, obj) -> None:
-    write_bytes_durable(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
+    """Writes ``path`` atomically: a temporary name, fsync, rename (the directory is not synced)."""
+    data = (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode()
+    write_durable(path, lambda f: f.write(data))
 
 
 def read_json(path: str, what: str = "") -> Any:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from .accelerator import Accelerator
+from .checkpointing import _torch_save_durable
 from .training_args import (  # noqa: F401  (re-exported: transformers has them in its trainer modules)
     EvalPrediction,
     TrainerCallback,
@@ -507,7 +508,7 @@ class Trainer:
             try:
                 steps_in_epoch = len(train_dl)
             except TypeError:
-                steps_in_epoch = state.max_steps * args.gradient_accumulation_steps
+                steps_in_epoch = state.max_steps * acc.gradient_accumulation_steps
             if epoch == epochs_trained and batches_to_skip > 0:
                 epoch_dl, skipped = acc.skip_first_batches(train_dl, batches_to_skip), batches_to_skip
                 epoch_dl.set_epoch(epoch) if hasattr(epoch_dl, "set_epoch") else None
@@ -515,7 +516,7 @@ class Trainer:
             self.control = self._call("on_epoch_begin")
             batches = _rng_neutral_start(iter(epoch_dl)) if skipped else iter(epoch_dl)
             for step, inputs in enumerate(batches):
-                if (step + skipped) % args.gradient_accumulation_steps == 0:
+                if (step + skipped) % acc.gradient_accumulation_steps == 0:  # the count the loop accumulates by
                     self.control = self._call("on_step_begin")
                 with acc.accumulate(model):
                     loss = self.training_step(model, inputs)
@@ -716,7 +717,8 @@ class Trainer:
         if self._writes():
             os.makedirs(ckpt, exist_ok=True)
             if not args.save_only_model:
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(ckpt, SCHEDULER_NAME))
+                # durable before trainer_state.json, the marker that says the checkpoint is complete
+                _torch_save_durable(self.lr_scheduler.state_dict(), os.path.join(ckpt, SCHEDULER_NAME))
             if hasattr(self.processing_class, "save_pretrained"):
                 self.processing_class.save_pretrained(ckpt)
             s.save_to_json(os.path.join(ckpt, TRAINER_STATE_NAME))

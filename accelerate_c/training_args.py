@@ -495,13 +495,11 @@ class TrainerState:
     is_world_process_zero: bool = True
 
     def save_to_json(self, json_path: str):
-        """Written to a temporary name, then renamed: a trainer_state.json is always complete."""
-        tmp = json_path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, json_path)
+        """Written atomically (safetensors_io.write_durable): a trainer_state.json is always complete."""
+        from .safetensors_io import write_durable
+
+        text = json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+        write_durable(json_path, lambda f: f.write(text.encode("utf-8")))
 
     @classmethod
     def load_from_json(cls, json_path: str) -> "TrainerState":

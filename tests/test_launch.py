@@ -99,3 +99,8 @@ def test_hyphenated_flags_work_as_in_accelerate(tmp_path):
     res = launch(["--cpu", "--num-processes", "1", "--mixed-precision", "bf16", str(script)])
     assert res.returncode == 0, res.stderr[-2000:]
     assert "MP bf16" in res.stdout
+    # the several-machines options too (they live in an argument group of their own)
+    res = launch(["--cpu", "--num-processes", "1", "--num-machines", "1", "--machine-rank", "0",
+                  "--main-process-port", "0", "--rdzv-backend", "static", str(script)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "MP" in res.stdout

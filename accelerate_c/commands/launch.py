@@ -205,6 +205,7 @@ def register(sub) -> None:
     p.add_argument("--num_cpu_threads_per_process", type=int, default=None, help="OMP_NUM_THREADS per process")
     p.add_argument("--gpu_ids", default=None, help="GPUs to use on this machine: 'all' or a list such as 0,1")
     multi = p.add_argument_group("several machines")
+    _hyphens_too(multi)  # a group adds its options through its own add_argument
     multi.add_argument("--num_machines", type=int, default=None, help="machines taking part (default 1)")
     multi.add_argument("--machine_rank", type=int, default=None, help="rank of this machine, 0 to num_machines-1")
     multi.add_argument("--main_process_ip", default=None, help="address of the machine of rank 0")

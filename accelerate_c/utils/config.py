@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 
 from .config_schema import (
     ANY,
@@ -307,13 +306,7 @@ def write_config_file(values: dict, path: str, as_json: bool | None = None, over
         with open(path, "x", encoding="utf-8") as f:  # "x": never clobber a file created meanwhile
             f.write(text)
         return path
-    fd, tmp = tempfile.mkstemp(prefix=".config-", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from ..safetensors_io import write_durable
+
+    write_durable(path, lambda f: f.write(text.encode("utf-8")))
     return path
