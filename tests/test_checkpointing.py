@@ -552,8 +552,15 @@ def test_checkpoint_written_by_accelerate_loads(tmp_path):
     os.replace(ckpt.parent / "sampler.bin", ckpt / "sampler.bin")
     with pytest.raises(PickleRequiredError, match=r"sampler\.bin: .*full unpickling.*allow_pickle=True"):
         acc.load_state(ckpt)
+    from accelerate_c.checkpoint_load import _sampler
+
+    def position():
+        s = _sampler(dl)
+        return getattr(s, "epoch", None), getattr(s, "initial_seed", None)
+
+    assert position() != (4, 42)
     acc.load_state(ckpt, allow_pickle=True)
-    assert dl is not None
+    assert position() == (4, 42)  # the pickled sampler (epoch 4, data_seed 42) now drives the loader
 
 
 def test_our_pickle_mode_checkpoint_loads_in_accelerate(tmp_path):

@@ -124,8 +124,10 @@ def test_every_key_accepts_its_default(dotted):
     if dotted == "distributed_type":
         return
     values = validate(_with(dotted, key.default), "f.yaml")
-    outer = dotted.split(".")[0]
-    assert outer in values
+    for part in dotted.split("."):
+        values = values[part]
+    # the default given is kept as it is (an absent section, None, reads as an empty one)
+    assert values == ({} if key.default is None and "dict" in key.types else key.default)
 
 
 @pytest.mark.parametrize("data,dotted", [({"distributed_type": "NO", "num_gpus": 2}, "num_gpus"),
@@ -189,7 +191,9 @@ def test_file_written_by_accelerate_is_read(tmp_path, hf_home):
                          text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert os.path.isfile(default_config_file())
-    assert load_config_from_file().values == validate(json.loads(open(default_config_file()).read()))
+    v = load_config_from_file().values
+    # what accelerate's `config default` writes on a CPU machine (its literal values, not our reading)
+    assert (v["distributed_type"], v["mixed_precision"], v["num_processes"]) == ("NO", "no", 1)
 
 
 def _accelerate_reads(path):

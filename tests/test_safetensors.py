@@ -514,7 +514,10 @@ def test_direct_io_releases_the_gil(tmp_path, monkeypatch):
     """The main thread keeps running Python while another thread's direct save is in the C writer."""
     _need_o_direct(tmp_path)
     monkeypatch.setenv(DIRECT_ENV, "1")
-    tensors = {"w": torch.zeros(64 << 20, dtype=torch.uint8)}
+    # 256 MiB: a save of ~100 ms even on a 2.5 GB/s disk, so the main thread has many 1 ms
+    # sleeps to take while the writer runs; with the GIL held it would take at most the one or
+    # two before the writer enters C
+    tensors = {"w": torch.zeros(256 << 20, dtype=torch.uint8)}
     started, ticks = threading.Event(), []
 
     def save():
@@ -529,7 +532,7 @@ def test_direct_io_releases_the_gil(tmp_path, monkeypatch):
         time.sleep(0.001)
     t.join()
     assert len(ticks) > 3
-    assert (tmp_path / "g.safetensors").stat().st_size > 64 << 20
+    assert (tmp_path / "g.safetensors").stat().st_size > 256 << 20
 
 
 # ---- save_model / load_model_weights ---------------------------------------------------------------
@@ -776,15 +779,3 @@ def test_cuda_dlpack_tensor_refused_as_load_target(tmp_path):
     save_file({"w": torch.zeros(5)}, path)
     with pytest.raises(ValueError, match="'w' is on DLPack device type 2; copy it to the CPU first"):
         _C.st_load_into(str(path), {"w": _as_cuda_capsule(torch.zeros(5))}, 0)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only: the GPU path is in tests/test_cuda.py")
-def test_save_file_device_routing_without_gpu(monkeypatch):
-    """Without a CUDA build save_file copies device tensors to the CPU; with one it keeps CUDA
-    tensors on their device (checked here on the decision helper, as no CUDA tensor exists)."""
-    from accelerate_c import safetensors_io
-    t = torch.arange(6.0).reshape(2, 3).t()
-    out = safetensors_io._contiguous("t", t, cuda_ok=True)
-    assert out.is_contiguous() and out.device.type == "cpu" and torch.equal(out, t)
-    monkeypatch.setattr(safetensors_io._C, "has_cuda", False)
-    assert not safetensors_io._cuda_staging()
