@@ -59,6 +59,53 @@ void pyac_view_release(pyac_view *v) {
   v->owner = NULL;
 }
 
+int pyac_dl_layout(const DLTensor *t, size_t esize, const char *arg, size_t *numel) {
+  if (t->ndim < 0) {
+    PyErr_Format(PyExc_ValueError, "%s: negative ndim %d", arg, (int)t->ndim);
+    return -1;
+  }
+  size_t n = 1;
+  for (int32_t d = 0; d < t->ndim; d++) {
+    if (t->shape[d] < 0) {
+      PyErr_Format(PyExc_ValueError, "%s: negative extent %lld in dim %d", arg, (long long)t->shape[d], (int)d);
+      return -1;
+    }
+    /* the byte size must fit too: callers multiply by the element size */
+    if (t->shape[d] != 0 && n > SIZE_MAX / (esize ? esize : 1) / (size_t)t->shape[d]) {
+      PyErr_Format(PyExc_ValueError, "%s: element count overflows", arg);
+      return -1;
+    }
+    n *= (size_t)t->shape[d];
+  }
+  if (t->strides && n > 1) {
+    int64_t expect = 1;
+    for (int32_t d = t->ndim - 1; d >= 0; d--) {
+      if (t->shape[d] != 1 && t->strides[d] != expect) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: tensor is not contiguous (dim %d has stride %lld, expected %lld); call .contiguous() first",
+                     arg, (int)d, (long long)t->strides[d], (long long)expect);
+        return -1;
+      }
+      expect *= t->shape[d];
+    }
+  }
+  *numel = n;
+  return 0;
+}
+
+int pyac_dl_writable(uint64_t flags, const char *arg) {
+  if (flags & DLPACK_FLAG_BITMASK_READ_ONLY) {
+    PyErr_Format(PyExc_ValueError, "%s: the producer exported read-only memory, which cannot be written in place",
+                 arg);
+    return -1;
+  }
+  if (flags & DLPACK_FLAG_BITMASK_IS_COPIED) {
+    PyErr_Format(PyExc_ValueError, "%s: the producer exported a copy, so an in-place result would be lost", arg);
+    return -1;
+  }
+  return 0;
+}
+
 /* Validates one DLTensor into *v (no ownership change). */
 static int check_tensor(const DLTensor *t, int where, const char *arg, pyac_view *v) {
   char buf[32];
@@ -86,34 +133,8 @@ static int check_tensor(const DLTensor *t, int where, const char *arg, pyac_view
                  arg, dtype_desc(t->dtype, buf, sizeof buf));
     return -1;
   }
-  if (t->ndim < 0) {
-    PyErr_Format(PyExc_ValueError, "%s: negative ndim %d", arg, (int)t->ndim);
-    return -1;
-  }
-  size_t n = 1;
-  for (int32_t d = 0; d < t->ndim; d++) {
-    if (t->shape[d] < 0) {
-      PyErr_Format(PyExc_ValueError, "%s: negative extent %lld in dim %d", arg, (long long)t->shape[d], (int)d);
-      return -1;
-    }
-    if (t->shape[d] != 0 && n > SIZE_MAX / (size_t)t->shape[d]) {
-      PyErr_Format(PyExc_ValueError, "%s: element count overflows", arg);
-      return -1;
-    }
-    n *= (size_t)t->shape[d];
-  }
-  if (t->strides && n > 1) {
-    int64_t expect = 1;
-    for (int32_t d = t->ndim - 1; d >= 0; d--) {
-      if (t->shape[d] != 1 && t->strides[d] != expect) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: tensor is not contiguous (dim %d has stride %lld, expected %lld); call .contiguous() first",
-                     arg, (int)d, (long long)t->strides[d], (long long)expect);
-        return -1;
-      }
-      expect *= t->shape[d];
-    }
-  }
+  size_t n;
+  if (pyac_dl_layout(t, ac_dtype_size(v->dt), arg, &n) < 0) return -1;
   v->data = n ? (char *)t->data + t->byte_offset : NULL;
   v->n = n;
   v->device = t->device;
@@ -211,15 +232,7 @@ typedef struct {
 
 static int view_check(const DLTensor *t, uint64_t flags, void *p) {
   view_check_ctx *c = p;
-  if (c->access == PYAC_WRITE && (flags & DLPACK_FLAG_BITMASK_READ_ONLY)) {
-    PyErr_Format(PyExc_ValueError, "%s: the producer exported read-only memory, but this kernel writes in place",
-                 c->arg);
-    return -1;
-  }
-  if (c->access == PYAC_WRITE && (flags & DLPACK_FLAG_BITMASK_IS_COPIED)) {
-    PyErr_Format(PyExc_ValueError, "%s: the producer exported a copy, so an in-place result would be lost", c->arg);
-    return -1;
-  }
+  if (c->access == PYAC_WRITE && pyac_dl_writable(flags, c->arg) < 0) return -1;
   return check_tensor(t, c->where, c->arg, c->v);
 }
 

@@ -56,6 +56,12 @@ void pyac_view_release(pyac_view *v);
 typedef int (*pyac_dlpack_check)(const DLTensor *t, uint64_t flags, void *ctx);
 int pyac_dlpack_take(PyObject *obj, const char *arg, pyac_dlpack_check check, void *ctx, void **owner,
                      int *versioned);
+/* The checks every consumer makes of an exported tensor, with errors prefixed by `arg`:
+ * pyac_dl_layout: ndim and extents valid, element count (times `esize` bytes) without overflow,
+ * C-contiguous (*numel set); pyac_dl_writable: the producer neither marked the memory read-only
+ * nor exported a copy. Each returns 0, or -1 with a ValueError set. */
+int pyac_dl_layout(const DLTensor *t, size_t esize, const char *arg, size_t *numel);
+int pyac_dl_writable(uint64_t flags, const char *arg);
 /* Runs the producer's deleter (NULL owner: nothing), keeping a pending exception intact. */
 void pyac_dlpack_release(void *owner, int versioned);
 

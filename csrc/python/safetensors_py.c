@@ -66,7 +66,7 @@ static int map_dtype(DLDataType d, ac_st_dtype_t *out) {
 
 typedef struct {
   int writable, cuda_ok;
-  const char *name;
+  const char *name, *arg; /* the tensor's name, and it quoted for the shared DLPack checks */
   st_view *v;
 } st_check_ctx;
 
@@ -77,49 +77,26 @@ typedef struct {
 static int st_check(const DLTensor *t, uint64_t flags, void *p) {
   st_check_ctx *c = p;
   st_view *v = c->v;
-  char why[160] = "";
   int dev = t->device.device_type;
   int on_cuda = dev == kDLCUDA || dev == kDLCUDAManaged;
-  if (dev != kDLCPU && dev != kDLCUDAHost && !(c->cuda_ok && on_cuda))
-    snprintf(why, sizeof why, "is on DLPack device type %d; copy it to the CPU first", dev);
-  else if (!map_dtype(t->dtype, &v->dtype))
-    snprintf(why, sizeof why, "has an unsupported dtype (DLPack code %u, %u bits, %u lanes)", (unsigned)t->dtype.code,
-             (unsigned)t->dtype.bits, (unsigned)t->dtype.lanes);
-  else if (t->ndim < 0)
-    snprintf(why, sizeof why, "has a negative ndim");
-  else if (c->writable && (flags & DLPACK_FLAG_BITMASK_READ_ONLY))
-    snprintf(why, sizeof why, "is read-only and cannot be loaded into");
-  else if (c->writable && (flags & DLPACK_FLAG_BITMASK_IS_COPIED))
-    snprintf(why, sizeof why, "was exported as a copy, so loading into it would be lost");
-  if (!why[0]) {
-    size_t n = 1;
-    for (int32_t d = 0; d < t->ndim; d++) {
-      if (t->shape[d] < 0 || (t->shape[d] && n > SIZE_MAX / 8 / (size_t)t->shape[d])) {
-        snprintf(why, sizeof why, "has an invalid or too large shape");
-        break;
-      }
-      n *= (size_t)t->shape[d];
-    }
-    if (!why[0] && t->strides && n > 1) {
-      int64_t expect = 1;
-      for (int32_t d = t->ndim - 1; d >= 0; d--) {
-        if (t->shape[d] != 1 && t->strides[d] != expect) {
-          snprintf(why, sizeof why, "is not contiguous; call .contiguous() first");
-          break;
-        }
-        expect *= t->shape[d];
-      }
-    }
-    v->t = t;
-    v->nbytes = n * ac_st_dtype_size(v->dtype);
-    v->data = v->nbytes ? (char *)t->data + t->byte_offset : NULL;
-    v->memory = on_cuda ? AC_ST_CUDA : AC_ST_HOST;
-    v->device = on_cuda ? t->device.device_id : 0;
-  }
-  if (why[0]) {
-    PyErr_Format(PyExc_ValueError, "tensor '%s' %s", c->name, why);
+  if (dev != kDLCPU && dev != kDLCUDAHost && !(c->cuda_ok && on_cuda)) {
+    PyErr_Format(PyExc_ValueError, "tensor '%s' is on DLPack device type %d; copy it to the CPU first", c->name, dev);
     return -1;
   }
+  if (!map_dtype(t->dtype, &v->dtype)) {
+    PyErr_Format(PyExc_ValueError, "tensor '%s' has an unsupported dtype (DLPack code %u, %u bits, %u lanes)",
+                 c->name, (unsigned)t->dtype.code, (unsigned)t->dtype.bits, (unsigned)t->dtype.lanes);
+    return -1;
+  }
+  size_t n;
+  if ((c->writable && pyac_dl_writable(flags, c->arg) < 0) ||
+      pyac_dl_layout(t, ac_st_dtype_size(v->dtype), c->arg, &n) < 0)
+    return -1;
+  v->t = t;
+  v->nbytes = n * ac_st_dtype_size(v->dtype);
+  v->data = v->nbytes ? (char *)t->data + t->byte_offset : NULL;
+  v->memory = on_cuda ? AC_ST_CUDA : AC_ST_HOST;
+  v->device = on_cuda ? t->device.device_id : 0;
   return 0;
 }
 
@@ -130,7 +107,7 @@ static int st_view_from(PyObject *obj, int writable, int cuda_ok, const char *na
   memset(v, 0, sizeof *v);
   char arg[256];
   snprintf(arg, sizeof arg, "'%s'", name);
-  st_check_ctx ctx = {writable, cuda_ok, name, v};
+  st_check_ctx ctx = {writable, cuda_ok, name, arg, v};
   return pyac_dlpack_take(obj, arg, st_check, &ctx, &v->owner, &v->versioned);
 }
 
