@@ -8,8 +8,6 @@ typedef struct {
   ac_comm_t *comm;
 } CommObject;
 
-static PyObject *module_of(PyObject *self) { return PyType_GetModule(Py_TYPE(self)); }
-
 struct ac_comm *pyac_comm_handle(PyObject *obj) { return ((CommObject *)obj)->comm; }
 
 static int parse_op(PyObject *o, ac_redop_t *op) {
@@ -23,17 +21,6 @@ static int parse_op(PyObject *o, ac_redop_t *op) {
     }
   PyErr_Format(PyExc_ValueError, "op must be one of 'sum', 'prod', 'max', 'min', 'avg', not %R", o);
   return -1;
-}
-
-static int get_stream(PyObject *o, void **out) {
-  if (o == Py_None) {
-    *out = NULL;
-    return 0;
-  }
-  unsigned long long v = PyLong_AsUnsignedLongLong(o);
-  if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-  *out = (void *)(uintptr_t)v;
-  return 0;
 }
 
 static int comm_init(PyObject *op, PyObject *args, PyObject *kwds) {
@@ -55,7 +42,7 @@ static int comm_init(PyObject *op, PyObject *args, PyObject *kwds) {
   Py_BEGIN_ALLOW_THREADS r = ac_comm_create(&c, raw, nranks, rank);
   Py_END_ALLOW_THREADS
   if (r != AC_OK) {
-    pyac_raise(module_of(op), r);
+    pyac_raise(pyac_module_of(op), r);
     return -1;
   }
   CommObject *self = (CommObject *)op;
@@ -77,12 +64,12 @@ static PyObject *comm_all_reduce(PyObject *op, PyObject *args, PyObject *kwds) {
   ac_comm_t *c = open_comm(op);
   ac_redop_t rop = AC_RED_SUM;
   void *stream;
-  if (!c || (opname && parse_op(opname, &rop) < 0) || get_stream(stream_o, &stream) < 0) return NULL;
+  if (!c || (opname && parse_op(opname, &rop) < 0) || pyac_stream(stream_o, 1, &stream) < 0) return NULL;
   pyac_view v;
-  if (pyac_view_from(module_of(op), t, PYAC_WRITE, PYAC_ON_ANY, "tensor", &v) < 0) return NULL;
+  if (pyac_view_from(pyac_module_of(op), t, PYAC_WRITE, PYAC_ON_ANY, "tensor", &v) < 0) return NULL;
   ac_result_t r = ac_comm_all_reduce(c, v.data, v.data, v.n, v.dt, rop, stream);
   pyac_view_release(&v);
-  if (r != AC_OK) return pyac_raise(module_of(op), r);
+  if (r != AC_OK) return pyac_raise(pyac_module_of(op), r);
   Py_RETURN_NONE;
 }
 
@@ -93,12 +80,12 @@ static PyObject *comm_broadcast(PyObject *op, PyObject *args, PyObject *kwds) {
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|iO:broadcast", kwlist, &t, &root, &stream_o)) return NULL;
   ac_comm_t *c = open_comm(op);
   void *stream;
-  if (!c || get_stream(stream_o, &stream) < 0) return NULL;
+  if (!c || pyac_stream(stream_o, 1, &stream) < 0) return NULL;
   pyac_view v;
-  if (pyac_view_from(module_of(op), t, PYAC_WRITE, PYAC_ON_ANY, "tensor", &v) < 0) return NULL;
+  if (pyac_view_from(pyac_module_of(op), t, PYAC_WRITE, PYAC_ON_ANY, "tensor", &v) < 0) return NULL;
   ac_result_t r = ac_comm_broadcast(c, v.data, v.n, v.dt, root, stream);
   pyac_view_release(&v);
-  if (r != AC_OK) return pyac_raise(module_of(op), r);
+  if (r != AC_OK) return pyac_raise(pyac_module_of(op), r);
   Py_RETURN_NONE;
 }
 
@@ -112,10 +99,10 @@ static PyObject *gather_scatter(PyObject *op, PyObject *args, PyObject *kwds, in
   ac_comm_t *c = open_comm(op);
   ac_redop_t rop = AC_RED_SUM;
   void *stream;
-  if (!c || (opname && parse_op(opname, &rop) < 0) || get_stream(stream_o, &stream) < 0) return NULL;
+  if (!c || (opname && parse_op(opname, &rop) < 0) || pyac_stream(stream_o, 1, &stream) < 0) return NULL;
   pyac_view vs, vd;
-  if (pyac_view_from(module_of(op), s, PYAC_READ, PYAC_ON_ANY, "send", &vs) < 0) return NULL;
-  if (pyac_view_from(module_of(op), d, PYAC_WRITE, PYAC_ON_ANY, "recv", &vd) < 0) {
+  if (pyac_view_from(pyac_module_of(op), s, PYAC_READ, PYAC_ON_ANY, "send", &vs) < 0) return NULL;
+  if (pyac_view_from(pyac_module_of(op), d, PYAC_WRITE, PYAC_ON_ANY, "recv", &vd) < 0) {
     pyac_view_release(&vs);
     return NULL;
   }
@@ -134,7 +121,7 @@ static PyObject *gather_scatter(PyObject *op, PyObject *args, PyObject *kwds, in
   }
   pyac_view_release(&vs);
   pyac_view_release(&vd);
-  if (r != AC_OK) return pyac_raise(module_of(op), r);
+  if (r != AC_OK) return pyac_raise(pyac_module_of(op), r);
   Py_RETURN_NONE;
 }
 

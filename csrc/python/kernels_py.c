@@ -5,12 +5,6 @@
 #include "ac/cuda.h"
 #include "ac/pool.h"
 
-static int nargs_ok(const char *fn, Py_ssize_t nargs, Py_ssize_t want) {
-  if (nargs == want) return 1;
-  PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd given)", fn, want, nargs);
-  return 0;
-}
-
 static int get_float(PyObject *o, const char *arg, float *out) {
   double d = PyFloat_AsDouble(o);
   if (d == -1.0 && PyErr_Occurred()) {
@@ -31,7 +25,7 @@ static PyObject *stats_tuple(const ac_stats_t *s) {
 static PyObject *py_scale_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   float f;
   pyac_view v;
-  if (!nargs_ok("scale_", n, 2) || get_float(a[1], "factor", &f) < 0) return NULL;
+  if (!pyac_nargs_ok("scale_", n, 2) || get_float(a[1], "factor", &f) < 0) return NULL;
   if (pyac_view_from(m, a[0], PYAC_WRITE, PYAC_ON_CPU, "tensor", &v) < 0) return NULL;
   ac_result_t r;
   Py_BEGIN_ALLOW_THREADS r = ac_scale(v.dt, v.data, v.n, f);
@@ -43,7 +37,7 @@ static PyObject *py_scale_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 static PyObject *py_stats(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view v;
   ac_stats_t s;
-  if (!nargs_ok("stats", n, 1)) return NULL;
+  if (!pyac_nargs_ok("stats", n, 1)) return NULL;
   if (pyac_view_from(m, a[0], PYAC_READ, PYAC_ON_CPU, "tensor", &v) < 0) return NULL;
   ac_result_t r;
   Py_BEGIN_ALLOW_THREADS r = ac_stats(v.dt, v.data, v.n, &s);
@@ -56,7 +50,7 @@ static PyObject *py_sumsq(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view v;
   double sq = 0.0;
   int nf = 0;
-  if (!nargs_ok("sumsq", n, 1)) return NULL;
+  if (!pyac_nargs_ok("sumsq", n, 1)) return NULL;
   if (pyac_view_from(m, a[0], PYAC_READ, PYAC_ON_CPU, "tensor", &v) < 0) return NULL;
   ac_result_t r;
   Py_BEGIN_ALLOW_THREADS r = ac_sumsq(v.dt, v.data, v.n, &sq, &nf);
@@ -68,7 +62,7 @@ static PyObject *py_sumsq(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 static PyObject *py_nonfinite(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view v;
   int found = 0;
-  if (!nargs_ok("nonfinite", n, 1)) return NULL;
+  if (!pyac_nargs_ok("nonfinite", n, 1)) return NULL;
   if (pyac_view_from(m, a[0], PYAC_READ, PYAC_ON_CPU, "tensor", &v) < 0) return NULL;
   ac_result_t r;
   Py_BEGIN_ALLOW_THREADS r = ac_nonfinite(v.dt, v.data, v.n, &found);
@@ -81,7 +75,7 @@ static PyObject *py_scale_stats_(PyObject *m, PyObject *const *a, Py_ssize_t n) 
   float f;
   pyac_view v;
   ac_stats_t s;
-  if (!nargs_ok("scale_stats_", n, 2) || get_float(a[1], "factor", &f) < 0) return NULL;
+  if (!pyac_nargs_ok("scale_stats_", n, 2) || get_float(a[1], "factor", &f) < 0) return NULL;
   if (pyac_view_from(m, a[0], PYAC_WRITE, PYAC_ON_CPU, "tensor", &v) < 0) return NULL;
   ac_result_t r;
   Py_BEGIN_ALLOW_THREADS r = ac_scale_stats(v.dt, v.data, v.n, f, &s);
@@ -108,7 +102,7 @@ static int cast_views(PyObject *m, PyObject *const *a, int where, pyac_view *dst
 
 static PyObject *py_cast_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view d, s;
-  if (!nargs_ok("cast_", n, 2) || cast_views(m, a, PYAC_ON_CPU, &d, &s) < 0) return NULL;
+  if (!pyac_nargs_ok("cast_", n, 2) || cast_views(m, a, PYAC_ON_CPU, &d, &s) < 0) return NULL;
   ac_result_t r;
   Py_BEGIN_ALLOW_THREADS r = ac_cast(s.dt, s.data, d.dt, d.data, d.n);
   Py_END_ALLOW_THREADS pyac_view_release(&d);
@@ -118,7 +112,7 @@ static PyObject *py_cast_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 }
 
 static PyObject *py_set_num_threads(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-  if (!nargs_ok("set_num_threads", n, 1)) return NULL;
+  if (!pyac_nargs_ok("set_num_threads", n, 1)) return NULL;
   long k = PyLong_AsLong(a[0]);
   if (k == -1 && PyErr_Occurred()) return NULL;
   if (k < 1 || k > 1 << 20) {
@@ -132,18 +126,18 @@ static PyObject *py_set_num_threads(PyObject *m, PyObject *const *a, Py_ssize_t 
 
 static PyObject *py_get_num_threads(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   (void)m, (void)a;
-  if (!nargs_ok("get_num_threads", n, 0)) return NULL;
+  if (!pyac_nargs_ok("get_num_threads", n, 0)) return NULL;
   return PyLong_FromLong(ac_pool_get_threads());
 }
 
 static PyObject *py_pool_backend(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   (void)m, (void)a;
-  if (!nargs_ok("pool_backend", n, 0)) return NULL;
+  if (!pyac_nargs_ok("pool_backend", n, 0)) return NULL;
   return PyUnicode_FromString(ac_pool_backend());
 }
 
 static PyObject *py_set_pool_backend(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-  if (!nargs_ok("set_pool_backend", n, 1)) return NULL;
+  if (!pyac_nargs_ok("set_pool_backend", n, 1)) return NULL;
   const char *name = PyUnicode_AsUTF8(a[0]);
   if (!name) return NULL;
   ac_result_t r = ac_pool_set_backend(name);
@@ -153,12 +147,12 @@ static PyObject *py_set_pool_backend(PyObject *m, PyObject *const *a, Py_ssize_t
 
 static PyObject *py_kernel_isa(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   (void)m, (void)a;
-  if (!nargs_ok("kernel_isa", n, 0)) return NULL;
+  if (!pyac_nargs_ok("kernel_isa", n, 0)) return NULL;
   return PyUnicode_FromString(ac_kernels_isa());
 }
 
 static PyObject *py_set_kernel_isa(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-  if (!nargs_ok("set_kernel_isa", n, 1)) return NULL;
+  if (!pyac_nargs_ok("set_kernel_isa", n, 1)) return NULL;
   const char *name = PyUnicode_AsUTF8(a[0]);
   if (!name) return NULL;
   ac_result_t r = ac_kernels_set_isa(name);
@@ -169,23 +163,13 @@ static PyObject *py_set_kernel_isa(PyObject *m, PyObject *const *a, Py_ssize_t n
 static PyObject *py_cuda_device_count(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   (void)a;
   int c = 0;
-  if (!nargs_ok("cuda_device_count", n, 0)) return NULL;
+  if (!pyac_nargs_ok("cuda_device_count", n, 0)) return NULL;
   ac_result_t r = ac_cuda_device_count(&c);
   if (r != AC_OK) return pyac_raise(m, r);
   return PyLong_FromLong(c);
 }
 
 /* ---- CUDA: results stay in device tensors; `stream` is a cudaStream_t as an int ---------- */
-
-static int get_stream(PyObject *o, void **out) {
-  *out = PyLong_AsVoidPtr(o);
-  if (!*out && PyErr_Occurred()) {
-    PyErr_Format(PyExc_TypeError, "stream must be an int (torch.cuda.Stream.cuda_stream), got %s",
-                 Py_TYPE(o)->tp_name);
-    return -1;
-  }
-  return 0;
-}
 
 /* A small float32 device tensor used as an output/input scalar slot. */
 static int device_f32(PyObject *m, PyObject *o, int access, size_t min_n, const char *arg, pyac_view *v) {
@@ -201,7 +185,7 @@ static int device_f32(PyObject *m, PyObject *o, int access, size_t min_n, const 
 static PyObject *py_cuda_stats_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view v, out;
   void *stream;
-  if (!nargs_ok("cuda_stats_", n, 3) || get_stream(a[2], &stream) < 0) return NULL;
+  if (!pyac_nargs_ok("cuda_stats_", n, 3) || pyac_stream(a[2], 0, &stream) < 0) return NULL;
   if (pyac_view_from(m, a[0], PYAC_READ, PYAC_ON_CUDA, "tensor", &v) < 0) return NULL;
   if (device_f32(m, a[1], PYAC_WRITE, 3, "out", &out) < 0) {
     pyac_view_release(&v);
@@ -218,7 +202,7 @@ static PyObject *py_cuda_scale_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view v, df = {0};
   float f;
   void *stream;
-  if (!nargs_ok("cuda_scale_", n, 4) || get_float(a[1], "factor", &f) < 0 || get_stream(a[3], &stream) < 0)
+  if (!pyac_nargs_ok("cuda_scale_", n, 4) || get_float(a[1], "factor", &f) < 0 || pyac_stream(a[3], 0, &stream) < 0)
     return NULL;
   if (pyac_view_from(m, a[0], PYAC_WRITE, PYAC_ON_CUDA, "tensor", &v) < 0) return NULL;
   if (a[2] != Py_None && device_f32(m, a[2], PYAC_READ, 1, "dev_factor", &df) < 0) {
@@ -235,7 +219,7 @@ static PyObject *py_cuda_scale_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 static PyObject *py_cuda_unscale_check_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view v, inv, found, sq = {0};
   void *stream;
-  if (!nargs_ok("cuda_unscale_check_", n, 5) || get_stream(a[4], &stream) < 0) return NULL;
+  if (!pyac_nargs_ok("cuda_unscale_check_", n, 5) || pyac_stream(a[4], 0, &stream) < 0) return NULL;
   if (pyac_view_from(m, a[0], PYAC_WRITE, PYAC_ON_CUDA, "tensor", &v) < 0) return NULL;
   if (device_f32(m, a[1], PYAC_READ, 1, "inv_scale", &inv) < 0) goto fail_v;
   if (device_f32(m, a[2], PYAC_WRITE, 1, "found_inf", &found) < 0) goto fail_inv;
@@ -259,7 +243,7 @@ fail_v:
 static PyObject *py_cuda_cast_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view d, s;
   void *stream;
-  if (!nargs_ok("cuda_cast_", n, 3) || get_stream(a[2], &stream) < 0) return NULL;
+  if (!pyac_nargs_ok("cuda_cast_", n, 3) || pyac_stream(a[2], 0, &stream) < 0) return NULL;
   if (cast_views(m, a, PYAC_ON_CUDA, &d, &s) < 0) return NULL;
   ac_result_t r = ac_cuda_cast(s.dt, s.data, d.dt, d.data, d.n, stream);
   pyac_view_release(&d);

@@ -21,6 +21,32 @@ static inline pyac_state *pyac_get_state(PyObject *module) {
   return (pyac_state *)PyModule_GetState(module);
 }
 
+/* The module that defined the type of `self` (heap types made from module specs). */
+static inline PyObject *pyac_module_of(PyObject *self) { return PyType_GetModule(Py_TYPE(self)); }
+
+/* 1 when a METH_FASTCALL function got `want` arguments, else 0 with a TypeError naming `fn`. */
+static inline int pyac_nargs_ok(const char *fn, Py_ssize_t nargs, Py_ssize_t want) {
+  if (nargs == want) return 1;
+  PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd given)", fn, want, nargs);
+  return 0;
+}
+
+/* A CUDA stream handle given as an int (torch.cuda.Stream.cuda_stream); None means the default
+ * stream (NULL) where `allow_none`. Returns 0, or -1 with a TypeError. */
+static inline int pyac_stream(PyObject *o, int allow_none, void **out) {
+  if (allow_none && o == Py_None) {
+    *out = NULL;
+    return 0;
+  }
+  *out = PyLong_AsVoidPtr(o);
+  if (!*out && PyErr_Occurred()) {
+    PyErr_Format(PyExc_TypeError, "stream must be an int (torch.cuda.Stream.cuda_stream)%s, got %s",
+                 allow_none ? " or None" : "", Py_TYPE(o)->tp_name);
+    return -1;
+  }
+  return 0;
+}
+
 /* Raises CoreError carrying the core's last-error message for result `r`; returns NULL so
  * callers can `return pyac_raise(mod, r);`. The one place where ac_result_t becomes Python. */
 PyObject *pyac_raise(PyObject *module, ac_result_t r);

@@ -41,8 +41,6 @@ typedef struct {
   size_t index;
 } HookObject;
 
-static PyObject *module_of(PyObject *self) { return PyType_GetModule(Py_TYPE(self)); }
-
 /* ---- sequences of sizes ----------------------------------------------------------------- */
 
 static int sizes_from(PyObject *seq, const char *what, size_t **out, Py_ssize_t *n) {
@@ -120,7 +118,7 @@ static int reducer_init(PyObject *op, PyObject *args, PyObject *kwds) {
   PyMem_Free(order);
   if (r != AC_OK) {
     PyMem_Free(numel);
-    pyac_raise(module_of(op), r);
+    pyac_raise(pyac_module_of(op), r);
     return -1;
   }
   ac_bucket_plan_destroy(self->plan);
@@ -196,7 +194,7 @@ static PyObject *reducer_range(PyObject *op, PyObject *arg) {
   size_t b = PyLong_AsSize_t(arg), first, count;
   if (b == (size_t)-1 && PyErr_Occurred()) return NULL;
   ac_result_t r = ac_bucket_range(self->plan, b, &first, &count);
-  if (r != AC_OK) return pyac_raise(module_of(op), r);
+  if (r != AC_OK) return pyac_raise(pyac_module_of(op), r);
   return Py_BuildValue("(nn)", (Py_ssize_t)first, (Py_ssize_t)count);
 }
 
@@ -241,7 +239,7 @@ static PyObject *reducer_mark_ready(PyObject *op, PyObject *arg) {
   size_t i = PyLong_AsSize_t(arg), from, to;
   if (i == (size_t)-1 && PyErr_Occurred()) return NULL;
   ac_result_t r = ac_bucket_mark_ready(self->plan, i, &from, &to);
-  if (r != AC_OK) return pyac_raise(module_of(op), r);
+  if (r != AC_OK) return pyac_raise(pyac_module_of(op), r);
   return Py_BuildValue("(nn)", (Py_ssize_t)from, (Py_ssize_t)to);
 }
 
@@ -268,7 +266,7 @@ static PyObject *reducer_arrival_order(PyObject *op, PyObject *arg) {
   ac_result_t r = ac_bucket_arrival_order(self->plan, v, n);
   if (r != AC_OK) {
     PyMem_Free(v);
-    return pyac_raise(module_of(op), r);
+    return pyac_raise(pyac_module_of(op), r);
   }
   PyObject *l = size_list(v, n);
   PyMem_Free(v);
@@ -282,7 +280,7 @@ static PyObject *reducer_hook(PyObject *op, PyObject *const *a, Py_ssize_t n) {
   }
   size_t i = PyLong_AsSize_t(a[0]);
   if (i == (size_t)-1 && PyErr_Occurred()) return NULL;
-  PyObject *mod = module_of(op);
+  PyObject *mod = pyac_module_of(op);
   pyac_state *st = pyac_get_state(mod);
   HookObject *h = PyObject_GC_New(HookObject, st->hook_type);
   if (!h) return NULL;
@@ -293,22 +291,15 @@ static PyObject *reducer_hook(PyObject *op, PyObject *const *a, Py_ssize_t n) {
   return (PyObject *)h;
 }
 
-static int stream_arg(PyObject *o, void **out) {
-  unsigned long long v = PyLong_AsUnsignedLongLong(o);
-  if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-  *out = (void *)(uintptr_t)v;
-  return 0;
-}
-
 /* Takes the flat buffer the plan lays out (a Buffer): its base pointer, dtype and device. */
 static int take_buffer(ReducerObject *self, PyObject *buffer, const char *who) {
-  pyac_state *st = pyac_get_state(module_of((PyObject *)self));
+  pyac_state *st = pyac_get_state(pyac_module_of((PyObject *)self));
   if (!PyObject_TypeCheck(buffer, st->buffer_type)) {
     PyErr_Format(PyExc_TypeError, "%s: buffer must be a Buffer (of the flat gradient buffer)", who);
     return -1;
   }
   pyac_view v;
-  if (pyac_view_from(module_of((PyObject *)self), buffer, PYAC_WRITE, PYAC_ON_ANY, "buffer", &v) < 0) return -1;
+  if (pyac_view_from(pyac_module_of((PyObject *)self), buffer, PYAC_WRITE, PYAC_ON_ANY, "buffer", &v) < 0) return -1;
   size_t n = v.n;
   void *base = v.data;
   ac_dtype_t dt = v.dt;
@@ -353,17 +344,17 @@ static PyObject *reducer_attach_nccl(PyObject *op, PyObject *args, PyObject *kwd
   int use_events = 1;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|p:attach_nccl", kwlist, &comm, &buffer, &stream_o, &use_events))
     return NULL;
-  pyac_state *st = pyac_get_state(module_of(op));
+  pyac_state *st = pyac_get_state(pyac_module_of(op));
   if (!PyObject_TypeCheck(comm, st->comm_type)) {
     PyErr_SetString(PyExc_TypeError, "attach_nccl: comm must be an NcclComm");
     return NULL;
   }
   void *stream;
-  if (stream_arg(stream_o, &stream) < 0 || take_buffer(self, buffer, "attach_nccl") < 0) return NULL;
+  if (pyac_stream(stream_o, 0, &stream) < 0 || take_buffer(self, buffer, "attach_nccl") < 0) return NULL;
   if (use_events && !self->ev_ready) {
     ac_result_t r = ac_cuda_event_create(&self->ev_ready);
     if (r == AC_OK) r = ac_cuda_event_create(&self->ev_done);
-    if (r != AC_OK) return pyac_raise(module_of(op), r);
+    if (r != AC_OK) return pyac_raise(pyac_module_of(op), r);
   }
   Py_XSETREF(self->comm, Py_NewRef(comm));
   self->comm_stream = stream;
@@ -371,7 +362,7 @@ static PyObject *reducer_attach_nccl(PyObject *op, PyObject *args, PyObject *kwd
 }
 
 static PyObject *reducer_set_compute_stream(PyObject *op, PyObject *arg) {
-  return stream_arg(arg, &((ReducerObject *)op)->compute_stream) < 0 ? NULL : Py_NewRef(Py_None);
+  return pyac_stream(arg, 0, &((ReducerObject *)op)->compute_stream) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyObject *reducer_launch_nccl(ReducerObject *self, size_t from, size_t to) {
@@ -382,7 +373,7 @@ static PyObject *reducer_launch_nccl(ReducerObject *self, size_t from, size_t to
   }
   ac_result_t r = ac_comm_launch_buckets(c, self->plan, self->base, self->dt, from, to, self->compute_stream,
                                          self->comm_stream, self->ev_ready);
-  if (r != AC_OK) return pyac_raise(module_of((PyObject *)self), r);
+  if (r != AC_OK) return pyac_raise(pyac_module_of((PyObject *)self), r);
   Py_RETURN_NONE;
 }
 
@@ -406,7 +397,7 @@ static PyObject *reducer_nccl_wait(PyObject *op, PyObject *unused) {
   }
   if (!self->ev_done) Py_RETURN_NONE; /* no events (the fake-NCCL tests): nothing to order */
   ac_result_t r = ac_cuda_stream_wait(self->compute_stream, self->comm_stream, self->ev_done);
-  if (r != AC_OK) return pyac_raise(module_of(op), r);
+  if (r != AC_OK) return pyac_raise(pyac_module_of(op), r);
   Py_RETURN_NONE;
 }
 
@@ -529,11 +520,11 @@ static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwds) {
     if (rs == AC_OK)
       rs = red->on_cuda ? ac_cuda_scale(red->dt, p, red->numel[h->index], red->prescale, NULL, red->compute_stream)
                         : ac_scale(red->dt, p, red->numel[h->index], red->prescale);
-    if (rs != AC_OK) return pyac_raise(module_of(h->reducer), rs);
+    if (rs != AC_OK) return pyac_raise(pyac_module_of(h->reducer), rs);
   }
   size_t from, to;
   ac_result_t rc = ac_bucket_mark_ready(red->plan, h->index, &from, &to);
-  if (rc != AC_OK) return pyac_raise(module_of(h->reducer), rc);
+  if (rc != AC_OK) return pyac_raise(pyac_module_of(h->reducer), rc);
   if (red->launching && to > from && red->comm) return reducer_launch_nccl(red, from, to);
   if (red->launching && to > from && red->launch) {
     PyObject *r = PyObject_CallFunction(red->launch, "nn", (Py_ssize_t)from, (Py_ssize_t)to);

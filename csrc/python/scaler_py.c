@@ -8,8 +8,6 @@ typedef struct {
   ac_scaler_t s;
 } ScalerObject;
 
-static PyObject *module_of(PyObject *self) { return PyType_GetModule(Py_TYPE(self)); }
-
 static int scaler_init(PyObject *op, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"init_scale", "growth_factor", "backoff_factor", "growth_interval", NULL};
   double init = 65536.0, growth = 2.0, backoff = 0.5;
@@ -18,7 +16,7 @@ static int scaler_init(PyObject *op, PyObject *args, PyObject *kwds) {
     return -1;
   ac_result_t r = ac_scaler_init(&((ScalerObject *)op)->s, (float)init, (float)growth, (float)backoff, interval);
   if (r != AC_OK) {
-    pyac_raise(module_of(op), r);
+    pyac_raise(pyac_module_of(op), r);
     return -1;
   }
   return 0;
@@ -28,7 +26,7 @@ static PyObject *scaler_update(PyObject *op, PyObject *found_inf) {
   int f = PyObject_IsTrue(found_inf);
   if (f < 0) return NULL;
   ac_result_t r = ac_scaler_update(&((ScalerObject *)op)->s, f);
-  if (r != AC_OK) return pyac_raise(module_of(op), r);
+  if (r != AC_OK) return pyac_raise(pyac_module_of(op), r);
   Py_RETURN_NONE;
 }
 
@@ -58,7 +56,7 @@ static PyObject *scaler_load(PyObject *op, PyObject *const *a, Py_ssize_t n) {
     if (iv[i] == -1 && PyErr_Occurred()) return NULL;
   }
   ac_result_t r = ac_scaler_load(&((ScalerObject *)op)->s, (float)v[0], (float)v[1], (float)v[2], iv[0], iv[1]);
-  if (r != AC_OK) return pyac_raise(module_of(op), r);
+  if (r != AC_OK) return pyac_raise(pyac_module_of(op), r);
   Py_RETURN_NONE;
 }
 
