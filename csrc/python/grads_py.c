@@ -24,8 +24,19 @@ enum { GV_VIEW = 0, GV_LOOSE = 1, GV_BROKEN = 2 };
 
 /* One parameter: GV_VIEW (its .grad is its view, intact), GV_LOOSE (.grad is None or another
  * tensor), GV_BROKEN (cast or moved, see grad_views), or -1 with an exception set. */
-static int grad_view_state(PyObject *p, PyObject *v, PyObject *ptr0, PyObject *dtype, long dev, PyObject *s_dtype,
-                           PyObject *s_is_cuda, PyObject *s_get_device, PyObject *s_grad, PyObject *s_data_ptr) {
+/* The attribute names the walk looks up, interned once (they live as long as the process). */
+static PyObject *s_grad, *s_dtype, *s_get_device, *s_data_ptr, *s_is_cuda;
+
+static int intern_names(void) {
+  if (s_is_cuda) return 0;
+  PyObject **slots[] = {&s_grad, &s_dtype, &s_get_device, &s_data_ptr, &s_is_cuda};
+  const char *names[] = {"grad", "dtype", "get_device", "data_ptr", "is_cuda"};
+  for (int k = 0; k < 5; k++)
+    if (!*slots[k] && !(*slots[k] = PyUnicode_InternFromString(names[k]))) return -1;
+  return 0;
+}
+
+static int grad_view_state(PyObject *p, PyObject *v, PyObject *ptr0, PyObject *dtype, long dev) {
   PyObject *dt = PyObject_GetAttr(p, s_dtype);
   if (!dt) return -1;
   int same_dtype = dt == dtype;
@@ -77,18 +88,18 @@ static PyObject *py_grad_views(PyObject *mod, PyObject *const *a, Py_ssize_t n) 
   if (dev == -1 && PyErr_Occurred()) return NULL;
   PyObject *loose = PyList_New(0);
   if (!loose) return NULL;
-  PyObject *s_grad = PyUnicode_InternFromString("grad"), *s_dtype = PyUnicode_InternFromString("dtype");
-  PyObject *s_get_device = PyUnicode_InternFromString("get_device");
-  PyObject *s_data_ptr = PyUnicode_InternFromString("data_ptr");
-  PyObject *s_is_cuda = PyUnicode_InternFromString("is_cuda");
   PyObject *result = NULL;
-  if (!s_grad || !s_dtype || !s_get_device || !s_data_ptr || !s_is_cuda) goto done;
+  if (intern_names() < 0) goto done;
   for (Py_ssize_t i = 0; i < np; i++) {
     /* owned for the iteration: the calls below may run Python code (a tensor subclass's
      * __torch_function__) that could change the lists */
+    if (PyList_GET_SIZE(params) != np || PyList_GET_SIZE(views) != np || PyList_GET_SIZE(ptrs) != np) {
+      PyErr_SetString(PyExc_RuntimeError, "grad_views: the parameter lists changed during the walk");
+      goto done;
+    }
     PyObject *p = Py_NewRef(PyList_GET_ITEM(params, i)), *v = Py_NewRef(PyList_GET_ITEM(views, i));
     PyObject *ptr0 = Py_NewRef(PyList_GET_ITEM(ptrs, i));
-    int st = grad_view_state(p, v, ptr0, dtype, dev, s_dtype, s_is_cuda, s_get_device, s_grad, s_data_ptr);
+    int st = grad_view_state(p, v, ptr0, dtype, dev);
     Py_DECREF(p);
     Py_DECREF(v);
     Py_DECREF(ptr0);
@@ -110,11 +121,6 @@ static PyObject *py_grad_views(PyObject *mod, PyObject *const *a, Py_ssize_t n) 
   loose = NULL;
 done:
   Py_XDECREF(loose);
-  Py_XDECREF(s_grad);
-  Py_XDECREF(s_dtype);
-  Py_XDECREF(s_get_device);
-  Py_XDECREF(s_data_ptr);
-  Py_XDECREF(s_is_cuda);
   return result;
 }
 
