@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - numpy is installed with torch here
     np = None
 
 __all__ = ["CheckpointError", "PickleRequiredError", "encode", "decode", "write_state", "StateFile",
-           "read_state", "rng_state", "check_rng_state", "set_rng_state", "torch_load", "write_json_durable"]
+           "rng_state", "check_rng_state", "set_rng_state", "torch_load", "write_json_durable"]
 
 STATE_FORMAT = "accelerate_c.state"
 STATE_VERSION = 1
@@ -300,10 +300,6 @@ def _collect_refs(v, out):
         else:
             for x in v.values():
                 _collect_refs(x, out)
-
-
-def read_state(directory: str, name: str, what: str = ""):
-    return StateFile(directory, name, what).load()
 
 
 # ---- RNG states ----------------------------------------------------------------------------------

@@ -105,6 +105,7 @@ def test_reducer_launches_buckets_from_the_hooks_in_c(fake_nccl):
         fake = ctypes.CDLL({fake_nccl!r})
         fake.fake_nccl_last_stream.restype = ctypes.c_void_p
         fake.fake_nccl_last_count.restype = ctypes.c_size_t
+        fake.fake_nccl_last_send.restype = ctypes.c_void_p
         c = _C.NcclComm(_C.nccl_unique_id(), 1, 0)
         python_launches = []
         sizes = [10, 300, 20]  # three buckets: 80 B >= 64, 1200 B >= 1024, the rest
@@ -126,7 +127,9 @@ def test_reducer_launches_buckets_from_the_hooks_in_c(fake_nccl):
             counts.append(fake.fake_nccl_all_reduce_calls())
         assert counts == [0, 2, 3], counts
         assert fake.fake_nccl_last_stream() == 0x77
-        assert fake.fake_nccl_last_count() == r.range(2)[1]
+        # the last bucket, by hand: gradient 0 (10 elements padded to 32) after 32 + 320 elements
+        assert fake.fake_nccl_last_count() == 32
+        assert fake.fake_nccl_last_send() == flat.data_ptr() + 352 * 4
         assert python_launches == []
         r.nccl_wait()
         expect(TypeError, "Buffer", lambda: r.attach_nccl(c, torch.zeros(3), 0))

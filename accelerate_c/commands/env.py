@@ -75,7 +75,7 @@ def config_lines(config_file=None) -> list:
     path = config_in_effect(config_file)
     if path is None:
         return ["- accelerate_c config: none (no --config_file, and no default file at "
-                f"{default_config_path()})"]
+                f"{default_config_file()})"]
     try:
         config = load_config_from_file(path)
     except ConfigError as e:
@@ -84,12 +84,6 @@ def config_lines(config_file=None) -> list:
     lines += [f"\t- {key}: {value}" for key, value in config.raw.items()]
     lines += [f"\tnot supported yet at launch: {p}" for p in config.unsupported()]
     return lines
-
-
-def default_config_path() -> str:
-    from ..utils.config import default_config_file
-
-    return default_config_file()
 
 
 def run(args) -> int:

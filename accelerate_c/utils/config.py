@@ -254,13 +254,6 @@ class ClusterConfig:
     def unsupported(self) -> list:
         return unsupported(self.values, self.path or "<config>")
 
-    def check_supported(self) -> None:
-        problems = self.unsupported()
-        if problems:
-            lines = "\n  ".join(problems)
-            raise ConfigNotSupportedError(f"config file {self.path}: {lines}" if len(problems) == 1 else
-                                          f"config file {self.path}:\n  {lines}")
-
     def to_dict(self) -> dict:
         return to_file_dict(self.values)
 

@@ -15,6 +15,7 @@ typedef struct {
 static int calls_all_reduce, calls_other;
 static void *last_stream;
 static size_t last_count;
+static const void *last_send; /* the all-reduce's input: which range of a buffer was sent */
 
 static size_t type_size(int t) {
   switch (t) {
@@ -40,6 +41,7 @@ int ncclAllReduce(const void *s, void *r, size_t n, int t, int op, fake_comm_t *
   calls_all_reduce++;
   last_stream = stream;
   last_count = n;
+  last_send = s;
   if (s != r) memmove(r, s, n * type_size(t));
   return 0;
 }
@@ -70,3 +72,4 @@ int fake_nccl_all_reduce_calls(void) { return calls_all_reduce; }
 int fake_nccl_other_calls(void) { return calls_other; }
 void *fake_nccl_last_stream(void) { return last_stream; }
 size_t fake_nccl_last_count(void) { return last_count; }
+const void *fake_nccl_last_send(void) { return last_send; }

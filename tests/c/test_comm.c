@@ -55,6 +55,8 @@ TEST(communicator_errors_carry_nccl_text) {
 static int (*fake_calls)(void);
 static void *(*fake_stream)(void);
 static size_t (*fake_count)(void);
+static int (*fake_other)(void);
+static const void *(*fake_send)(void);
 
 static int bind_fake(void) {
   void *h = dlopen(fake_path(), RTLD_NOW | RTLD_NOLOAD);
@@ -62,8 +64,10 @@ static int bind_fake(void) {
   fake_calls = (int (*)(void))dlsym(h, "fake_nccl_all_reduce_calls");
   fake_stream = (void *(*)(void))dlsym(h, "fake_nccl_last_stream");
   fake_count = (size_t(*)(void))dlsym(h, "fake_nccl_last_count");
+  fake_other = (int (*)(void))dlsym(h, "fake_nccl_other_calls");
+  fake_send = (const void *(*)(void))dlsym(h, "fake_nccl_last_send");
   dlclose(h);
-  return fake_calls && fake_stream && fake_count;
+  return fake_calls && fake_stream && fake_count && fake_other && fake_send;
 }
 
 TEST(collectives_and_bucket_launch) {
@@ -83,11 +87,14 @@ TEST(collectives_and_bucket_launch) {
   CHECK_EQ_INT(fake_calls(), before + 1);
   CHECK(fake_stream() == stream);
   CHECK(dst[4] == 5.0f); /* one rank: the sum is the input */
+  int others = fake_other();
   CHECK_OK(ac_comm_broadcast(c, dst, 5, AC_F32, 0, NULL));
   CHECK_RC(ac_comm_broadcast(c, dst, 5, AC_F32, 1, NULL), AC_ERR_INVALID_ARG);
   CHECK_CONTAINS(ac_last_error(), "root 1 of 1 ranks");
+  CHECK_EQ_INT(fake_other(), others + 1); /* the refused root reached no NCCL call */
   CHECK_OK(ac_comm_all_gather(c, src, dst, 5, AC_F32, NULL));
   CHECK_OK(ac_comm_reduce_scatter(c, src, dst, 5, AC_BF16, AC_RED_AVG, NULL));
+  CHECK_EQ_INT(fake_other(), others + 3);
   CHECK_RC(ac_comm_all_reduce(c, src, dst, 5, (ac_dtype_t)7, AC_RED_SUM, NULL), AC_ERR_INVALID_ARG);
   CHECK_RC(ac_comm_all_reduce(c, src, dst, 5, AC_F32, (ac_redop_t)9, NULL), AC_ERR_INVALID_ARG);
   CHECK_RC(ac_comm_all_reduce(c, NULL, dst, 5, AC_F32, AC_RED_SUM, NULL), AC_ERR_INVALID_ARG);
@@ -102,9 +109,10 @@ TEST(collectives_and_bucket_launch) {
     before = fake_calls();
     CHECK_OK(ac_comm_launch_buckets(c, plan, buf, AC_F32, 0, 3, NULL, stream, NULL));
     CHECK_EQ_INT(fake_calls(), before + 3);
-    size_t first, count;
-    CHECK_OK(ac_bucket_range(plan, 2, &first, &count));
-    CHECK_EQ_INT(fake_count(), count);
+    /* the last bucket is gradient 0 (10 elements, padded to 32), after gradient 2's 32 and
+     * gradient 1's 320 (300 padded): elements [352, 384) of the buffer (numbers by hand) */
+    CHECK_EQ_INT(fake_count(), 32);
+    CHECK(fake_send() == (const void *)(buf + 352));
     CHECK_OK(ac_comm_launch_buckets(c, plan, buf, AC_F32, 1, 1, NULL, stream, NULL)); /* nothing */
     CHECK_EQ_INT(fake_calls(), before + 3);
     CHECK_RC(ac_comm_launch_buckets(c, plan, buf, AC_F32, 2, 4, NULL, stream, NULL), AC_ERR_INVALID_ARG);
