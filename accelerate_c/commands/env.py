@@ -70,7 +70,7 @@ def gpu_info(torch, _C) -> dict:
 def config_lines(config_file=None) -> list:
     """The config in effect (--config_file, else the default file if it exists): its path, then
     its keys as the file holds them, or why it cannot be used."""
-    from ..utils.config import ConfigError, config_in_effect, load_config_from_file
+    from ..utils.config import ConfigError, config_in_effect, default_config_file, load_config_from_file
 
     path = config_in_effect(config_file)
     if path is None:
