@@ -13,12 +13,17 @@ import sys
 
 from ..utils.config import ConfigError, default_config_file, write_config_file
 from ..utils.config_schema import (
+    DEEPSPEED_LAUNCHERS,
     DYNAMO_BACKENDS,
     DYNAMO_MODES,
     FSDP_AUTO_WRAP_POLICIES,
     FSDP_BACKWARD_PREFETCH,
     FSDP_SHARDING_STRATEGIES,
     FSDP_STATE_DICT_TYPES,
+    MIXED_PRECISIONS,
+    OFFLOAD_DEVICES,
+    RDZV_BACKENDS,
+    SUPPORTED_DISTRIBUTED_TYPES,
 )
 
 MACHINE_TYPES = [("No distributed training", "NO"), ("multi-CPU", "MULTI_CPU"), ("multi-XPU", "MULTI_XPU"),
@@ -129,7 +134,7 @@ def _ask_deepspeed(num_machines: int) -> dict:
     else:
         cfg["zero_stage"] = choose("What should be your DeepSpeed's ZeRO optimization stage?", [0, 1, 2, 3], 2)
         if cfg["zero_stage"] >= 2:
-            devices = ["none", "cpu", "nvme"]
+            devices = list(OFFLOAD_DEVICES)
             cfg["offload_optimizer_device"] = choose("Where to offload optimizer states?", devices)
             cfg["offload_param_device"] = choose("Where to offload parameters?", devices)
             if cfg["offload_param_device"] == "nvme":
@@ -148,8 +153,7 @@ def _ask_deepspeed(num_machines: int) -> dict:
                                     "constructing massive models? [yes/NO]: ", False)
     if num_machines > 1:
         cfg["deepspeed_multinode_launcher"] = choose("Which Type of launcher do you want to use?",
-                                                     ["pdsh", "standard", "openmpi", "mvapich", "mpich", "nossh",
-                                                      "slurm"])
+                                                     list(DEEPSPEED_LAUNCHERS))
     return cfg, use_file
 
 
@@ -160,7 +164,7 @@ def get_user_input() -> dict:
         raise ConfigError("Amazon SageMaker is not supported yet by accelerate_c")
     label = choose("Which type of machine are you using?", [m[0] for m in MACHINE_TYPES])
     dt = dict(MACHINE_TYPES)[label]
-    if dt not in ("NO", "MULTI_CPU", "MULTI_GPU"):
+    if dt not in SUPPORTED_DISTRIBUTED_TYPES:
         raise ConfigError(f"{label} is not supported by accelerate_c, which runs on CPUs and CUDA GPUs "
                           "(choose 'No distributed training', 'multi-CPU' or 'multi-GPU')")
     c = dict(compute_environment="LOCAL_MACHINE", machine_rank=0, num_machines=1, num_processes=1, gpu_ids=None,
@@ -180,9 +184,8 @@ def get_user_input() -> dict:
                                        "the cloud and/or on different network hosts [YES/no]: ", True)
             if not c["same_network"]:
                 c["rdzv_backend"] = ask("What rendezvous backend will you use? ('static', 'c10d', ...): ",
-                                        lambda a: {"static": "static", "c10d": "c10d", "etcd": "etcd",
-                                                   "etcd-v2": "etcd-v2"}[a], "static",
-                                        "Please enter static, c10d, etcd or etcd-v2.")
+                                        lambda a: {b: b for b in RDZV_BACKENDS}[a], "static",
+                                        f"Please enter {', '.join(RDZV_BACKENDS)}.")
         c["debug"] = yes_no("Should distributed operations be checked while running for errors? This can avoid "
                             "timeout issues but will be slower. [yes/NO]: ", False)
     if dt == "NO":
@@ -247,7 +250,7 @@ def get_user_input() -> dict:
     if dt == "DEEPSPEED" and ds_file:
         c["mixed_precision"] = None
     else:
-        c["mixed_precision"] = choose("Do you wish to use mixed precision?", ["no", "fp16", "bf16", "fp8"])
+        c["mixed_precision"] = choose("Do you wish to use mixed precision?", list(MIXED_PRECISIONS))
     c["distributed_type"] = dt
     return c
 

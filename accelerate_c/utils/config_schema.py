@@ -9,15 +9,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .dataclasses import DistributedType, PrecisionType
+
 ANY = object()  # `supported`: every valid value is supported
 
-DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
-                     "MULTI_XPU", "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM", "MULTI_HPU", "MULTI_NEURON")
+DISTRIBUTED_TYPES = tuple(d.value for d in DistributedType)  # the enum the Accelerator reports
 SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
 # features that are on the roadmap vs. hardware accelerate_c does not target
 PLANNED_DISTRIBUTED_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
 COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE", "AMAZON_SAGEMAKER")
+# the values the Accelerator and the launcher take (PrecisionType), in accelerate's menu order
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
+assert set(MIXED_PRECISIONS) == set(PrecisionType.list()), "config_schema and PrecisionType disagree"
 DYNAMO_BACKENDS = ("NO", "EAGER", "AOT_EAGER", "INDUCTOR", "AOT_TS_NVFUSER", "NVPRIMS_NVFUSER", "CUDAGRAPHS",
                    "OFI", "FX2TRT", "ONNXRT", "TENSORRT", "AOT_TORCHXLA_TRACE_ONCE", "TORCHXLA_TRACE_ONCE", "TVM",
                    "HPU_BACKEND", "NEURON")
