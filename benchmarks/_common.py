@@ -215,3 +215,29 @@ def other_load(seconds: float = 0.5) -> Optional[float]:
     a = load_sample()
     time.sleep(seconds)
     return other_load_between(a, load_sample())
+
+
+def fsync_path(path) -> None:
+    """fsyncs a file, or every file below a directory and the directory itself: what makes a
+    contender's output durable inside the timed region when it does not fsync by itself."""
+    targets = [path]
+    if os.path.isdir(path):
+        targets = [os.path.join(root, n) for root, _dirs, files in os.walk(path) for n in files] + [path]
+    for t in targets:
+        fd = os.open(t, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def bytes_table(title: str, times: dict, ours_name: str, nbytes: int, repeats: int) -> dict:
+    """Prints one I/O table (ms median, quartiles, GB/s, their time / ours) and returns the
+    summaries by contender."""
+    s = {k: Summary.of(v) for k, v in times.items()}
+    mine = s[ours_name].median
+    rows = [[name, f"{x.median * 1e3:.0f}", f"{x.q1 * 1e3:.0f}-{x.q3 * 1e3:.0f}", f"{nbytes / x.median / 1e9:.2f}",
+             f"{x.median / mine:.2f}x"] for name, x in s.items()]
+    print(f"\n{title} (median of {repeats}; 'vs ours' = their time / our time, > 1: ours is faster)")
+    print_table(["contender", "ms", "q1-q3 ms", "GB/s", "vs ours"], rows)
+    return s

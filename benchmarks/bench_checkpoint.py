@@ -40,23 +40,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (Contender, Summary, cpu_model, load_sample, logical_cpus, other_load_between,  # noqa: E402
-                     print_table, run_interleaved, verdict)
-
-
-def fsync_tree(directory):
-    for root, _dirs, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from _common import (Contender, Summary, bytes_table, cpu_model, fsync_path, load_sample, logical_cpus,  # noqa: E402
+                     other_load_between, run_interleaved, verdict)
 
 
 def dir_bytes(directory):
@@ -161,7 +146,7 @@ def main():
 
     def acc_save():
         theirs.save_state(d_acc)
-        fsync_tree(d_acc)
+        fsync_path(d_acc)
 
     def torch_save():
         with open(p_torch, "wb") as f:
@@ -268,12 +253,8 @@ def main():
     assert sums() == ref_sums, "accelerate_c load_state did not restore the saved state"
 
     def table(title, times, ours_name, limit_name, acc_name):
-        s = {k: Summary.of(v) for k, v in times.items()}
+        s = bytes_table(title, times, ours_name, nbytes, args.repeats)
         mine = s[ours_name].median
-        rows = [[name, f"{x.median * 1e3:.0f}", f"{x.q1 * 1e3:.0f}-{x.q3 * 1e3:.0f}", f"{nbytes / x.median / 1e9:.2f}",
-                 f"{x.median / mine:.2f}x"] for name, x in s.items()]
-        print(f"\n{title} (median of {args.repeats}; 'vs ours' = their time / our time, > 1: ours is faster)")
-        print_table(["contender", "ms", "q1-q3 ms", "GB/s", "vs ours"], rows)
         return s[acc_name].median / mine, s[limit_name].median / mine
 
     sv_acc, sv_lim = table("save_state, durable", t_save, "accelerate_c save_state",

@@ -27,7 +27,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Contender, Summary, cpu_model, logical_cpus, print_table, run_interleaved  # noqa: E402
+from _common import Contender, bytes_table, cpu_model, fsync_path, logical_cpus, run_interleaved  # noqa: E402
 
 import safetensors.torch as st_pkg  # noqa: E402
 
@@ -44,14 +44,6 @@ def make_tensors(total_mb: int):
         for i in range(max(1, round(total * frac / nbytes))):
             out[f"t{nbytes}.{i}"] = torch.randn(nbytes // 4, generator=gen)
     return out
-
-
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def main():
@@ -145,15 +137,8 @@ def main():
     t_into = run_interleaved(intos, args.repeats)
 
     def table(title, times, ours_name, limit_name):
-        s = {k: Summary.of(v) for k, v in times.items()}
-        ours = s[ours_name].median
-        rows = []
-        for name, x in s.items():
-            rows.append([name, f"{x.median * 1e3:.0f}", f"{x.q1 * 1e3:.0f}-{x.q3 * 1e3:.0f}",
-                         f"{nbytes / x.median / 1e9:.2f}", f"{x.median / ours:.2f}x"])
-        print(f"\n{title} (median of {args.repeats}; 'vs ours' = their time / our time, > 1 means ours is faster)")
-        print_table(["contender", "ms", "q1-q3 ms", "GB/s", "vs ours"], rows)
-        print(f"ours reaches {s[limit_name].median / ours * 100:.0f}% of the '{limit_name}' bandwidth")
+        s = bytes_table(title, times, ours_name, nbytes, args.repeats)
+        print(f"ours reaches {s[limit_name].median / s[ours_name].median * 100:.0f}% of the '{limit_name}' bandwidth")
 
     table("save", t_save, "accelerate_c save_file (fsync)", "plain pwritev + fsync (limit)")
     table("load_file: new tensors (files in the page cache)", t_load, "accelerate_c load_file",
