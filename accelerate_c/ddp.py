@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 from torch.distributed.algorithms.join import Joinable
 
 from . import _C
@@ -134,8 +135,14 @@ class BucketComm:
                 # fp16_compress_hook does, so the sum cannot overflow where torch's would not
                 self._cast(wire, t, g.is_cuda)
                 wire.div_(self.world)
-            elif wire is not None:
-                wire.copy_(t)
+            else:
+                if self.hook_dtype == t.dtype:
+                    # the gradients already have the hook's dtype: torch's compress hook then
+                    # divides the bucket itself, in that dtype (its cast is a no-op), and so
+                    # must we (prescale is 1 under a hook)
+                    t.div_(self.world)
+                if wire is not None:  # the backend does not take this dtype: fp32 on the wire
+                    wire.copy_(t)
             try:
                 work = dist.all_reduce(t if wire is None else wire, async_op=True)
             except RuntimeError as e:
@@ -148,6 +155,7 @@ class BucketComm:
             _C.cuda_cast_(dst, src, torch.cuda.current_stream(dst.device).cuda_stream)
         else:
             _C.cast_(dst, src)
+        increment_version(dst)  # written through DLPack: tell torch, as its own copy_ would
 
     def _where(self, g, b, count) -> str:
         start, n = g.reducer.range(b)

@@ -20,6 +20,7 @@ import math
 import operator
 
 import torch
+from torch.autograd.graph import increment_version
 
 from . import _C
 
@@ -94,6 +95,15 @@ class GradGroup:
         self.offsets = offsets
         self.flat = _alloc_flat(self.reducer.total(), self.dtype, self.device)
         self.views = [self.flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
+        # the alignment gaps between ranges: zero, and kept zero (see scale_), so that
+        # whole-buffer passes and bucket all-reduces read zeros there
+        spans = sorted((o, o + p.numel()) for o, p in zip(offsets, self.params))
+        ends = [0] + [e for _, e in spans]
+        starts = [st for st, _ in spans] + [self.reducer.total()]
+        self.gaps = [(e, st) for e, st in zip(ends, starts) if st > e]
+        self.gap_index = None
+        if self.is_cuda and self.gaps:
+            self.gap_index = torch.cat([torch.arange(e, st) for e, st in self.gaps]).to(self.device)
         self.ptrs = [v.data_ptr() for v in self.views]
         # pointers are taken once here; per-step kernel calls pass this object, not a tensor
         self.buf = _C.Buffer(self.flat)
@@ -251,6 +261,12 @@ class GradGroup:
     def stream(self):
         return torch.cuda.current_stream(self.device).cuda_stream
 
+    def wrote(self):
+        """The C kernels wrote the buffer through DLPack, which torch cannot see: bump the
+        version counter (shared by every view, so `.grad` readers and cached_stats see the
+        change) as torch's own in-place ops would."""
+        increment_version(self.flat)
+
     def scale_(self, factor: float):
         if factor == 1.0:
             return
@@ -258,6 +274,19 @@ class GradGroup:
             _C.cuda_scale_(self.buf, factor, None, self.stream())
         else:
             _C.scale_(self.buf, factor)
+        if math.isnan(factor):  # torch's clip of a NaN norm: 0 x NaN would poison the gaps
+            self.zero_gaps()
+        self.wrote()
+
+    def zero_gaps(self):
+        """Zeroes the gaps between the ranges after a pass that may have written non-finite
+        values there (a NaN factor): otherwise every later step's norm and overflow check, and
+        every rank's all-reduce, would see them."""
+        if self.gap_index is not None:
+            self.flat.index_fill_(0, self.gap_index, 0)
+        elif not self.is_cuda:
+            for start, end in self.gaps:
+                self.flat[start:end].zero_()
 
     def unscale_(self, inv_scale: float):
         """GradScaler's unscale_ over the whole buffer: one pass that scales and checks."""
@@ -269,6 +298,7 @@ class GradGroup:
         else:
             _, _, nonfinite = _C.scale_stats_(self.buf, inv_scale)
             self.found_inf = bool(nonfinite)
+        self.wrote()
         self.needs_unscale = False
 
     def cached_stats(self):
@@ -553,10 +583,11 @@ class GradManager:
         any_found = any(f for *_, f in per)
         if any_found:
             total = math.nan if any(math.isnan(s) for _, _, s, _, _ in per) else math.inf
-        if any_found and inv_scale is not None:
-            coef = 1.0  # fp16: the step will be skipped; leave the values merely unscaled
-        else:
-            coef = min(1.0, max_norm / (total + 1e-6))  # torch's formula, inf/NaN included
+        # torch's formula, non-finite norms included (an fp16 step that overflowed is skipped
+        # anyway, but its gradients end as torch leaves them: x 0 for inf, x NaN for NaN).
+        # Python's min(1.0, nan) is 1.0, so NaN is carried explicitly
+        coef = max_norm / (total + 1e-6)
+        coef = coef if math.isnan(coef) else min(1.0, coef)
         for g, inv, _, _, found in per:
             g.scale_(inv * coef)
             if inv != 1.0:
@@ -574,12 +605,15 @@ class GradManager:
         for g in groups:
             _C.cuda_stats_(g.buf, acc, stream)
         total = acc[1] if norm_type == math.inf else acc[0].sqrt()
-        total = torch.where(acc[2] > 0, torch.full_like(total, math.inf), total)
+        # a NaN gradient makes the sum of squares NaN (squares are >= 0, so only NaN gives NaN):
+        # the norm is then NaN, as torch's; other non-finite values give inf
+        bad = torch.where(torch.isnan(acc[0]), torch.full_like(total, math.nan), torch.full_like(total, math.inf))
+        total = torch.where(acc[2] > 0, bad, total)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if inv_scale is not None:
-            coef = torch.where(acc[2] > 0, torch.ones_like(coef), coef)
         for g in groups:
             _C.cuda_scale_(g.buf, 1.0, coef.reshape(1), stream)
+            g.zero_gaps()  # the coefficient may be NaN, and the host does not know without a sync
+            g.wrote()
         return total
 
     def zero(self, params, set_to_none: bool = True):

@@ -152,6 +152,10 @@ ac_result_t ac_bucket_mark_ready(ac_bucket_plan_t *p, size_t param, size_t *from
 
 size_t ac_bucket_ready_count(const ac_bucket_plan_t *p) { return p ? p->narrived : 0; }
 
+int ac_bucket_is_ready(const ac_bucket_plan_t *p, size_t param) {
+  return p && param < p->nparams && p->ready[param];
+}
+
 size_t ac_bucket_pending(const ac_bucket_plan_t *p, size_t *out, size_t cap) {
   if (!p) return 0;
   size_t count = 0;

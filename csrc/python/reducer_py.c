@@ -522,6 +522,10 @@ static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwds) {
                         : ac_scale(red->dt, p, red->numel[h->index], red->prescale);
     if (rs != AC_OK) return pyac_raise(pyac_module_of(h->reducer), rs);
   }
+  /* A backward that reduces nothing (one process, no_sync) may see one gradient twice, e.g. a
+   * weight used by two reentrant-checkpointed segments: autograd accumulated it into the view,
+   * as torch does, and nothing waits on its bucket. Only a reduced backward must refuse it. */
+  if (!red->launching && ac_bucket_is_ready(red->plan, h->index)) Py_RETURN_NONE;
   size_t from, to;
   ac_result_t rc = ac_bucket_mark_ready(red->plan, h->index, &from, &to);
   if (rc != AC_OK) return pyac_raise(pyac_module_of(h->reducer), rc);

@@ -50,7 +50,9 @@ TEST(launch_in_order) {
     for (int k = 0; k < 5; k++) {
       size_t from = 99, to = 99;
       CHECK_EQ_INT(ac_bucket_ready_count(p), k); /* 0 tells the reducer a backward starts */
+      CHECK(!ac_bucket_is_ready(p, marks[k]));
       CHECK_OK(ac_bucket_mark_ready(p, marks[k], &from, &to));
+      CHECK(ac_bucket_is_ready(p, marks[k]));
       CHECK_MSG(from == want_from[k] && to == want_to[k], "mark %zu: [%zu, %zu) want [%zu, %zu)", marks[k], from,
                 to, want_from[k], want_to[k]);
       if (k == 2) {
@@ -70,6 +72,10 @@ TEST(launch_in_order) {
   CHECK_RC(ac_bucket_mark_ready(p, 2, &from, &to), AC_ERR_STATE); /* twice in one backward */
   CHECK_CONTAINS(ac_last_error(), "gradient 2 became ready twice");
   CHECK_RC(ac_bucket_mark_ready(p, 9, &from, &to), AC_ERR_INVALID_ARG);
+  CHECK(!ac_bucket_is_ready(p, 9)); /* out of range */
+  CHECK(!ac_bucket_is_ready(NULL, 0));
+  ac_bucket_reset(p);
+  CHECK(!ac_bucket_is_ready(p, 2)); /* a reset forgets the marks */
   ac_bucket_plan_destroy(p);
 }
 

@@ -46,6 +46,8 @@ void ac_bucket_reset(ac_bucket_plan_t *plan);
  * bucket has been launched. Marking a gradient twice in one backward is AC_ERR_STATE, naming
  * it (a second backward after buckets launched must not silently double-count). */
 ac_result_t ac_bucket_mark_ready(ac_bucket_plan_t *plan, size_t param, size_t *from, size_t *to);
+/* Whether gradient `param` was marked ready since the last reset (0 for an index out of range). */
+int ac_bucket_is_ready(const ac_bucket_plan_t *plan, size_t param);
 /* How many gradients have been marked ready since the last reset (0: the next mark is the
  * first of a backward). */
 size_t ac_bucket_ready_count(const ac_bucket_plan_t *plan);

@@ -1,0 +1,135 @@
+"""A case trained with plain PyTorch: the reference the harness holds accelerate_c to.
+
+Written from torch's and accelerate's public behaviour, without importing accelerate_c:
+torch DDP (no_sync for accumulation, find_unused_parameters, bucket_cap_mb, torch's own
+fp16/bf16 compress hooks), torch.amp.GradScaler, torch.nn.utils.clip_grad_norm_/clip_grad_value_,
+hand-written accumulation (loss / steps, a step at each window's end and at the loader's end), and
+accelerate's rules that a user relies on: each process reads the batches accelerate 1.15's own
+prepare_data_loader gives it, a skipped fp16 step does not advance the scheduler, and the
+scheduler advances once per process per step (split_batches=False).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from accelerate.data_loader import prepare_data_loader
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import workload as W
+
+_AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _world():
+    return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+
+
+def _batches(case, ds, world, rank):
+    """What accelerate 1.15 hands this process, batch by batch."""
+    shard = prepare_data_loader(W.loader(ds, case), device=torch.device("cpu"), num_processes=world,
+                                process_index=rank, put_on_device=False)
+    return [tuple(t.clone() for t in b) for b in shard]
+
+
+def _wrap(case, models, world):
+    if world == 1:
+        return models
+    kwargs = {"find_unused_parameters": case["unused"]}
+    if case["tiny_buckets"]:
+        kwargs["bucket_cap_mb"] = W.bucket_cap_mb(case)
+    wrapped = [DDP(m, **kwargs) for m in models]
+    hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": _bf16_hook}.get(case["comm_hook"])
+    for d in wrapped:
+        if hook is not None:
+            d.register_comm_hook(dist.group.WORLD, hook)
+    return wrapped
+
+
+def _bf16_hook(group, bucket):
+    """torch's bf16_compress_hook arithmetic (cast, divide by the world size in bf16, sum in bf16,
+    cast back). torch's own refuses to register without NCCL; accelerate_c offers it on gloo."""
+    buf = bucket.buffer()
+    wire = buf.to(torch.bfloat16).div_(dist.get_world_size())
+    fut = dist.all_reduce(wire, async_op=True).get_future()
+
+    def back(f):
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(back)
+
+
+def run(case: dict) -> dict:
+    world, rank = _world()
+    models = W.models(case)
+    params = [p for m in models for p in m.parameters() if p.requires_grad]
+    nets = _wrap(case, models, world)
+    opt = W.optimizer(case, params)
+    sched = W.schedule(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if case["mp"] == "fp16" else None
+    amp = _AMP.get(case["mp"])
+    batches = _batches(case, W.dataset(case), world, rank)
+    trace = {"steps": []}
+    for epoch in range(case["epochs"]):
+        epoch_batches = batches[case["skip_first"]:] if epoch == 0 else batches
+        n = len(epoch_batches)
+        for i, (x, y) in enumerate(epoch_batches):
+            window_end = (i + 1) % case["ga"] == 0 or i + 1 == n
+            with contextlib.ExitStack() as stack:
+                if world > 1 and not window_end:
+                    for d in nets:
+                        stack.enter_context(d.no_sync())
+                with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+                    outs = [d(x) for d in nets]
+                loss = W.loss_of([o.float() for o in outs], y) / case["ga"]
+                if case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0:
+                    loss = loss * float("inf")
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            if not window_end:
+                continue
+            norm = _step(case, params, opt, scaler, world, sched, trace)
+            trace["steps"][-1]["norm"] = norm
+            W.zero_grads(case, opt, models, params)
+    if case["eval"]:
+        full = W.eval_dataset(case)
+        with torch.no_grad(), (torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()):
+            trace["eval"] = models[0](full.tensors[0]).float()
+    return trace
+
+
+def _step(case, params, opt, scaler, world, sched, trace):
+    k = len(trace["steps"])
+    if case["nan_grad_step"] == k:
+        with torch.no_grad():
+            W.first_with_grad(params, reverse=True).grad.view(-1)[0] = float("nan")
+    if case["assign_grad"]:
+        p = W.first_with_grad(params)
+        p.grad = p.grad.detach().clone() * 0.5
+    if scaler is not None and (case["unscale_first"] or case["clip"] != "none"):
+        scaler.unscale_(opt)
+    norm = None
+    if case["clip"] == "value":
+        torch.nn.utils.clip_grad_value_(params, case["max_norm"])
+    elif case["clip"] != "none":
+        norm_type = 2.0 if case["clip"] == "norm2" else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, case["max_norm"], norm_type=norm_type)
+        if case["clip_twice"]:
+            norm = torch.nn.utils.clip_grad_norm_(params, case["max_norm"], norm_type=norm_type)
+        norm = float(norm)
+    skipped = False
+    if scaler is not None:
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped = scaler.get_scale() < before
+    else:
+        opt.step()
+    if not skipped:
+        for _ in range(world):
+            sched.step()
+    trace["steps"].append({"params": [p.detach().float().clone() for p in params], "skipped": skipped,
+                           "lr": sched.get_last_lr()[0]})
+    return norm

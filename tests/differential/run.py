@@ -1,0 +1,142 @@
+"""The differential harness's driver: draws cases, runs them in batches per world size, reports.
+
+    python tests/differential/run.py --cases 200 --seed 1      # cases 1..200
+    python tests/differential/run.py --seconds 3600            # soak: new seeds until time is up
+    python tests/differential/run.py --replay 1234             # one case, with its traceback
+
+Cases of one world size share one launched process group (a launch costs seconds here); a case
+that raises ends its batch and the rest are relaunched. Every failure prints the one-line
+command that replays it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from differential.cases import describe, draw  # noqa: E402
+
+BATCH = 40  # cases per launch: long enough to amortise it, short enough to lose little to a crash
+
+
+def _command(world: int, cases_path: str, out_path: str) -> list[str]:
+    worker = os.path.join(HERE, "worker.py")
+    if world == 1:
+        return [sys.executable, worker, cases_path, out_path]
+    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate-c")
+    return [launcher, "launch", "--num_processes", str(world), "--cpu", "--main_process_port", "0", worker,
+            cases_path, out_path]
+
+
+def _run_batch(world: int, cases: list[dict], workdir: str, timeout: float) -> dict[int, list[str]]:
+    """{seed: errors} for every case of the batch (relaunching after a case that raised)."""
+    results: dict[int, list[str]] = {}
+    todo = list(cases)
+    while todo:
+        fd, cases_path = tempfile.mkstemp(suffix=".json", dir=workdir)
+        with os.fdopen(fd, "w") as f:
+            json.dump(todo, f)
+        out_path = cases_path + ".out"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        try:
+            proc = subprocess.run(_command(world, cases_path, out_path), capture_output=True, text=True,
+                                  timeout=timeout, env=env)
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            rc = proc.returncode
+        except subprocess.TimeoutExpired as e:
+            tail = f"timed out after {timeout:.0f} s\n" + str(e.stdout or "")[-1000:] + str(e.stderr or "")[-2000:]
+            rc = -1
+        done = _read(out_path)
+        for rank_file in sorted(p for p in os.listdir(workdir) if p.startswith(os.path.basename(out_path) + ".rank")):
+            for seed, errs in _read(os.path.join(workdir, rank_file)).items():
+                done.setdefault(seed, []).extend(errs)
+        results.update(done)
+        rest = [c for c in todo if c["seed"] not in results]
+        if rc != 0 and rest:
+            # the case running when the batch died is the first without a result
+            results.setdefault(rest[0]["seed"], []).append(f"the process group exited with {rc}:\n{tail}")
+            rest = rest[1:]
+        elif rc != 0:
+            seed = todo[-1]["seed"]
+            if not results.get(seed):
+                results[seed] = [f"the process group exited with {rc} after its last case:\n{tail}"]
+        todo = rest
+    return results
+
+
+def _read(path: str) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                out.setdefault(rec["seed"], []).extend(rec["errors"])
+    return out
+
+
+def run_cases(seeds, timeout: float = 900.0, log=print) -> list[tuple[dict, list[str]]]:
+    """Runs the cases of these seeds; returns [(case, errors)] for the failing ones."""
+    cases = [draw(s) for s in seeds]
+    by_world: dict[int, list[dict]] = {}
+    for c in cases:
+        by_world.setdefault(c["world"], []).append(c)
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="ac-diff-") as workdir:
+        for world in sorted(by_world):
+            group = by_world[world]
+            for i in range(0, len(group), BATCH):
+                batch = group[i:i + BATCH]
+                results = _run_batch(world, batch, workdir, timeout)
+                for c in batch:
+                    errs = results.get(c["seed"], ["no result"])
+                    if errs:
+                        failures.append((c, errs))
+                        log(report(c, errs))
+    return failures
+
+
+def report(case: dict, errors: list[str]) -> str:
+    lines = [f"FAILED case {case['seed']}: {describe(case)}"]
+    lines += ["  " + e for e in errors[:8]]
+    lines.append(f"  replay: {sys.executable} tests/differential/run.py --replay {case['seed']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=int, default=100, help="how many cases (default 100)")
+    ap.add_argument("--seed", type=int, default=1, help="the first case's seed (default 1)")
+    ap.add_argument("--seconds", type=float, help="soak: run batches of new seeds until this much time has passed")
+    ap.add_argument("--replay", type=int, nargs="+", help="run just these seeds")
+    args = ap.parse_args(argv)
+    start = time.monotonic()
+    if args.replay:
+        for s in args.replay:
+            print(describe(draw(s)))
+        failures = run_cases(args.replay)
+        total = len(args.replay)
+    elif args.seconds:
+        seed, total, failures = args.seed if args.seed != 1 else int(time.time()) % 10_000_000 * 1000, 0, []
+        while time.monotonic() - start < args.seconds:
+            chunk = range(seed, seed + 3 * BATCH)
+            failures += run_cases(chunk)
+            total += len(chunk)
+            seed += len(chunk)
+            print(f"soak: {total} cases, {len(failures)} failed, {time.monotonic() - start:.0f} s", flush=True)
+    else:
+        seeds = range(args.seed, args.seed + args.cases)
+        failures = run_cases(seeds)
+        total = len(seeds)
+    print(f"differential: {total - len(failures)} passed, {len(failures)} failed in {time.monotonic() - start:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""A case trained the way a user writes it with accelerate_c (the code under test).
+
+Returns the trace the reference also produces: after every optimizer step (every sync step) the
+parameters, the norm clip returned, whether the step was skipped and the learning rate; then,
+when the case evaluates, what gather_for_metrics collected over the evaluation set.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from accelerate_c import Accelerator
+from accelerate_c.utils import DistributedDataParallelKwargs
+
+from . import workload as W
+
+
+def _clip(acc, case, params):
+    kind = case["clip"]
+    if kind == "none":
+        return None
+    if kind == "value":
+        acc.clip_grad_value_(params, case["max_norm"])
+        return None
+    norm_type = 2.0 if kind == "norm2" else float("inf")
+    norm = acc.clip_grad_norm_(params, case["max_norm"], norm_type=norm_type)
+    if case["clip_twice"]:
+        norm = acc.clip_grad_norm_(params, case["max_norm"], norm_type=norm_type)
+    return float(norm)
+
+
+
+def run(case: dict) -> dict:
+    handlers = [DistributedDataParallelKwargs(bucket_cap_mb=W.bucket_cap_mb(case), find_unused_parameters=case["unused"],
+                                              comm_hook=case["comm_hook"])]
+    ga = case["ga"] if case["sync_style"] == "accumulate" else 1
+    acc = Accelerator(cpu=True, mixed_precision=case["mp"], gradient_accumulation_steps=ga, kwargs_handlers=handlers)
+    models = W.models(case)
+    params = [p for m in models for p in m.parameters() if p.requires_grad]
+    opt = W.optimizer(case, params)
+    sched = W.schedule(opt)
+    dl = W.loader(W.dataset(case), case)
+    prepared = acc.prepare(*models, opt, dl, sched)
+    models, (opt, dl, sched) = list(prepared[:len(models)]), prepared[len(models):]
+    params = [p for m in models for p in m.parameters() if p.requires_grad]
+    rank = acc.process_index
+    trace = {"steps": []}
+    for epoch in range(case["epochs"]):
+        loader = acc.skip_first_batches(dl, case["skip_first"]) if (epoch == 0 and case["skip_first"]) else dl
+        n = len(loader)
+        for i, (x, y) in enumerate(loader):
+            window_end = (i + 1) % case["ga"] == 0 or i + 1 == n
+            if case["sync_style"] == "accumulate":
+                ctx = acc.accumulate(*models)
+            else:  # the user's own accumulation with no_sync, as in accelerate's docs
+                ctx = contextlib.ExitStack()
+                if not window_end:
+                    for m in models:
+                        ctx.enter_context(acc.no_sync(m))
+            with ctx:
+                loss = W.loss_of([m(x) for m in models], y)
+                if case["sync_style"] == "no_sync":
+                    loss = loss / case["ga"]
+                if case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0:
+                    loss = loss * float("inf")
+                acc.backward(loss)
+                # accumulate(): accelerate decides; no_sync: the loop does (its Accelerator has ga=1)
+                sync = acc.sync_gradients if case["sync_style"] == "accumulate" else window_end
+                if sync:
+                    k = len(trace["steps"])
+                    if case["nan_grad_step"] == k:
+                        with torch.no_grad():
+                            W.first_with_grad(params, reverse=True).grad.view(-1)[0] = float("nan")
+                    if case["assign_grad"]:
+                        p = W.first_with_grad(params)
+                        p.grad = p.grad.detach().clone() * 0.5
+                    if case["unscale_first"]:
+                        acc.unscale_gradients()
+                    norm = _clip(acc, case, params)
+                # under accumulate() the wrapped optimizer and scheduler skip non-sync steps
+                # themselves; with no_sync the loop only calls them at a window's end
+                if sync or case["sync_style"] == "accumulate":
+                    opt.step()
+                    sched.step()
+                if sync:
+                    trace["steps"].append({
+                        "params": [p.detach().float().clone() for p in params],
+                        "norm": norm,
+                        "skipped": bool(opt.step_was_skipped),
+                        "lr": sched.get_last_lr()[0],
+                    })
+                if sync or (case["zero_grad"].startswith("opt") and case["sync_style"] == "accumulate"):
+                    W.zero_grads(case, opt, models, params)
+    if case["eval"]:
+        edl = acc.prepare(W.loader(W.eval_dataset(case), case))
+        outs = []
+        with torch.no_grad():
+            for x, _ in edl:
+                outs.append(acc.gather_for_metrics(models[0](x)).float())
+        trace["eval"] = torch.cat(outs)
+    return trace

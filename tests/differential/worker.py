@@ -1,0 +1,67 @@
+"""One launched process group running a batch of cases: subject, then reference, compared.
+
+Usage (by run.py): worker.py CASES_JSON RESULTS_JSONL. Rank 0 appends one JSON line per case:
+{"seed", "errors"}. A case that raises ends the batch (a rank that raised may have left the
+others inside a collective); run.py relaunches the rest.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from differential import compare, reference, subject  # noqa: E402
+
+
+def _all_errors(mine: list[str]) -> list[str]:
+    if not dist.is_initialized():
+        return mine
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out = []
+    for rank, errs in enumerate(everyone):
+        out += [f"rank {rank}: {e}" for e in errs]
+    return out
+
+
+def main(cases_path: str, out_path: str) -> int:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("AC_DIFF_TIMEOUT", "90"))))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.set_num_threads(1)
+    with open(cases_path) as f:
+        cases = json.load(f)
+    for case in cases:
+        if case.get("overflow") is not None:
+            case["overflow"] = tuple(case["overflow"])
+        try:
+            errors = compare.compare(case, subject.run(case), reference.run(case))
+            crashed = False
+        except Exception:
+            errors = ["raised: " + traceback.format_exc(limit=6).strip().replace("\n", "\n    ")]
+            crashed = True
+        if crashed:
+            # the other ranks may be stuck in a collective: report alone and stop
+            with open(f"{out_path}.rank{rank}", "a") as f:
+                f.write(json.dumps({"seed": case["seed"], "errors": [f"rank {rank}: {e}" for e in errors]}) + "\n")
+            sys.stdout.flush()
+            os._exit(3)
+        errors = _all_errors(errors)
+        if rank == 0:
+            with open(out_path, "a") as f:
+                f.write(json.dumps({"seed": case["seed"], "errors": errors}) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

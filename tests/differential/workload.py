@@ -1,0 +1,112 @@
+"""The model, data and optimizer of a case: the fixtures both sides start from.
+
+Nothing here is under test. The subject (accelerate_c) and the reference (plain torch) each build
+their own copy from the case, so both start from identical weights and see identical samples.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+IN, HID, OUT = 6, 12, 3
+_DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Net(torch.nn.Module):
+    """A small MLP whose layers the case dresses up: dtypes, a frozen layer, an unused layer,
+    a weight shared by two reentrant-checkpointed segments."""
+
+    def __init__(self, case: dict, salt: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(case["seed"] * 7 + salt)
+        self.inp = torch.nn.Linear(IN, HID)
+        self.mid = torch.nn.Linear(HID, HID)
+        self.out = torch.nn.Linear(HID, OUT)
+        if case["unused"]:
+            self.spare = torch.nn.Linear(HID, HID)  # never called
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+        dt = case["param_dtype"]
+        if dt == "bf16":
+            self.to(torch.bfloat16)
+        elif dt == "mixed":
+            self.mid.to(torch.bfloat16)
+        if case["frozen"]:
+            self.inp.requires_grad_(False)
+        self.reentrant = case["reentrant"]
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x.to(self.inp.weight.dtype)))
+        h = h.to(self.mid.weight.dtype)
+        if self.reentrant:
+            h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=True)
+            h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=True)
+        else:
+            h = torch.tanh(self.mid(h))
+        return self.out(h.to(self.out.weight.dtype)).float()
+
+
+def models(case: dict):
+    return [Net(case, salt) for salt in range(2 if case["two_models"] else 1)]
+
+
+def dataset(case: dict, n: int | None = None, salt: int = 1):
+    """Samples (x, y) for training; n defaults to batches x batch_size x world plus a ragged end."""
+    g = torch.Generator().manual_seed(case["seed"] * 13 + salt)
+    if n is None:
+        n = case["batches"] * case["batch_size"] * case["world"] + case["dataset_extra"]
+    x = torch.randn(n, IN, generator=g)
+    y = torch.randn(n, OUT, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def eval_dataset(case: dict):
+    return dataset(case, n=case["batch_size"] * case["world"] * 2 + 1 + case["dataset_extra"], salt=2)
+
+
+def loader(ds, case: dict):
+    return torch.utils.data.DataLoader(ds, batch_size=case["batch_size"], shuffle=False)
+
+
+def optimizer(case: dict, params):
+    kind = case["optimizer"]
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.2)
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+
+def schedule(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+
+
+def loss_of(outs, y):
+    return sum(torch.nn.functional.mse_loss(o, y) for o in outs)
+
+
+def bucket_cap_mb(case: dict) -> float:
+    return 0.0004 if case["tiny_buckets"] else 25.0  # 0.0004 MiB: a few hundred bytes a bucket
+
+
+def first_with_grad(params, reverse=False):
+    """The first (or last) parameter that has a gradient: where the loop injects a NaN or
+    assigns a gradient."""
+    seq = reversed(params) if reverse else params
+    return next(p for p in seq if p.grad is not None)
+
+
+def zero_grads(case, opt, models, params):
+    """The loop's zero_grad call, in the style the case asks for."""
+    style = case["zero_grad"]
+    if style == "opt_none":
+        opt.zero_grad()
+    elif style == "opt_zeros":
+        opt.zero_grad(set_to_none=False)
+    elif style == "model":
+        for m in models:
+            m.zero_grad()
+    else:
+        for p in params:
+            p.grad = None
