@@ -47,8 +47,6 @@ def draw(seed: int, world: int | None = None) -> dict:
     c["optimizer"] = r.choice(OPTIMIZERS) if c["param_dtype"] == "fp32" else r.choice(OPTIMIZERS[:2])
     c["skip_first"] = r.choice((0, 0, 1, 2))
     c["epochs"] = r.choice((1, 1, 2))
-    # a weight used by two reentrant-checkpointed segments: torch DDP refuses it without
-    # static_graph, so one process only
     c["reentrant"] = c["world"] == 1 and r.random() < 0.2
     # non-finite values: an overflowing loss on one rank (fp16 must skip that step everywhere),
     # or a NaN gradient after backward (clipping must propagate it as torch does)
@@ -57,7 +55,53 @@ def draw(seed: int, world: int | None = None) -> dict:
         c["overflow"] = (r.randrange(c["world"]), r.randrange(max(1, c["batches"])))
     c["nan_grad_step"] = r.randrange(4) if (c["mp"] != "fp16" and r.random() < 0.1) else None
     c["eval"] = r.random() < 0.5
+    c["eval_skip"] = r.choice((0, 0, 1)) if c["eval"] else 0  # evaluation resumed past its first batch
+    # uneven inputs: even_batches=False, the loop inside join_uneven_inputs (torch's Join)
+    c["uneven"] = c["world"] > 1 and r.random() < 0.2
+    if c["uneven"]:
+        c["epochs"], c["skip_first"], c["eval"], c["eval_skip"] = 1, 0, False, 0
+        c["dataset_extra"] = max(1, c["dataset_extra"])  # some ranks get a batch more
+    # a weight used by two reentrant-checkpointed segments: torch DDP refuses it without
+    # static_graph, so one process only
     return c
+
+
+def _case(seed: int, **overrides) -> dict:
+    """A plain case (no axis switched on) with `overrides`."""
+    c = {"seed": seed, "world": 1, "param_dtype": "fp32", "mp": "no", "ga": 1, "batch_size": 3, "batches": 5,
+         "dataset_extra": 0, "clip": "none", "max_norm": 0.05, "unscale_first": False, "clip_twice": False,
+         "comm_hook": "no", "tiny_buckets": False, "unused": False, "frozen": False, "zero_grad": "opt_none",
+         "assign_grad": False, "two_models": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
+         "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
+         "uneven": False}
+    unknown = set(overrides) - set(c)
+    if unknown:
+        raise KeyError(f"unknown axes {sorted(unknown)}")
+    c.update(overrides)
+    return c
+
+
+# The defects the harness was built to find (issue 11), each as the smallest case that showed
+# it; they run in every `make test` besides the random ones, with seeds of their own.
+REGRESSION_SEED = 10 ** 9
+REGRESSIONS = {
+    "fp16 on 2 processes: unscale_gradients() then clip_grad_norm_ (stale bucket sums)":
+        _case(REGRESSION_SEED + 1, world=2, mp="fp16", clip="norm2", unscale_first=True, batches=5),
+    "clip_grad_norm_ twice on 2 processes (the coefficient applied twice)":
+        _case(REGRESSION_SEED + 2, world=2, clip="norm2", clip_twice=True, batches=5),
+    "comm_hook=bf16 on bf16 parameters (summed instead of averaged)":
+        _case(REGRESSION_SEED + 3, world=2, param_dtype="bf16", comm_hook="bf16", optimizer="sgd"),
+    "comm_hook=bf16 on a model with one bf16 layer":
+        _case(REGRESSION_SEED + 4, world=2, param_dtype="mixed", comm_hook="bf16", tiny_buckets=True),
+    "a NaN gradient: torch clips by NaN":
+        _case(REGRESSION_SEED + 5, clip="norm2", nan_grad_step=1),
+    "fp16 overflow on one rank, then clip twice (torch's coefficient on the skipped step)":
+        _case(REGRESSION_SEED + 6, world=2, mp="fp16", clip="norminf", clip_twice=True, overflow=(1, 1)),
+    "one weight in two reentrant-checkpointed segments, one process":
+        _case(REGRESSION_SEED + 7, reentrant=True, ga=2),
+    "skip_first_batches on 2 processes, then gather_for_metrics":
+        _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
+}
 
 
 def describe(c: dict) -> str:
@@ -65,7 +109,7 @@ def describe(c: dict) -> str:
     keys = ("world", "param_dtype", "mp", "ga", "clip", "comm_hook", "sync_style", "zero_grad", "optimizer")
     parts = [f"{k}={c[k]}" for k in keys]
     for flag in ("unscale_first", "clip_twice", "tiny_buckets", "unused", "frozen", "assign_grad", "two_models",
-                 "reentrant", "eval"):
+                 "reentrant", "eval", "uneven"):
         if c[flag]:
             parts.append(flag)
     if c["skip_first"]:
@@ -74,4 +118,14 @@ def describe(c: dict) -> str:
         parts.append(f"overflow={c['overflow']}")
     if c["nan_grad_step"] is not None:
         parts.append(f"nan_grad_step={c['nan_grad_step']}")
+    if c["eval_skip"]:
+        parts.append(f"eval_skip={c['eval_skip']}")
     return " ".join(parts)
+
+
+def lookup(seed: int, world: int | None = None) -> dict:
+    """The case a replay command names: a regression case by its seed, else a drawn one."""
+    for c in REGRESSIONS.values():
+        if c["seed"] == seed and world in (None, c["world"]):
+            return dict(c)
+    return draw(seed, world)

@@ -67,6 +67,11 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
                 errors.append(f"step {k}: parameter {j} {tuple(b.shape)}: {why}")
         if errors:
             break  # later steps only repeat the first divergence
+    if not errors:
+        for j, (a, b) in enumerate(zip(sub["final"], ref["final"])):
+            why = _close(a, b, rtol)
+            if why:
+                errors.append(f"after training: parameter {j} {tuple(b.shape)}: {why}")
     if "eval" in ref:
         why = _close(sub["eval"], ref["eval"], max(rtol, 5e-3) if case["mp"] != "no" else rtol)
         if why:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import workload as W
@@ -30,7 +31,7 @@ def _world():
 def _batches(case, ds, world, rank):
     """What accelerate 1.15 hands this process, batch by batch."""
     shard = prepare_data_loader(W.loader(ds, case), device=torch.device("cpu"), num_processes=world,
-                                process_index=rank, put_on_device=False)
+                                process_index=rank, put_on_device=False, even_batches=not case["uneven"])
     return [tuple(t.clone() for t in b) for b in shard]
 
 
@@ -73,6 +74,15 @@ def run(case: dict) -> dict:
     amp = _AMP.get(case["mp"])
     batches = _batches(case, W.dataset(case), world, rank)
     trace = {"steps": []}
+    with Join(nets) if case["uneven"] else contextlib.nullcontext():
+        _train(case, nets, models, params, opt, sched, scaler, amp, batches, world, rank, trace)
+    trace["final"] = [p.detach().float().clone() for p in params]
+    if case["eval"]:
+        trace["eval"] = _evaluate(case, models[0], amp)
+    return trace
+
+
+def _train(case, nets, models, params, opt, sched, scaler, amp, batches, world, rank, trace):
     for epoch in range(case["epochs"]):
         epoch_batches = batches[case["skip_first"]:] if epoch == 0 else batches
         n = len(epoch_batches)
@@ -93,11 +103,24 @@ def run(case: dict) -> dict:
             norm = _step(case, params, opt, scaler, world, sched, trace)
             trace["steps"][-1]["norm"] = norm
             W.zero_grads(case, opt, models, params)
-    if case["eval"]:
-        full = W.eval_dataset(case)
-        with torch.no_grad(), (torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()):
-            trace["eval"] = models[0](full.tensors[0]).float()
-    return trace
+
+
+def _evaluate(case, model, amp):
+    """What accelerate 1.15's own gather_for_metrics collects over its prepared evaluation loader
+    (first batches skipped as the case asks), fed with the reference model's outputs."""
+    from accelerate import Accelerator as HFAccelerator
+
+    hf = HFAccelerator(cpu=True)
+    edl = hf.prepare(W.loader(W.eval_dataset(case), case))
+    if case["eval_skip"]:
+        edl = hf.skip_first_batches(edl, case["eval_skip"])
+    outs = []
+    with torch.no_grad():
+        for x, _ in edl:
+            with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+                y = model(x).float()
+            outs.append(hf.gather_for_metrics(y))
+    return torch.cat(outs)
 
 
 def _step(case, params, opt, scaler, world, sched, trace):

@@ -21,9 +21,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from differential.cases import describe, draw  # noqa: E402
+from differential.cases import REGRESSIONS, describe, lookup  # noqa: E402
 
-BATCH = 40  # cases per launch: long enough to amortise it, short enough to lose little to a crash
+BATCH = 150  # cases per launch: a launch costs 10-20 s here, a case 0.01-0.2 s
 
 
 def _command(world: int, cases_path: str, out_path: str) -> list[str]:
@@ -81,9 +81,13 @@ def _read(path: str) -> dict[int, list[str]]:
     return out
 
 
-def run_cases(seeds, timeout: float = 900.0, log=print) -> list[tuple[dict, list[str]]]:
-    """Runs the cases of these seeds; returns [(case, errors)] for the failing ones."""
-    cases = [draw(s) for s in seeds]
+def run_seeds(seeds, world=None, **kw) -> list[tuple[dict, list[str]]]:
+    """Runs the cases of these seeds (drawn for `world` processes when given)."""
+    return run_cases([lookup(s, world) for s in seeds], **kw)
+
+
+def run_cases(cases, timeout: float = 900.0, log=print) -> list[tuple[dict, list[str]]]:
+    """Runs these cases; returns [(case, errors)] for the failing ones."""
     by_world: dict[int, list[dict]] = {}
     for c in cases:
         by_world.setdefault(c["world"], []).append(c)
@@ -105,7 +109,7 @@ def run_cases(seeds, timeout: float = 900.0, log=print) -> list[tuple[dict, list
 def report(case: dict, errors: list[str]) -> str:
     lines = [f"FAILED case {case['seed']}: {describe(case)}"]
     lines += ["  " + e for e in errors[:8]]
-    lines.append(f"  replay: {sys.executable} tests/differential/run.py --replay {case['seed']}")
+    lines.append(f"  replay: {sys.executable} tests/differential/run.py --replay {case['seed']} --world {case['world']}")
     return "\n".join(lines)
 
 
@@ -115,24 +119,29 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="the first case's seed (default 1)")
     ap.add_argument("--seconds", type=float, help="soak: run batches of new seeds until this much time has passed")
     ap.add_argument("--replay", type=int, nargs="+", help="run just these seeds")
+    ap.add_argument("--world", type=int, choices=(1, 2, 3), help="draw every case for this many processes")
+    ap.add_argument("--regressions", action="store_true", help="run the cases of the defects found so far")
     args = ap.parse_args(argv)
     start = time.monotonic()
-    if args.replay:
+    if args.regressions:
+        failures = run_cases([dict(c) for c in REGRESSIONS.values()])
+        total = len(REGRESSIONS)
+    elif args.replay:
         for s in args.replay:
-            print(describe(draw(s)))
-        failures = run_cases(args.replay)
+            print(describe(lookup(s, args.world)))
+        failures = run_seeds(args.replay, world=args.world)
         total = len(args.replay)
     elif args.seconds:
         seed, total, failures = args.seed if args.seed != 1 else int(time.time()) % 10_000_000 * 1000, 0, []
         while time.monotonic() - start < args.seconds:
             chunk = range(seed, seed + 3 * BATCH)
-            failures += run_cases(chunk)
+            failures += run_seeds(chunk, world=args.world)
             total += len(chunk)
             seed += len(chunk)
             print(f"soak: {total} cases, {len(failures)} failed, {time.monotonic() - start:.0f} s", flush=True)
     else:
         seeds = range(args.seed, args.seed + args.cases)
-        failures = run_cases(seeds)
+        failures = run_seeds(seeds, world=args.world)
         total = len(seeds)
     print(f"differential: {total - len(failures)} passed, {len(failures)} failed in {time.monotonic() - start:.0f} s")
     return 1 if failures else 0

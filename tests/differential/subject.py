@@ -35,7 +35,8 @@ def run(case: dict) -> dict:
     handlers = [DistributedDataParallelKwargs(bucket_cap_mb=W.bucket_cap_mb(case), find_unused_parameters=case["unused"],
                                               comm_hook=case["comm_hook"])]
     ga = case["ga"] if case["sync_style"] == "accumulate" else 1
-    acc = Accelerator(cpu=True, mixed_precision=case["mp"], gradient_accumulation_steps=ga, kwargs_handlers=handlers)
+    acc = Accelerator(cpu=True, mixed_precision=case["mp"], gradient_accumulation_steps=ga, kwargs_handlers=handlers,
+                      even_batches=not case["uneven"])
     models = W.models(case)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     opt = W.optimizer(case, params)
@@ -44,8 +45,25 @@ def run(case: dict) -> dict:
     prepared = acc.prepare(*models, opt, dl, sched)
     models, (opt, dl, sched) = list(prepared[:len(models)]), prepared[len(models):]
     params = [p for m in models for p in m.parameters() if p.requires_grad]
-    rank = acc.process_index
     trace = {"steps": []}
+    with acc.join_uneven_inputs(models) if case["uneven"] else contextlib.nullcontext():
+        _train(case, acc, models, params, opt, dl, sched, trace)
+    # after a join every rank holds the model of one that ran to the end
+    trace["final"] = [p.detach().float().clone() for p in params]
+    if case["eval"]:
+        edl = acc.prepare(W.loader(W.eval_dataset(case), case))
+        if case["eval_skip"]:
+            edl = acc.skip_first_batches(edl, case["eval_skip"])
+        outs = []
+        with torch.no_grad():
+            for x, _ in edl:
+                outs.append(acc.gather_for_metrics(models[0](x)).float())
+        trace["eval"] = torch.cat(outs)
+    return trace
+
+
+def _train(case, acc, models, params, opt, dl, sched, trace):
+    rank = acc.process_index
     for epoch in range(case["epochs"]):
         loader = acc.skip_first_batches(dl, case["skip_first"]) if (epoch == 0 and case["skip_first"]) else dl
         n = len(loader)
@@ -92,11 +110,3 @@ def run(case: dict) -> dict:
                     })
                 if sync or (case["zero_grad"].startswith("opt") and case["sync_style"] == "accumulate"):
                     W.zero_grads(case, opt, models, params)
-    if case["eval"]:
-        edl = acc.prepare(W.loader(W.eval_dataset(case), case))
-        outs = []
-        with torch.no_grad():
-            for x, _ in edl:
-                outs.append(acc.gather_for_metrics(models[0](x)).float())
-        trace["eval"] = torch.cat(outs)
-    return trace

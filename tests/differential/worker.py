@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -41,8 +42,14 @@ def main(cases_path: str, out_path: str) -> int:
     for case in cases:
         if case.get("overflow") is not None:
             case["overflow"] = tuple(case["overflow"])
+        t0 = time.perf_counter()
         try:
-            errors = compare.compare(case, subject.run(case), reference.run(case))
+            sub = subject.run(case)
+            t1 = time.perf_counter()
+            errors = compare.compare(case, sub, reference.run(case))
+            if os.environ.get("AC_DIFF_TIMES") and rank == 0:
+                print(f"case {case['seed']}: subject {t1 - t0:.2f} s, reference {time.perf_counter() - t1:.2f} s",
+                      file=sys.stderr, flush=True)
             crashed = False
         except Exception:
             errors = ["raised: " + traceback.format_exc(limit=6).strip().replace("\n", "\n    ")]
