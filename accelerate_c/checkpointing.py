@@ -32,7 +32,8 @@ from torch.utils import hooks
 from .checkpoint_load import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, _CKPT_RE, _loader_state, _sfx,
                               complete_checkpoints, load_state)
 from .model_io import find_aliases, save_model as _save_model
-from .safetensors_io import fsync_dir, save_file, write_durable
+from .durable import fsync_dir, write_durable
+from .safetensors_io import save_file
 from .state_io import CheckpointError, PickleRequiredError, rng_state, write_json_durable, write_state
 
 __all__ = ["save_state", "load_state", "save", "save_model", "get_state_dict", "register_for_checkpointing",
