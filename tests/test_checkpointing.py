@@ -598,3 +598,55 @@ def test_the_loader_position_is_recorded_mid_epoch(tmp_path):
     path = acc.save_state(tmp_path / "ck")
     st = json.loads((path / "dataloader_0.json").read_text())["state"]
     assert st["batches_seen"] == 3 and st["iteration"] == 1, st
+
+
+# ---- save_on_each_node on a shared file system: two "nodes" on one host ---------------------------------------
+def test_save_on_each_node_two_nodes_one_shared_directory(tmp_path):
+    """2 launchers x 2 processes (ranks 0,1 on node 0, ranks 2,3 on node 1) save into one
+    directory: one complete checkpoint (every rank's random states, one marker that lists them),
+    no temporary directories left, weights as torch saved them, each rank's RNG its own."""
+    import socket
+    import shutil as _shutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    exe = _shutil.which("accelerate-c", path=os.path.dirname(sys.executable))
+    script = os.path.join(HERE, "scripts", "checkpoint_nodes.py")
+    env = dict(ENV, OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
+    env.pop("WORLD_SIZE", None)
+    out = tmp_path / "shared"
+    out.mkdir()
+    common = ["--cpu", "--num_processes", "4", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
+              "--main_process_port", port, "--same_network"]
+    procs = [subprocess.Popen([exe, "launch", *common, "--machine_rank", str(m), script, str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for m in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    results = [json.loads((out / f"nodes_{r}.json").read_text()) for r in range(4)]
+    assert [(r["node"], r["local"]) for r in results] == [("0", 0), ("0", 1), ("1", 0), ("1", 1)]
+    assert not [n for n in os.listdir(out) if n.startswith(".")], os.listdir(out)
+    ck = out / "ck"
+    marker = json.loads((ck / MARKER).read_text())
+    rng = {f"random_states_{r}.{ext}" for r in range(4) for ext in ("json", "safetensors")}
+    assert rng <= set(marker["files"]) and rng <= set(os.listdir(ck)), sorted(os.listdir(ck))
+    assert marker["ranks"] == [0, 1, 2, 3] and marker["nodes"] == [0, 1]
+    assert set(marker["files"]) == set(os.listdir(ck)) - {MARKER}
+    for name, size in marker["files"].items():
+        assert (ck / name).stat().st_size == size, name
+    # the weights file against torch's own copy of the saved weights, read by the safetensors package
+    from safetensors.torch import load_file as st_load
+
+    ref = torch.load(out / "params.pt", weights_only=True)
+    got = st_load(str(ck / "model.safetensors"))
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    for r in results:
+        assert r["restored"], r
+        assert r["drawn_after_load"] == r["drawn"], r  # each rank got its own generator back
+    assert len({tuple(r["drawn"]) for r in results}) == 4
