@@ -1,4 +1,5 @@
-"""load_state: checks every file of a checkpoint (ours or accelerate's) before changing any state.
+"""load_state: checks every file of a checkpoint (ours or accelerate's) before changing any state, then
+reads the tensor data, then sets the rest (docs/checkpoints.md says what an I/O error leaves).
 
 Also the directory conventions shared with the writer (checkpointing.py): the completion marker
 ``checkpoint.json``, which ``checkpoint_<n>`` directories count as complete, and the data loader
@@ -14,7 +15,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .model_io import find_aliases
-from .safetensors_io import list_tensors, load_into
+from .safetensors_io import DTYPES, list_tensors, load_into
 from .state_io import CheckpointError, StateFile, check_rng_state, read_json, set_rng_state, torch_load
 
 MARKER = "checkpoint.json"
@@ -140,32 +141,100 @@ def _apply_loader_state(dl, st: dict, where: str) -> None:
 
 # ---- load_state ------------------------------------------------------------------------------------------
 class _Plan:
-    """What load_state will set, once everything has been read and checked."""
+    """What load_state will do once every file has been checked: ``reads`` fill the live
+    parameters and optimizer state tensors from the files (the only steps doing I/O into live
+    state), then ``applies`` set everything else from states already read and checked."""
 
     def __init__(self):
-        self.actions: List[Callable[[], None]] = []
+        self.reads: List[Callable[[], None]] = []
+        self.applies: List[Callable[[], None]] = []
         self.step = None
         self.iteration = None
+
+
+def _check_model_entries(model, state: dict, entries: dict, path: str, strict: bool) -> None:
+    """``entries``: {name: (shape, torch dtype or None)} of the file. Raises RuntimeError naming
+    the file and the keys for missing/unexpected keys (strict), shapes or dtypes that differ."""
+    aliases = find_aliases(state)
+    groups = {}
+    for k in state:
+        groups.setdefault(aliases.get(k, k), []).append(k)
+    missing = [k for k in state if not any(m in entries for m in groups[aliases.get(k, k)])]
+    unexpected = [k for k in entries if k not in state]
+    if strict and (missing or unexpected):
+        parts = ([f"missing keys: {', '.join(missing[:20])}"] if missing else []) + \
+                ([f"unexpected keys: {', '.join(unexpected[:20])}"] if unexpected else [])
+        raise RuntimeError(f"{path}: does not match {type(model).__name__}: " + "; ".join(parts))
+    wrong = [f"{n}: file {list(shape)}, model {list(state[n].shape)}"
+             for n, (shape, _dt) in entries.items() if n in state and tuple(state[n].shape) != tuple(shape)]
+    if wrong:
+        raise RuntimeError(f"{path}: size mismatch for " + "; ".join(wrong[:20]))
+    wrong = [f"{n}: file {dt}, model {state[n].dtype}"
+             for n, (_shape, dt) in entries.items() if n in state and dt is not None and state[n].dtype != dt]
+    if wrong:
+        raise RuntimeError(f"{path}: dtype mismatch for " + "; ".join(wrong[:20]) + " (a checkpoint of this model "
+                           "in another precision? cast the model first)")
 
 
 def _model_targets(model, path: str, strict: bool) -> dict:
     infos = list_tensors(path)  # validates the header: CoreError naming the file
     state = model.state_dict()
-    aliases = find_aliases(state)
-    groups = {}
-    for k in state:
-        groups.setdefault(aliases.get(k, k), []).append(k)
-    missing = [k for k in state if not any(m in infos for m in groups[aliases.get(k, k)])]
-    unexpected = [k for k in infos if k not in state]
-    if strict and (missing or unexpected):
-        parts = ([f"missing keys: {', '.join(missing[:20])}"] if missing else []) + \
-                ([f"unexpected keys: {', '.join(unexpected[:20])}"] if unexpected else [])
-        raise RuntimeError(f"{path}: does not match {type(model).__name__}: " + "; ".join(parts))
-    wrong = [f"{n}: file {list(infos[n].shape)}, model {list(state[n].shape)}"
-             for n in infos if n in state and tuple(state[n].shape) != tuple(infos[n].shape)]
-    if wrong:
-        raise RuntimeError(f"{path}: size mismatch for " + "; ".join(wrong[:20]))
+    _check_model_entries(model, state, {n: (i.shape, DTYPES.get(i.dtype)) for n, i in infos.items()}, path, strict)
     return {n: state[n] for n in infos if n in state}
+
+
+def _check_pickled_model(model, sd, path: str, strict: bool) -> None:
+    if not isinstance(sd, dict) or not all(isinstance(k, str) for k in sd):
+        raise CheckpointError(f"{path}: not a state dict (a dict of str -> tensor), got {type(sd).__name__}")
+    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"{path}: entries {', '.join(bad[:20])} are not tensors")
+    _check_model_entries(model, model.state_dict(), {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}, path,
+                         strict)
+
+
+# the state entries of torch.optim's optimizers that have their parameter's shape
+_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+                           "sum", "grad_avg", "prev", "step_size", "ax", "exp_inf"})
+
+
+def _check_optimizer_shapes(opt, saved_groups: list, entries, where: str) -> None:
+    """``entries``: (saved param id, key, shape) of every tensor in the saved state. Each must
+    have the shape of the optimizer's current state tensor there, or for the entries torch's
+    optimizers keep per parameter, the parameter's shape: a state from another model is refused
+    before anything is read into the optimizer."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    ids = [pid for g in saved_groups for pid in g.get("params", ())]
+    by_id = dict(zip(ids, params))
+    wrong = []
+    for pid, key, shape in entries:
+        p = by_id.get(pid)
+        if p is None:
+            continue  # torch keeps state of ids outside the groups as it is
+        live = opt.state.get(p, {}).get(key)
+        want = tuple(live.shape) if isinstance(live, torch.Tensor) else \
+            tuple(p.shape) if key in _PARAM_SHAPED else None
+        if want is not None and tuple(shape) != want:
+            wrong.append(f"state of parameter {pid} [{key!r}]: saved {list(shape)}, expected {list(want)}")
+    if wrong:
+        raise CheckpointError(f"{where}: optimizer state of another model: " + "; ".join(wrong[:20]))
+
+
+def _saved_state_entries(sf) -> list:
+    """(param id, key, shape) of the tensors in an optimizer state file, from its JSON and the
+    tensor file's header (nothing read)."""
+    st = sf.doc["state"].get("state") if isinstance(sf.doc.get("state"), dict) else None
+    pairs = st.get("__dict__") if isinstance(st, dict) and list(st) == ["__dict__"] else \
+        (list(st.items()) if isinstance(st, dict) else [])
+    out = []
+    for pair in pairs if isinstance(pairs, list) else []:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[1], dict)):
+            continue
+        pid, entry = pair
+        for key, ref in entry.items():
+            if isinstance(ref, dict) and list(ref) == ["__tensor__"] and ref["__tensor__"] in sf.infos:
+                out.append((pid, key, sf.infos[ref["__tensor__"]].shape))
+    return out
 
 
 def _check_optimizer(opt, sd, where: str) -> None:
@@ -254,35 +323,47 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
         if reader.has(safe_name):
             path = reader.path(safe_name, f"weights of model {i}")
             targets = _model_targets(model, path, strict)
-            plan.actions.append(lambda p=path, t=targets: load_into(p, t))
+            plan.reads.append(lambda p=path, t=targets: load_into(p, t))
         else:
             if not reader.has(bin_name):
                 raise FileNotFoundError(f"{os.path.join(d, safe_name)}: missing from the checkpoint (weights of model "
                                         f"{i}; no {bin_name} either)")
+            path = os.path.join(d, bin_name)
             sd = reader.pickled(bin_name, f"weights of model {i}")
-            plan.actions.append(lambda m=model, sd=sd: m.load_state_dict(sd, strict=strict))
+            _check_pickled_model(model, sd, path, strict)  # torch's load_state_dict copies until a mismatch
+            plan.applies.append(lambda m=model, sd=sd: m.load_state_dict(sd, strict=strict))
     for i, opt in enumerate(acc._optimizers):
         stem, what = f"optimizer{_sfx(i)}", f"state of optimizer {i}"
         if reader.has(f"{stem}.json"):
             sf = reader.open(stem, what)
-            _check_optimizer(opt, sf.skeleton(), sf.json_path)
-            # read straight into the optimizer's current state tensors where they fit
-            plan.actions.append(lambda o=opt, sf=sf: o.load_state_dict(sf.load(reuse=_optimizer_reuse(o, sf.doc))))
+            skeleton = sf.skeleton()
+            _check_optimizer(opt, skeleton, sf.json_path)
+            _check_optimizer_shapes(opt, skeleton["param_groups"], _saved_state_entries(sf), sf.json_path)
+            # read straight into the optimizer's current state tensors where they fit; set
+            # once every file has been read
+            loaded = {}
+            plan.reads.append(lambda o=opt, sf=sf, out=loaded: out.update(sd=sf.load(reuse=_optimizer_reuse(o, sf.doc))))
+            plan.applies.append(lambda o=opt, out=loaded: o.load_state_dict(out["sd"]))
         else:
+            where = os.path.join(d, f"{stem}.bin")
             sd = reader.pickled(f"{stem}.bin", what, map_location)
-            _check_optimizer(opt, sd, os.path.join(d, f"{stem}.bin"))
-            plan.actions.append(lambda o=opt, sd=sd: o.load_state_dict(sd))
+            _check_optimizer(opt, sd, where)
+            state = sd["state"] if isinstance(sd["state"], dict) else {}
+            _check_optimizer_shapes(opt, sd["param_groups"], [
+                (pid, k, tuple(v.shape)) for pid, e in state.items() if isinstance(e, dict)
+                for k, v in e.items() if isinstance(v, torch.Tensor)], where)
+            plan.applies.append(lambda o=opt, sd=sd: o.load_state_dict(sd))
     for i, sched in enumerate(acc._schedulers):
         sd, where = reader.either(f"scheduler{_sfx(i)}", f"scheduler{_sfx(i)}.bin", f"state of scheduler {i}")
         if not isinstance(sd, dict):
             raise CheckpointError(f"{where}: a scheduler state must be a dict, got {type(sd).__name__}")
-        plan.actions.append(lambda s=sched, sd=sd: s.load_state_dict(sd))
+        plan.applies.append(lambda s=sched, sd=sd: s.load_state_dict(sd))
     saved_loaders = reader.marker.get("dataloaders") if reader.marker is not None else None
     for i, dl in enumerate(acc._dataloaders):
         if reader.has(f"dataloader_{i}.json"):
             st = reader.state(f"dataloader_{i}", f"position of data loader {i}")
             _check_loader_state(st, os.path.join(d, f"dataloader_{i}.json"))
-            plan.actions.append(lambda dl=dl, st=st, w=os.path.join(d, f"dataloader_{i}.json"):
+            plan.applies.append(lambda dl=dl, st=st, w=os.path.join(d, f"dataloader_{i}.json"):
                                 _apply_loader_state(dl, st, w))
         elif saved_loaders is not None:
             warnings.warn(f"{d}: holds the positions of {saved_loaders} data loaders, this Accelerator has "
@@ -290,7 +371,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
         sampler_name = f"sampler{_sfx(i)}.bin"  # accelerate pickles a whole sampler (and its dataset)
         if reader.marker is None and reader.has(sampler_name):
             sampler = reader.pickled(sampler_name, f"sampler of data loader {i}")
-            plan.actions.append(lambda dl=dl, s=sampler: _apply_pickled_sampler(dl, s))
+            plan.applies.append(lambda dl=dl, s=sampler: _apply_pickled_sampler(dl, s))
     if acc.scaler is not None:
         if reader.has("scaler.json") or reader.has("scaler.pt"):
             st, where = reader.either("scaler", "scaler.pt", "loss scaler state")
@@ -298,7 +379,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
                        if not isinstance(st, dict) or k not in st]
             if missing:
                 raise CheckpointError(f"{where}: loss scaler state lacks {missing}")
-            plan.actions.append(lambda st=st: acc.scaler.load_state_dict(st))
+            plan.applies.append(lambda st=st: acc.scaler.load_state_dict(st))
         elif reader.marker is None and acc.device.type == "cpu":
             warnings.warn(f"{d}: no scaler.pt (accelerate 1.15 trains fp16 on a CPU without a loss scaler); the "
                           "loss scaler keeps its current state")
@@ -313,7 +394,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             if not isinstance(st["step"], int):
                 raise CheckpointError(f"{where}: step must be an integer, got {st['step']!r}")
             plan.step = int(st["step"])
-        plan.actions.append(lambda st=st, w=where: set_rng_state(st, w))
+        plan.applies.append(lambda st=st, w=where: set_rng_state(st, w))
     else:
         saved_n = reader.marker.get("num_processes") if reader.marker is not None else None
         if saved_n is not None and saved_n == acc.num_processes or \
@@ -334,7 +415,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
     for i, obj in enumerate(acc._custom_objects):
         st, _where = reader.either(f"custom_checkpoint_{i}", f"custom_checkpoint_{i}.pkl",
                                    f"state of registered object {i} ({type(obj).__qualname__})")
-        plan.actions.append(lambda o=obj, st=st: o.load_state_dict(st))
+        plan.applies.append(lambda o=obj, st=st: o.load_state_dict(st))
     if reader.marker is not None:
         plan.iteration = reader.marker.get("next_iteration")
     return plan
@@ -401,8 +482,14 @@ def load_state(acc, input_dir=None, load_kwargs: Optional[dict] = None, allow_pi
         hook(models, input_dir)
     reader = _Reader(input_dir, allow_pickle, load_kwargs)
     plan = _plan_load(acc, reader, models, strict, map_location)
+    # Every file has been checked. The reads can still fail on an I/O error (the message names
+    # the file): the parameters and optimizer state tensors may then hold part of the
+    # checkpoint, while everything set by the applies (schedulers, scaler, RNG, step, ...) is
+    # untouched. See docs/checkpoints.md.
     with torch.no_grad():
-        for action in plan.actions:
+        for action in plan.reads:
+            action()
+        for action in plan.applies:
             action()
     if plan.step is not None:
         acc.step = plan.step

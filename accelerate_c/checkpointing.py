@@ -9,11 +9,12 @@ and ``checkpoint.json`` written last: the list of files with their sizes, the sa
 the number of processes. With ``safe_serialization=False`` the files are accelerate's own
 (``torch.save``). Checkpoints written by accelerate 1.15 load too (``torch.load(weights_only=True)``).
 
-Protocol: the writer fills a hidden sibling ``.<name>.tmp-<token>``, every file fsynced, then
-``checkpoint.json``, then renames the directory into place and fsyncs the parent; older
-checkpoints beyond ``total_limit`` are removed only after that. Processes agree (an all-reduce
-of an error flag) between the phases, so a failure on one rank raises on every rank instead of
-leaving the others waiting in a barrier.
+Protocol: the writer fills a hidden sibling ``.<name>.tmp-<token>-n<node>``, every file
+fsynced, then ``checkpoint.json``, then renames the directory into place and fsyncs the parent;
+older checkpoints beyond ``total_limit`` are removed only after that. Nodes that share a file
+system (they see each other's temporary directories) write into one, their lowest node's, which
+alone is published. Processes agree (an all-reduce of an error flag) between the phases, so a
+failure on one rank raises on every rank instead of leaving the others waiting in a barrier.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
@@ -32,7 +34,8 @@ from torch.utils import hooks
 from .checkpoint_load import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, _CKPT_RE, _loader_state, _sfx,
                               complete_checkpoints, load_state)
 from .model_io import find_aliases, save_model as _save_model
-from .safetensors_io import fsync_dir, save_file, write_durable
+from .durable import fsync_dir, write_durable
+from .safetensors_io import save_file
 from .state_io import CheckpointError, PickleRequiredError, rng_state, write_json_durable, write_state
 
 __all__ = ["save_state", "load_state", "save", "save_model", "get_state_dict", "register_for_checkpointing",
@@ -40,7 +43,7 @@ __all__ = ["save_state", "load_state", "save", "save_model", "get_state_dict", "
            "CheckpointError", "PickleRequiredError", "MARKER"]
 
 PAUSE_ENV = "ACCELERATE_C_TEST_PAUSE_SAVE"  # tests only: pause the writer after its first file
-_LEFTOVER_RE = re.compile(r"^\.(?P<name>.+)\.(?:tmp|deleting)-(?P<token>[0-9a-f-]+)$")
+_LEFTOVER_RE = re.compile(r"^\.(?P<name>.+)\.(?:tmp|deleting)-(?P<token>[0-9a-f]+)(?:-n\d+)?$")
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -69,13 +72,29 @@ def _check(acc, err: Optional[BaseException], doing: str):
         raise RuntimeError(f"another process failed to {doing}; see its error")
 
 
-def _token(acc) -> str:
-    t = torch.tensor([os.getpid()], dtype=torch.int64, device=acc.device)
-    if acc.num_processes > 1:
-        import torch.distributed as dist
+def _gather(acc, values) -> list:
+    """Every process's list of ints (one all_gather)."""
+    t = torch.tensor(values, dtype=torch.int64, device=acc.device)
+    if acc.num_processes == 1:
+        return [t.tolist()]
+    import torch.distributed as dist
 
-        dist.broadcast(t, src=0)
-    return f"{int(t.item()):x}"
+    out = [torch.empty_like(t) for _ in range(acc.num_processes)]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def _token_and_nodes(acc):
+    """A token naming this save (rank 0's random draw, shared by all: a pid could repeat across
+    hosts or after a restart) and every rank's node index (ranks of one node are contiguous, as
+    every launcher numbers them; a node starts at each local rank 0)."""
+    rows = _gather(acc, [acc.local_process_index, int.from_bytes(os.urandom(6), "little")])
+    nodes, node = [], -1
+    for local, _ in rows:
+        if local == 0 or not nodes:
+            node += 1
+        nodes.append(node)
+    return f"{rows[0][1]:x}", nodes
 
 
 def _run_on_writer(acc, fn: Callable, doing: str):
@@ -301,27 +320,62 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
         if os.path.lexists(final) and not os.path.isdir(final):
             raise ValueError(f"save_state: {final} exists and is not a directory")
     name = os.path.basename(final)
-    writer = _is_writer(acc)
-    token = _token(acc)
-    tmp = os.path.join(base, f".{name}.tmp-{token}")
-    err = None
-    if writer:
+    token, nodes = _token_and_nodes(acc)
+    node, n_nodes, rank = nodes[acc.process_index], nodes[-1] + 1, acc.process_index
+    agent = acc.is_local_main_process  # sets up and publishes for its node
+    tmp_of = [os.path.join(base, f".{name}.tmp-{token}-n{k}") for k in range(n_nodes)]
+
+    # 1. every node's agent makes a temporary directory of its own: on a shared file system
+    #    the nodes' directories sit side by side, on node-local disks each is alone
+    err, made = None, False
+    if agent:
         try:
             os.makedirs(base, exist_ok=True)
             _remove_leftovers(base, name, token, auto)
-            if os.path.lexists(tmp):
-                shutil.rmtree(tmp)
-            os.mkdir(tmp)
+            os.mkdir(tmp_of[node])
+            made = True
         except Exception as e:  # noqa: BLE001
             err = e
-    _check(acc, err, "create the checkpoint directory")
+    if not _agree(acc, err is None):
+        if made:
+            os.rmdir(tmp_of[node])
+        _check(acc, err, "create the checkpoint directory")
+
+    # 2. the nodes that see each other's directories share a file system: the first of them
+    #    leads, and every rank of the group writes into the leader's directory; the others'
+    #    empty directories go. One directory, one publish, one marker per file system.
+    err, lead = None, -1
+    if agent:
+        try:
+            lead = min(k for k in range(n_nodes) if k == node or os.path.isdir(tmp_of[k]))
+        except Exception as e:  # noqa: BLE001
+            err = e
+    leaders = [row[0] for row in _gather(acc, [lead])]
+    _check(acc, err, "find the nodes sharing the checkpoint directory")
+    node_leader = {nodes[r]: leaders[r] for r in range(acc.num_processes) if leaders[r] >= 0}
+    my_leader = node_leader[node]
+    tmp = tmp_of[my_leader]
+    leader = agent and my_leader == node
+    group = [r for r in range(acc.num_processes) if node_leader[nodes[r]] == my_leader]
+    # the files every process shares: written once per file system with save_on_each_node,
+    # else once, by the main process
+    writer = leader if cfg.save_on_each_node else acc.is_main_process
+    keeps = leader and (cfg.save_on_each_node or 0 in group)
+    err = None
+    if agent and not leader:
+        try:
+            os.rmdir(tmp_of[node])
+        except Exception as e:  # noqa: BLE001
+            err = e
+
+    # 3. every rank writes its part
     try:
-        os.makedirs(tmp, exist_ok=True)  # other nodes without a shared file system
+        if err is not None:
+            raise err
         weights = [get_state_dict(acc, m, unwrap=False) for m in acc._models]
         for hook in list(acc.__dict__.get("_save_model_state_pre_hook", {}).values()):
             hook(acc._models, weights, tmp)
         jobs = _writer_jobs(acc, tmp, weights, safe_serialization) if writer else []
-        rank = acc.process_index
         states = rng_state(acc.step)
         if safe_serialization:
             jobs.append(("rng", lambda: write_state(tmp, f"random_states_{rank}", states, "random states")))
@@ -332,14 +386,20 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
     except Exception as e:  # noqa: BLE001
         err = e
     if not _agree(acc, err is None):
-        if writer:
+        if leader:
             shutil.rmtree(tmp, ignore_errors=True)
         _agree(acc, True)  # every process leaves after the clean-up
         if err is not None:
             raise err
         raise RuntimeError(f"another process failed while writing the checkpoint; {final} was not written")
 
+    # 4. each leader checks that every rank of its group delivered, writes the marker, publishes
     def finish():
+        rng_name = "random_states_{}." + ("json" if safe_serialization else "pkl")
+        absent = [rng_name.format(r) for r in group if not os.path.isfile(os.path.join(tmp, rng_name.format(r)))]
+        if absent:
+            raise CheckpointError(f"{tmp}: {', '.join(absent)} missing after every process reported its write done "
+                                  "(a file system that does not show other nodes' files?)")
         files = {}
         for entry in sorted(os.listdir(tmp)):
             path = os.path.join(tmp, entry)
@@ -347,7 +407,8 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
                 files[entry] = os.path.getsize(path)
         marker = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "safe_serialization": bool(safe_serialization),
                   "iteration": cfg.iteration, "next_iteration": cfg.iteration + 1, "step": int(acc.step),
-                  "num_processes": acc.num_processes, "models": len(weights), "optimizers": len(acc._optimizers),
+                  "num_processes": acc.num_processes, "ranks": group,
+                  "nodes": sorted({nodes[r] for r in group}), "models": len(weights), "optimizers": len(acc._optimizers),
                   "schedulers": len(acc._schedulers), "dataloaders": len(acc._dataloaders),
                   "scaler": acc.scaler is not None, "custom_objects": len(acc._custom_objects), "files": files}
         write_json_durable(os.path.join(tmp, MARKER), marker)
@@ -356,12 +417,18 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
             _prune(base, cfg.total_limit, token)
 
     err = None
-    if writer:
+    if keeps:
         try:
             finish()
         except Exception as e:  # noqa: BLE001
             err = e
             shutil.rmtree(tmp, ignore_errors=True)
+    elif leader:
+        # without save_on_each_node only the main process's file system gets a checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        warnings.warn(f"save_state: node {node} does not see the main process's {base}; the random states of "
+                      f"processes {group} are not saved (ProjectConfiguration(save_on_each_node=True) writes a "
+                      "checkpoint on every node's disk)")
     _check(acc, err, "complete the checkpoint")
     cfg.iteration += 1
     return Path(final)

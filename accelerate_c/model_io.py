@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .safetensors_io import fsync_dir, list_tensors, load_into, save_file, write_durable
+from .durable import fsync_dir, reserve_temp, write_bytes_durable, write_durable
+from .safetensors_io import list_tensors, load_into, save_file
 
 __all__ = ["save_model", "load_model_weights", "parse_size", "find_aliases", "plan_shards",
            "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
@@ -164,20 +165,20 @@ def save_model(model_or_state_dict, save_directory, max_shard_size: Union[int, s
     n = len(shards)
     files = [single] if n == 1 else [fmt.format(i + 1, n) for i in range(n)]
 
-    pid = os.getpid()
-    temps: List[str] = [os.path.join(save_directory, f".{fname}.{pid}.tmp") for fname in files]
+    # every shard complete under a name of its own (unique per process and call, like the
+    # durable writes' own temporary names) before any file of an earlier save is replaced
+    temps: List[str] = []
 
     def write_shard(i: int) -> None:
         part = {k: tensors[k] for k in shards[i]}
         if safe_serialization:
             save_file(part, temps[i], metadata={"format": "pt"})
         else:
-            with open(temps[i], "wb") as f:
-                torch.save({k: v.detach().cpu().contiguous() for k, v in part.items()}, f)
-                f.flush()
-                os.fsync(f.fileno())
+            write_durable(temps[i], lambda f: torch.save({k: v.detach().cpu().contiguous() for k, v in part.items()}, f))
 
     try:
+        for fname in files:
+            temps.append(reserve_temp(os.path.join(save_directory, fname)))
         if n == 1 or not safe_serialization:
             for i in range(n):
                 write_shard(i)
@@ -197,7 +198,7 @@ def save_model(model_or_state_dict, save_directory, max_shard_size: Union[int, s
             os.replace(tmp, os.path.join(save_directory, fname))
         temps = []
         if index_data is not None:
-            write_durable(os.path.join(save_directory, index_name), lambda f: f.write(index_data))
+            write_bytes_durable(os.path.join(save_directory, index_name), index_data)
         fsync_dir(save_directory)
     finally:
         for tmp in temps:

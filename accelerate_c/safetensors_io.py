@@ -13,6 +13,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from . import _C
+from .durable import fsync_dir, write_durable  # noqa: F401 - re-exported (the public names predate durable.py)
 
 __all__ = ["TensorInfo", "save_file", "load_file", "load_into", "list_tensors", "read_metadata", "write_durable",
            "fsync_dir", "DTYPES"]
@@ -35,35 +36,6 @@ class TensorInfo(NamedTuple):
     dtype: str
     shape: Tuple[int, ...]
     data_offsets: Tuple[int, int]
-
-
-def write_durable(path, write) -> None:
-    """Writes a file atomically from Python: `write(f)` fills a temporary name in the same
-    directory, which is fsynced and renamed over `path`; on any failure the temporary file is
-    removed and `path` is untouched (the directory itself is not synced here)."""
-    path = os.fspath(path)
-    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def fsync_dir(directory) -> None:
-    """fsyncs a directory, so the renames and creations in it survive a crash."""
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a directory; nothing more can be done there
-    finally:
-        os.close(fd)
 
 
 def _cuda_staging() -> bool:

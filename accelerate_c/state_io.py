@@ -24,7 +24,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .safetensors_io import _torch_dtype, list_tensors, load_into, save_file, write_durable
+from .durable import write_bytes_durable
+from .safetensors_io import _torch_dtype, list_tensors, load_into, save_file
 
 try:  # numpy is optional
     import numpy as np
@@ -50,9 +51,8 @@ class PickleRequiredError(CheckpointError):
 
 # ---- files -----------------------------------------------------------------------------------
 def write_json_durable(path: str, obj) -> None:
-    """Writes ``path`` atomically: a temporary name, fsync, rename (the directory is not synced)."""
-    data = (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode()
-    write_durable(path, lambda f: f.write(data))
+    """Writes ``path`` atomically and durably (accelerate_c.durable)."""
+    write_bytes_durable(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
 
 
 def read_json(path: str, what: str = "") -> Any:

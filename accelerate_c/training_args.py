@@ -495,11 +495,11 @@ class TrainerState:
     is_world_process_zero: bool = True
 
     def save_to_json(self, json_path: str):
-        """Written atomically (safetensors_io.write_durable): a trainer_state.json is always complete."""
-        from .safetensors_io import write_durable
+        """Written atomically and durably (accelerate_c.durable): a trainer_state.json is always complete."""
+        from .durable import write_bytes_durable
 
         text = json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
-        write_durable(json_path, lambda f: f.write(text.encode("utf-8")))
+        write_bytes_durable(json_path, text.encode("utf-8"))
 
     @classmethod
     def load_from_json(cls, json_path: str) -> "TrainerState":

@@ -299,7 +299,7 @@ def write_config_file(values: dict, path: str, as_json: bool | None = None, over
         with open(path, "x", encoding="utf-8") as f:  # "x": never clobber a file created meanwhile
             f.write(text)
         return path
-    from ..safetensors_io import write_durable
+    from ..durable import write_bytes_durable
 
-    write_durable(path, lambda f: f.write(text.encode("utf-8")))
+    write_bytes_durable(path, text.encode("utf-8"))
     return path

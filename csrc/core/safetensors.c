@@ -2,6 +2,7 @@
  * strictly validating header parser / reader (parallel preadv into caller memory). */
 #define _GNU_SOURCE /* pwritev/preadv, O_CLOEXEC, O_DIRECTORY; must precede every system header */
 #include "ac/safetensors.h"
+#include "ac/durable.h"
 #include "st_direct.h"
 
 #include <errno.h>
@@ -595,68 +596,17 @@ static ac_result_t build_header(const char *path, const wr_item *items, size_t n
   return AC_OK;
 }
 
-static atomic_uint tmp_counter;
-
-/* Opens a fresh temporary file next to `path` (with `extra` flags: 0 or O_DIRECT). The name is
- * hidden (leading dot) and ends in ".tmp" so a crash never leaves something that looks like a
- * checkpoint. If O_DIRECT was asked for and the file system refuses it (EINVAL), returns AC_OK
- * with *fd_out = -1 and *tmp_out set (the name, already unlinked: old tmpfs kernels create the
- * file before refusing the flag). */
+/* A fresh temporary file next to `path` (ac_durable_open: hidden, unique per process and call),
+ * with `extra` flags (0 or O_DIRECT). If O_DIRECT was asked for and the file system refuses it
+ * (EINVAL), returns AC_OK with *fd_out = -1 and *tmp_out set to a name that does not exist. */
 static ac_result_t open_temp(const char *path, int extra, char **tmp_out, int *fd_out) {
-  const char *slash = strrchr(path, '/');
-  size_t dirlen = slash ? (size_t)(slash - path) + 1 : 0;
-  const char *base = path + dirlen;
-  if (!*base) return AC_FAIL(AC_ERR_INVALID_ARG, "%s: the path names a directory, not a file", path);
-  size_t cap = strlen(path) + 64;
-  char *tmp = malloc(cap);
-  if (!tmp) return AC_FAIL(AC_ERR_NOMEM, "%s: out of memory", path);
-  for (int attempt = 0; attempt < 100; attempt++) {
-    unsigned k = atomic_fetch_add(&tmp_counter, 1);
-    snprintf(tmp, cap, "%.*s.%s.%ld.%u.tmp", (int)dirlen, path, base, (long)getpid(), k);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | extra, 0666);
-    if (fd >= 0 && extra && st_direct_fault() == ST_DIRECT_FAULT_OPEN) { /* test hook */
-      close(fd);
-      fd = -1;
-      errno = EINVAL;
-    }
-    if (fd >= 0) {
-      *tmp_out = tmp;
-      *fd_out = fd;
-      return AC_OK;
-    }
-    if (extra && errno == EINVAL) {
-      unlink(tmp); /* O_EXCL: if the name exists now, this open created it */
-      *tmp_out = tmp;
-      *fd_out = -1;
-      return AC_OK;
-    }
-    if (errno != EEXIST) {
-      int e = errno;
-      ac_result_t r = AC_FAIL(AC_ERR_IO, "%s: cannot create the temporary file %s: %s", path, tmp, strerror(e));
-      free(tmp);
-      return r;
-    }
+  ac_result_t r = ac_durable_open(path, extra, tmp_out, fd_out);
+  if (r == AC_OK && *fd_out >= 0 && extra && st_direct_fault() == ST_DIRECT_FAULT_OPEN) { /* test hook */
+    close(*fd_out);
+    *fd_out = -1;
+    unlink(*tmp_out);
   }
-  free(tmp);
-  return AC_FAIL(AC_ERR_IO, "%s: could not find a free temporary file name", path);
-}
-
-/* fsync the directory holding `path`, so the rename itself survives a crash. File systems that
- * cannot sync a directory (EINVAL) offer nothing more to do. */
-static int fsync_parent(const char *path) {
-  const char *slash = strrchr(path, '/');
-  char *dir;
-  if (!slash) dir = strdup(".");
-  else if (slash == path) dir = strdup("/");
-  else dir = strndup(path, (size_t)(slash - path));
-  if (!dir) return ENOMEM;
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  free(dir);
-  if (fd < 0) return errno;
-  int e = 0;
-  if (fsync(fd) != 0 && errno != EINVAL) e = errno;
-  close(fd);
-  return e;
+  return r;
 }
 
 static int write_all(int fd, const char *p, size_t n, uint64_t off) {
@@ -826,25 +776,6 @@ done:
   return r;
 }
 
-/* fsync, close, rename into place, fsync the directory. On success *tmp is freed and NULL and
- * *fd is -1; on failure the caller still removes *tmp. */
-static ac_result_t publish(const char *path, char **tmp, int *fd) {
-  if (fsync(*fd) != 0) return AC_FAIL(AC_ERR_IO, "%s: fsync of %s failed: %s", path, *tmp, strerror(errno));
-  int rc = close(*fd);
-  *fd = -1;
-  if (rc != 0) /* NFS and friends report deferred write errors here */
-    return AC_FAIL(AC_ERR_IO, "%s: close of %s failed: %s", path, *tmp, strerror(errno));
-  if (rename(*tmp, path) != 0)
-    return AC_FAIL(AC_ERR_IO, "%s: renaming %s into place failed: %s", path, *tmp, strerror(errno));
-  free(*tmp);
-  *tmp = NULL; /* renamed: nothing to remove any more */
-  int e = fsync_parent(path);
-  if (e)
-    return AC_FAIL_HINT(AC_ERR_IO, "the new file is complete and in place, but the rename may not survive a crash",
-                        "%s: fsync of the parent directory failed: %s", path, strerror(e));
-  return AC_OK;
-}
-
 ac_result_t ac_st_save(const char *path, const ac_st_tensor_t *tensors, size_t ntensors,
                        const ac_st_kv_t *metadata, size_t nmeta, int threads) {
   last_write_mode = "none";
@@ -881,7 +812,7 @@ ac_result_t ac_st_save(const char *path, const ac_st_tensor_t *tensors, size_t n
   } else if (!direct) {
     AC_CHECK_GOTO(save_buffered(path, &hdr, items, ntensors, tensors, threads, &tmp, &fd), r, done);
   }
-  r = publish(path, &tmp, &fd);
+  r = ac_durable_publish(path, &tmp, &fd);
 
 done:
   if (fd >= 0) close(fd);

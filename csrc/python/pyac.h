@@ -103,6 +103,7 @@ extern PyMethodDef pyac_comm_methods[];
 struct ac_comm *pyac_comm_handle(PyObject *obj);
 extern PyMethodDef pyac_kernel_methods[];
 extern PyMethodDef pyac_safetensors_methods[];
+extern PyMethodDef pyac_durable_methods[];
 extern PyMethodDef pyac_grads_methods[];
 
 #endif
