@@ -146,6 +146,43 @@ def test_one_sync_per_fp16_step():
     assert len(syncs) <= 1, [str(x.message) for x in syncs]
 
 
+class _TwoGpuMlp(torch.nn.Module):
+    """A model spread over two GPUs as hf_device_map places one: layer a on cuda:0, b on cuda:1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64).to("cuda:0"), torch.nn.Linear(64, 4).to("cuda:1")
+        self.c = torch.nn.Linear(32, 4).to("cuda:0")
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)).to("cuda:1")) + self.c(x).to("cuda:1")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="multi-device clip: needs two GPUs (only one visible)")
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_of_a_model_on_two_gpus_matches_torch(norm_type):
+    """Gradient groups on cuda:0 and cuda:1 (hf_device_map): every kernel runs on its own
+    device with its own scratch and stream; the norm and the clipped gradients equal torch's."""
+    torch.manual_seed(0)
+    torch.cuda.set_device(0)
+    ref = _TwoGpuMlp()
+    model = _TwoGpuMlp()
+    model.load_state_dict(ref.state_dict())
+    model.hf_device_map = {"a": 0, "c": 0, "b": 1}
+    acc = Accelerator()
+    model = acc.prepare(model)
+    x = torch.randn(16, 32, device="cuda:0")
+    for m in (model, ref):
+        m(x).pow(2).mean().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+    got = acc.clip_grad_norm_(model.parameters(), 0.05, norm_type=norm_type)
+    assert torch.cuda.current_device() == 0
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=1e-5, atol=0)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.device == q.grad.device, n
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
 # ---- checkpoint writer: CUDA tensors staged through pinned buffers in C ----------------------------
 
 def _o_direct_ok(directory):

@@ -98,3 +98,66 @@ def test_join_device_is_cuda_on_nccl_without_groups(fake_nccl):
 
     j = ddp.ModelJoinable(_Mgr(), torch.nn.Linear(1, 1))
     assert j.join_device == torch.device("cuda", 0)
+
+
+# ---- clip on gradient groups spread over several GPUs (hf_device_map) ----------------------------
+class FakeCudaKernels:
+    """The CUDA kernels of _C as seen from a model spread over GPUs: each call must get the
+    buffer, its scratch and a stream of one device (a kernel reads and writes the memory of the
+    device it runs on only). `dev_of` maps id(tensor) / stream handles to the device a test put
+    them on; the arithmetic is plain torch (the real kernels are checked in tests/test_cuda.py)."""
+
+    def __init__(self):
+        self.dev_of = {}
+        self.bad = []
+
+    def _same(self, fn, **objs):
+        devs = {name: self.dev_of.get(k) for name, k in objs.items()}
+        if len(set(devs.values())) != 1:
+            self.bad.append((fn, devs))
+
+    def cuda_stats_(self, t, out, stream):
+        self._same("cuda_stats_", tensor=id(t), out=id(out), stream=("stream", stream))
+        v = t.double()
+        out[0] += float((v * v).sum())
+        out[1] = max(float(out[1]), float(v.abs().max()))
+        if not bool(torch.isfinite(v).all()):
+            out[2] = 1.0
+
+    def cuda_scale_(self, t, factor, dev_factor, stream):
+        self._same("cuda_scale_", tensor=id(t), stream=("stream", stream))
+        t.mul_(factor * (1.0 if dev_factor is None else float(dev_factor[0])))
+
+
+class _FakeCudaGroup:
+    def __init__(self, kernels, device_index, buf):
+        self.is_cuda, self.needs_unscale = True, False
+        self.device_index, self.buf = device_index, buf
+        self.stats_dev = torch.zeros(3)
+        self._stream = 0x1000 + device_index  # the current stream of that device
+        for k in (id(buf), id(self.stats_dev), ("stream", self._stream)):
+            kernels.dev_of[k] = device_index
+
+    def stream(self):
+        return self._stream
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_on_groups_of_several_gpus_keeps_each_kernel_on_its_device(monkeypatch, norm_type):
+    from accelerate_c import grads
+
+    kernels = FakeCudaKernels()
+    monkeypatch.setattr(grads, "_C", kernels)
+    gen = torch.Generator().manual_seed(3)
+    bufs = [torch.randn(n, generator=gen) * s for n, s in ((50, 1.0), (70, 3.0), (20, 0.5))]
+    ref = [torch.nn.Parameter(torch.zeros_like(b)) for b in bufs]
+    for p, b in zip(ref, bufs):
+        p.grad = b.clone()
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm=1.0, norm_type=norm_type)
+    # groups on devices 0, 1, 0: the second device's kernels must not get the first's scratch or stream
+    groups = [_FakeCudaGroup(kernels, d, b) for d, b in zip((0, 1, 0), bufs)]
+    got = grads.GradManager._clip_cuda(None, groups, 1.0, norm_type, None)
+    assert kernels.bad == []
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-6, atol=0)
+    for g, p in zip(groups, ref):
+        torch.testing.assert_close(g.buf, p.grad, rtol=1e-6, atol=1e-7)

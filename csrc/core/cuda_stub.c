@@ -52,6 +52,14 @@ ac_result_t ac_cuda_stream_wait(void *waiter, void *waitee, void *event) {
   return NOT_BUILT();
 }
 
+ac_result_t ac_cuda_device_enter(int device, int *prev) {
+  (void)device;
+  if (prev) *prev = 0;
+  return NOT_BUILT();
+}
+
+void ac_cuda_device_leave(int prev) { (void)prev; }
+
 ac_result_t ac_cuda_check_device(int device) {
   (void)device;
   return NOT_BUILT();

@@ -40,6 +40,12 @@ ac_result_t ac_cuda_unscale_check(ac_dtype_t dt, void *data, size_t n, const flo
 ac_result_t ac_cuda_cast(ac_dtype_t src_dt, const void *src, ac_dtype_t dst_dt, void *dst, size_t n,
                          void *stream);
 
+/* Makes `device` the calling thread's current CUDA device, returning the one that was current
+ * in *prev, for ac_cuda_device_leave(*prev). A kernel can only be launched on a stream of the
+ * current device, so every launch on a caller's tensor runs between these two. */
+ac_result_t ac_cuda_device_enter(int device, int *prev);
+void ac_cuda_device_leave(int prev);
+
 /* Events for ordering streams (the reducer's comm stream against the compute stream). */
 ac_result_t ac_cuda_event_create(void **event); /* a cudaEvent_t without timing */
 void ac_cuda_event_destroy(void *event);        /* NULL is a no-op */
