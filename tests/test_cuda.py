@@ -60,6 +60,35 @@ def test_stats_match_torch(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [(1 << 24) + 17, 3 * 4096 * 256 + 5, 300_001])
+def test_sumsq_is_bitwise_reproducible_and_matches_torch(dtype, n):
+    """The sum of squares of cuda_stats_ and of cuda_unscale_check_ is bitwise the same in 20
+    runs (per-block partials summed in a fixed order, not float atomics), and within fp32
+    rounding of torch's float64 sum; a second buffer accumulates onto the first's."""
+    torch.manual_seed(5)
+    t = (torch.randn(n, device="cuda") * 3).to(dtype)
+    ref = t.double().pow(2).sum().item()
+    bits = set()
+    out = torch.zeros(3, device="cuda")
+    for _ in range(20):
+        out.zero_()
+        _C.cuda_stats_(t, out, stream())
+        bits.add(out[0:1].view(torch.int32).item())
+    assert len(bits) == 1, f"{len(bits)} different sums in 20 runs"
+    assert abs(out[0].item() - ref) <= 1e-6 * ref
+    inv, found, sq = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    sq_bits = set()
+    for _ in range(20):
+        sq.zero_()
+        _C.cuda_unscale_check_(t, inv, found, sq, stream())  # x 1.0: t is unchanged
+        sq_bits.add(sq.view(torch.int32).item())
+    assert len(sq_bits) == 1 and sq_bits == bits
+    _C.cuda_stats_(t[: n // 2], out, stream())
+    want = ref + t[: n // 2].double().pow(2).sum().item()
+    assert abs(out[0].item() - want) <= 2e-6 * want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_unscale_check_matches_gradscaler(dtype):
     t = torch.randn(1 << 16, device="cuda").to(dtype) * 1024
     ref = t.clone()

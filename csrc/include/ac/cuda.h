@@ -4,7 +4,10 @@
  * Results stay on the device: outputs are device pointers, so a training step needs no
  * device->host synchronisation until it must decide whether to skip the optimizer step.
  * `stream` is a cudaStream_t (NULL = legacy default stream); all work is asynchronous on it.
- * GPU reductions use atomics, so sums of squares are not bitwise reproducible run to run. */
+ * Sums of squares are bitwise reproducible run to run: each block's partial sum (in double)
+ * goes to scratch from a stream-ordered pool of ours, and a second one-block pass adds them in
+ * block order (no float atomics, whose order depends on timing). The same buffer size gives
+ * the same grid, hence the same result; the max and the non-finite flag are order-free. */
 #ifndef AC_CUDA_H
 #define AC_CUDA_H
 
@@ -21,7 +24,8 @@ int ac_cuda_built(void);
 ac_result_t ac_cuda_device_count(int *count);
 
 /* Accumulates statistics of a device buffer into dev_out (3 floats, device memory, zeroed by
- * the caller before the first buffer): dev_out[0] += sum of squares, dev_out[1] =
+ * the caller before the first buffer; on the current device, which must be data's): dev_out[0]
+ * += sum of squares (summed in double, rounded once), dev_out[1] =
  * max(dev_out[1], max |x|, NaN ignored), dev_out[2] = 1 if any element is NaN or +-Inf. */
 ac_result_t ac_cuda_stats(ac_dtype_t dt, const void *data, size_t n, float *dev_out, void *stream);
 
