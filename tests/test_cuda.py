@@ -297,3 +297,66 @@ def test_save_file_tensors_on_two_gpus(tmp_path):
     assert torch.cuda.current_device() == 0
     st_pkg.save_file({k: v.cpu() for k, v in tensors.items()}, tmp_path / "ref.safetensors")
     assert (tmp_path / "two.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+# ---- the writer's copies wait for the stream that produced the tensors, on any thread ------------
+_SLEEP = 400_000_000  # ~0.2 s of GPU time queued before the kernels that write the tensors
+
+
+def test_save_file_on_another_thread_waits_for_the_producers_stream(tmp_path):
+    """A tensor written by a kernel on a side stream right before the save, saved from another
+    thread (whose current stream is not the side stream) with the events record_ready took on
+    the producing thread: the file holds the kernel's values."""
+    import threading
+
+    from accelerate_c.safetensors_io import load_file, record_ready, save_file
+    side = torch.cuda.Stream()
+    x = torch.zeros(4 << 20, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(_SLEEP)
+        x.fill_(7.0)
+        ready = record_ready(x)
+    err = []
+    t = threading.Thread(target=lambda: _capture(err, save_file, {"x": x}, tmp_path / "x.safetensors", ready=ready))
+    t.start()
+    t.join()
+    assert not err, err
+    assert torch.all(load_file(tmp_path / "x.safetensors")["x"] == 7.0)
+
+
+def _capture(err, fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        err.append(e)
+
+
+def test_save_state_and_sharded_save_model_wait_for_side_stream_work(tmp_path):
+    """save_state and a sharded save_model write their files from worker threads: parameters
+    written on the training thread's side stream right before the save are saved with the
+    written values (the workers' own current streams know nothing of that work)."""
+    from accelerate_c.safetensors_io import load_file
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accelerator()
+    model, opt = acc.prepare(model, opt)
+    side = torch.cuda.Stream()
+    for k, save in enumerate((lambda d: acc.save_state(d),
+                              lambda d: acc.save_model(model, d, max_shard_size="1MB"))):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(_SLEEP)
+            with torch.no_grad():
+                for i, p in enumerate(model.parameters()):
+                    p.fill_(float(10 * k + i + 1))
+            save(str(tmp_path / f"s{k}"))
+        files = sorted(f for f in os.listdir(tmp_path / f"s{k}") if f.startswith("model") and
+                       f.endswith(".safetensors"))
+        assert len(files) >= (1 if k == 0 else 2), files
+        got = {}
+        for f in files:
+            got.update(load_file(tmp_path / f"s{k}" / f))
+        for i, (n, p) in enumerate(model.named_parameters()):
+            assert torch.all(got[n] == float(10 * k + i + 1)), (k, n)

@@ -81,6 +81,11 @@ ac_result_t ac_cuda_stream_create(void **stream, int device) {
 
 void ac_cuda_stream_destroy(void *stream, int device) { (void)stream, (void)device; }
 
+ac_result_t ac_cuda_stream_wait_event(void *stream, void *event, int device) {
+  (void)stream, (void)event, (void)device;
+  return NOT_BUILT();
+}
+
 ac_result_t ac_cuda_copy_to_host_async(void *dst, const void *src, size_t n, int device, void *stream) {
   (void)dst, (void)src, (void)n, (void)device, (void)stream;
   return NOT_BUILT();

@@ -82,6 +82,9 @@ void ac_cuda_stream_destroy(void *stream, int device); /* NULL is a no-op */
  * `stream` (cudaMemcpyAsync, DeviceToHost): asynchronous when dst is pinned. dst must stay
  * valid until ac_cuda_stream_sync on that stream has returned. */
 ac_result_t ac_cuda_copy_to_host_async(void *dst, const void *src, size_t n, int device, void *stream);
+/* Makes `stream` (of `device`) wait for `event` (recorded by someone else, on any stream of that
+ * device) before the work queued on it next; the host does not block. */
+ac_result_t ac_cuda_stream_wait_event(void *stream, void *event, int device);
 /* Waits for everything queued on `stream` (of `device`); errors of the copies show here. */
 ac_result_t ac_cuda_stream_sync(void *stream, int device);
 
