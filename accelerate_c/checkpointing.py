@@ -35,7 +35,7 @@ from .checkpoint_load import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, _CK
                               complete_checkpoints, load_state)
 from .model_io import find_aliases, save_model as _save_model
 from .durable import fsync_dir, write_durable
-from .safetensors_io import save_file
+from .safetensors_io import record_ready, save_file, wait_ready
 from .state_io import CheckpointError, PickleRequiredError, rng_state, write_json_durable, write_state
 
 __all__ = ["save_state", "load_state", "save", "save_model", "get_state_dict", "register_for_checkpointing",
@@ -242,12 +242,26 @@ def _pause_for_tests():
         time.sleep(600)
 
 
+def _after(ready: dict, write):
+    """`write`, run on a writer thread once its current streams waited for `ready` (torch's
+    current stream is per thread: the writer's own would not order its device->host copies
+    after the kernels the training thread queued on a side stream)."""
+    def run():
+        wait_ready(ready)
+        return write()
+    return run
+
+
 def _writer_jobs(acc, tmp: str, weights: list, safe: bool) -> list:
     """(label, write) pairs, one file (pair) each. Every state_dict() is taken here, on the
-    calling thread; only encoding and writing run on the worker threads."""
+    calling thread, and so are the CUDA events the writes wait for (record_ready: the work
+    queued so far on this thread's current streams); only encoding and writing run on the
+    worker threads."""
     jobs = []
+    states = list(weights)
 
     def add(label, stem, state, what, pkl_name):
+        states.append(state)
         if safe:
             jobs.append((label, lambda: write_state(tmp, stem, state, what)))
         else:
@@ -272,7 +286,8 @@ def _writer_jobs(acc, tmp: str, weights: list, safe: bool) -> list:
     for i, obj in enumerate(acc._custom_objects):
         add("custom", f"custom_checkpoint_{i}", obj.state_dict(), f"{type(obj).__qualname__}.state_dict()",
             f"custom_checkpoint_{i}.pkl")
-    return jobs
+    ready = record_ready(states)
+    return [(label, _after(ready, write)) for label, write in jobs]
 
 
 def _run_jobs(jobs: list) -> None:

@@ -48,6 +48,19 @@ def _wire_dtype(t: torch.Tensor) -> torch.dtype:
     return _WIRE[key]
 
 
+def _collective_device(groups=()) -> torch.device:
+    """Where a small tensor of ours (used-flags, an order, join flags) lives for a collective:
+    NCCL moves CUDA tensors only, so on an NCCL group it is a CUDA device whatever gradient
+    groups there are (the first CUDA group's, else the current device; CPU groups or none at
+    all included); every other backend takes it on the CPU."""
+    if dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    for g in groups:
+        if g.is_cuda:
+            return torch.device(g.device)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _allreduce_(t: torch.Tensor):
     wire = _wire_dtype(t)
     if wire == t.dtype:
@@ -231,7 +244,7 @@ class BucketComm:
 
     def _agree_used(self, g, used):
         """find_unused_parameters: a parameter has a gradient if any rank gave it one."""
-        flags = torch.tensor(used, dtype=torch.int32, device=g.flat.device)
+        flags = torch.tensor(used, dtype=torch.int32, device=_collective_device([g]))
         dist.all_reduce(flags)
         for p, v, n in zip(g.params, g.views, flags.tolist()):
             if n and p.grad is None:
@@ -240,9 +253,8 @@ class BucketComm:
     def _relayout(self, g, order=None):
         """Once, after the first reduced backward: the order gradients arrived in on rank 0
         becomes the layout on every rank, so buckets fill (and launch) in backward order."""
-        order = torch.tensor(g.reducer.arrival_order(len(g.params)) if order is None else order, dtype=torch.int64)
-        if g.is_cuda and dist.get_backend() == "nccl":
-            order = order.to(g.device)
+        order = torch.tensor(g.reducer.arrival_order(len(g.params)) if order is None else order, dtype=torch.int64,
+                             device=_collective_device([g]))
         dist.broadcast(order, src=0)
         order = order.tolist()
         if order != g.order:
@@ -261,8 +273,7 @@ def sync_gradients(manager, groups, extras) -> None:
     world = dist.get_world_size()  # prepare_step has resynced the groups' assignments
     flags = [p.grad is v for g in groups for p, v in zip(g.params, g.views)]
     flags += [p.grad is not None for p in extras]
-    device = groups[0].device if groups and groups[0].is_cuda else torch.device("cpu")
-    used = torch.tensor(flags, dtype=torch.int32, device=device)
+    used = torch.tensor(flags, dtype=torch.int32, device=_collective_device(groups))
     dist.all_reduce(used)
     used = used.tolist()
     k = 0
@@ -386,7 +397,8 @@ class _ShadowHook:
                 wire = t.dtype if wires[b] is None else wires[b].dtype
                 dist.all_reduce(torch.zeros(count, dtype=wire, device=g.device))
             if comm.find_unused:
-                dist.all_reduce(torch.zeros(len(g.params), dtype=torch.int32, device=g.flat.device))
+                # _agree_used's flags, from the same device rule
+                dist.all_reduce(torch.zeros(len(g.params), dtype=torch.int32, device=_collective_device([g])))
             if not g.relaid:
                 comm.relayout_shadow(g)
 
@@ -420,11 +432,7 @@ class ModelJoinable(Joinable):
 
     @property
     def join_device(self):
-        gs = self.groups()
-        if gs and gs[0].is_cuda and dist.get_backend() == "nccl":
-            return gs[0].device
-        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-            else torch.device("cpu")
+        return _collective_device(self.groups())
 
     @property
     def join_process_group(self):

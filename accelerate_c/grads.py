@@ -319,6 +319,13 @@ class GradGroup:
         return any(_C.nonfinite(self.views[i]) for i in indices)
 
 
+def _combine_stats(accs):
+    """(sumsq, maxabs, non-finite) of several devices' partials, on the first one's device, in a
+    fixed order (the groups'), so the result does not depend on timing."""
+    parts = torch.stack([a.to(accs[0].device) for a in accs])
+    return torch.stack([parts[:, 0].sum(), parts[:, 1].max(), parts[:, 2].max()])
+
+
 class GradManager:
     """All flat gradient groups of one Accelerator, and the operations the step needs."""
 
@@ -597,21 +604,30 @@ class GradManager:
         return torch.tensor(total, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
 
     def _clip_cuda(self, groups, max_norm, norm_type, inv_scale):
-        stream = groups[0].stream()
         for g in groups:
             if inv_scale is not None and g.needs_unscale:
                 g.unscale_(inv_scale)
-        acc = groups[0].stats_dev.zero_()  # sumsq, maxabs, non-finite of all the groups
+        # A kernel may touch only its own device's memory (models spread over GPUs by
+        # hf_device_map): each device accumulates into the scratch of its first group on its own
+        # current stream, then the partials are combined on the first device.
+        per_dev = {}
         for g in groups:
-            _C.cuda_stats_(g.buf, acc, stream)
+            if g.device_index not in per_dev:
+                per_dev[g.device_index] = g.stats_dev.zero_()  # sumsq, maxabs, non-finite
+            _C.cuda_stats_(g.buf, per_dev[g.device_index], g.stream())
+        accs = list(per_dev.values())
+        acc = accs[0] if len(accs) == 1 else _combine_stats(accs)
         total = acc[1] if norm_type == math.inf else acc[0].sqrt()
         # a NaN gradient makes the sum of squares NaN (squares are >= 0, so only NaN gives NaN):
         # the norm is then NaN, as torch's; other non-finite values give inf
         bad = torch.where(torch.isnan(acc[0]), torch.full_like(total, math.nan), torch.full_like(total, math.inf))
         total = torch.where(acc[2] > 0, bad, total)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coefs = {}  # the coefficient on each device
         for g in groups:
-            _C.cuda_scale_(g.buf, 1.0, coef.reshape(1), stream)
+            if g.device_index not in coefs:
+                coefs[g.device_index] = coef.reshape(1).to(g.stats_dev.device)
+            _C.cuda_scale_(g.buf, 1.0, coefs[g.device_index], g.stream())
             g.zero_gaps()  # the coefficient may be NaN, and the host does not know without a sync
             g.wrote()
         return total

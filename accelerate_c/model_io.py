@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .durable import fsync_dir, reserve_temp, write_bytes_durable, write_durable
-from .safetensors_io import list_tensors, load_into, save_file
+from .safetensors_io import list_tensors, load_into, record_ready, save_file, wait_ready
 
 __all__ = ["save_model", "load_model_weights", "parse_size", "find_aliases", "plan_shards",
            "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
@@ -169,8 +169,13 @@ def save_model(model_or_state_dict, save_directory, max_shard_size: Union[int, s
     # durable writes' own temporary names) before any file of an earlier save is replaced
     temps: List[str] = []
 
+    # the shards may be written on other threads: their copies wait for the work queued so far
+    # on this thread's current streams (torch's current stream is per thread)
+    ready = record_ready(tensors)
+
     def write_shard(i: int) -> None:
         part = {k: tensors[k] for k in shards[i]}
+        wait_ready(ready)
         if safe_serialization:
             save_file(part, temps[i], metadata={"format": "pt"})
         else:

@@ -15,8 +15,8 @@ import torch
 from . import _C
 from .durable import fsync_dir, write_durable  # noqa: F401 - re-exported (the public names predate durable.py)
 
-__all__ = ["TensorInfo", "save_file", "load_file", "load_into", "list_tensors", "read_metadata", "write_durable",
-           "fsync_dir", "DTYPES"]
+__all__ = ["TensorInfo", "save_file", "record_ready", "wait_ready", "load_file", "load_into", "list_tensors", "read_metadata",
+           "write_durable", "fsync_dir", "DTYPES"]
 
 # safetensors dtype names <-> torch dtypes (every byte-sized type the format and torch share)
 DTYPES: Dict[str, torch.dtype] = {
@@ -61,19 +61,62 @@ def _contiguous(name: str, t, cuda_ok: bool) -> torch.Tensor:
     return t
 
 
+def _cuda_devices(obj, out: set) -> set:
+    """The CUDA device indices of the tensors in a nested structure (dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cuda":
+            out.add(obj.device.index if obj.device.index is not None else torch.cuda.current_device())
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _cuda_devices(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _cuda_devices(v, out)
+    return out
+
+
+def record_ready(*objs) -> Dict[int, "torch.cuda.Event"]:
+    """``{device index: torch.cuda.Event}``: an event recorded now on *this thread's* current
+    stream of each CUDA device that holds a tensor of ``objs`` (tensors, or dicts / lists /
+    tuples of them). torch's current stream is per thread: a save handed to another thread
+    passes these (``save_file(..., ready=...)``) so its copies wait for the work queued on the
+    stream that produced the tensors, not for the idle current stream of the writing thread."""
+    ready = {}
+    for d in sorted(_cuda_devices(objs, set())):
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(d))
+        ready[d] = ev
+    return ready
+
+
+def wait_ready(ready: Optional[Dict[int, "torch.cuda.Event"]], devices=None) -> None:
+    """Makes this thread's current stream of each device wait (on the GPU; the host does not
+    block) for the event ``record_ready`` took there, so what this thread queues next (copies
+    to the CPU, ``torch.save``) comes after the producer's work. ``devices``: the ones that must
+    have an event (a ValueError names a missing one)."""
+    if not ready and not devices:
+        return
+    ready = ready or {}
+    for d in sorted(devices or ()):
+        if d not in ready:
+            raise ValueError(f"ready has no event for cuda:{d}, where some of the tensors are")
+    for d, ev in ready.items():
+        torch.cuda.current_stream(d).wait_event(ev)
+
+
 def _export_cuda(t: torch.Tensor):
     """A DLPack capsule of a CUDA tensor. torch exports one only while its device is the current
     one, so a save holding tensors of several GPUs exports each under its own device."""
     with torch.cuda.device(t.device):
         try:
-            # no stream argument: save_file has synchronised the device already
+            # no stream argument: the C writer's copies wait for save_file's ready events
             return t.__dlpack__(max_version=(1, 0))
         except TypeError:  # an older torch without max_version
             return t.__dlpack__()
 
 
 def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dict[str, str]] = None,
-              *, threads: int = 0) -> None:
+              *, threads: int = 0, ready: Optional[Dict[int, "torch.cuda.Event"]] = None) -> None:
     """Writes ``tensors`` to ``filename`` (like ``safetensors.torch.save_file``).
 
     CPU tensors are written from their own memory. CUDA tensors, when the extension was built
@@ -83,7 +126,12 @@ def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dic
     its name only once complete and fsynced (a temporary file is renamed into place); on failure
     nothing is left behind and an existing file is untouched. ``metadata`` (str -> str) becomes
     the header's ``__metadata__``. Tensors sharing memory are each written in full
-    (``save_model`` drops tied aliases)."""
+    (``save_model`` drops tied aliases).
+
+    CUDA tensors are copied once the work queued so far on the calling thread's current stream
+    of their device is done, as ``t.to("cpu")`` would wait for it (the host does not block on
+    it). A caller that hands the save to another thread passes ``ready=record_ready(...)``,
+    taken on the thread that produced the tensors, instead."""
     if not isinstance(tensors, dict):
         raise TypeError(f"tensors must be a dict of name -> tensor, got {type(tensors).__name__}")
     names = list(tensors)
@@ -97,19 +145,23 @@ def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dic
             if not isinstance(k, str) or not isinstance(v, str):
                 raise TypeError(f"metadata must map str to str; got {k!r}: {v!r}")
     cuda_ok = _cuda_staging()
+    if ready is not None:
+        # the producer's work first, then this thread's (the .contiguous() copies below): this
+        # thread's current streams wait for the events taken where the tensors were written
+        wait_ready(ready, _cuda_devices(list(tensors.values()), set()))
     values = [_contiguous(n, tensors[n], cuda_ok) for n in names]
-    devices = sorted({t.device.index for t in values if t.device.type == "cuda"})
-    if devices:
+    events = None
+    if any(t.device.type == "cuda" for t in values):
         # The C writer copies CUDA tensors with cudaMemcpyAsync on streams of its own, from
-        # threads of its own: nothing orders those copies after the kernels still queued on
-        # torch's streams that write these tensors (including the .contiguous() copies above).
-        # Wait for everything queued so far on each involved device's current stream, as
-        # t.to("cpu") would have; the tensors stay referenced (values, capsules) until st_save
-        # has returned, so the caching allocator cannot hand their memory out meanwhile.
-        for d in devices:
-            torch.cuda.current_stream(d).synchronize()
+        # threads of its own: each of those streams waits for an event recorded here, after the
+        # work queued so far on this thread's current stream of the device (which writes the
+        # tensors, or waited for `ready`, and made the .contiguous() copies). The tensors stay
+        # referenced (values, capsules) until st_save has synchronised its streams, so the
+        # caching allocator cannot hand their memory out meanwhile.
+        evs = record_ready(values)
+        events = {d: ev.cuda_event for d, ev in evs.items()}
         values = [_export_cuda(t) if t.device.type == "cuda" else t for t in values]
-    _C.st_save(os.fspath(filename), names, values, metadata, int(threads))
+    _C.st_save(os.fspath(filename), names, values, metadata, int(threads), events)
 
 
 def _header(filename) -> dict:

@@ -60,6 +60,35 @@ def test_stats_match_torch(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [(1 << 24) + 17, 3 * 4096 * 256 + 5, 300_001])
+def test_sumsq_is_bitwise_reproducible_and_matches_torch(dtype, n):
+    """The sum of squares of cuda_stats_ and of cuda_unscale_check_ is bitwise the same in 20
+    runs (per-block partials summed in a fixed order, not float atomics), and within fp32
+    rounding of torch's float64 sum; a second buffer accumulates onto the first's."""
+    torch.manual_seed(5)
+    t = (torch.randn(n, device="cuda") * 3).to(dtype)
+    ref = t.double().pow(2).sum().item()
+    bits = set()
+    out = torch.zeros(3, device="cuda")
+    for _ in range(20):
+        out.zero_()
+        _C.cuda_stats_(t, out, stream())
+        bits.add(out[0:1].view(torch.int32).item())
+    assert len(bits) == 1, f"{len(bits)} different sums in 20 runs"
+    assert abs(out[0].item() - ref) <= 1e-6 * ref
+    inv, found, sq = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    sq_bits = set()
+    for _ in range(20):
+        sq.zero_()
+        _C.cuda_unscale_check_(t, inv, found, sq, stream())  # x 1.0: t is unchanged
+        sq_bits.add(sq.view(torch.int32).item())
+    assert len(sq_bits) == 1 and sq_bits == bits
+    _C.cuda_stats_(t[: n // 2], out, stream())
+    want = ref + t[: n // 2].double().pow(2).sum().item()
+    assert abs(out[0].item() - want) <= 2e-6 * want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_unscale_check_matches_gradscaler(dtype):
     t = torch.randn(1 << 16, device="cuda").to(dtype) * 1024
     ref = t.clone()
@@ -144,6 +173,43 @@ def test_one_sync_per_fp16_step():
         torch.cuda.set_sync_debug_mode("default")
     syncs = [x for x in w if "synchroniz" in str(x.message).lower()]
     assert len(syncs) <= 1, [str(x.message) for x in syncs]
+
+
+class _TwoGpuMlp(torch.nn.Module):
+    """A model spread over two GPUs as hf_device_map places one: layer a on cuda:0, b on cuda:1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64).to("cuda:0"), torch.nn.Linear(64, 4).to("cuda:1")
+        self.c = torch.nn.Linear(32, 4).to("cuda:0")
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)).to("cuda:1")) + self.c(x).to("cuda:1")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="multi-device clip: needs two GPUs (only one visible)")
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_of_a_model_on_two_gpus_matches_torch(norm_type):
+    """Gradient groups on cuda:0 and cuda:1 (hf_device_map): every kernel runs on its own
+    device with its own scratch and stream; the norm and the clipped gradients equal torch's."""
+    torch.manual_seed(0)
+    torch.cuda.set_device(0)
+    ref = _TwoGpuMlp()
+    model = _TwoGpuMlp()
+    model.load_state_dict(ref.state_dict())
+    model.hf_device_map = {"a": 0, "c": 0, "b": 1}
+    acc = Accelerator()
+    model = acc.prepare(model)
+    x = torch.randn(16, 32, device="cuda:0")
+    for m in (model, ref):
+        m(x).pow(2).mean().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+    got = acc.clip_grad_norm_(model.parameters(), 0.05, norm_type=norm_type)
+    assert torch.cuda.current_device() == 0
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=1e-5, atol=0)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.device == q.grad.device, n
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
 
 
 # ---- checkpoint writer: CUDA tensors staged through pinned buffers in C ----------------------------
@@ -231,3 +297,66 @@ def test_save_file_tensors_on_two_gpus(tmp_path):
     assert torch.cuda.current_device() == 0
     st_pkg.save_file({k: v.cpu() for k, v in tensors.items()}, tmp_path / "ref.safetensors")
     assert (tmp_path / "two.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+# ---- the writer's copies wait for the stream that produced the tensors, on any thread ------------
+_SLEEP = 400_000_000  # ~0.2 s of GPU time queued before the kernels that write the tensors
+
+
+def test_save_file_on_another_thread_waits_for_the_producers_stream(tmp_path):
+    """A tensor written by a kernel on a side stream right before the save, saved from another
+    thread (whose current stream is not the side stream) with the events record_ready took on
+    the producing thread: the file holds the kernel's values."""
+    import threading
+
+    from accelerate_c.safetensors_io import load_file, record_ready, save_file
+    side = torch.cuda.Stream()
+    x = torch.zeros(4 << 20, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(_SLEEP)
+        x.fill_(7.0)
+        ready = record_ready(x)
+    err = []
+    t = threading.Thread(target=lambda: _capture(err, save_file, {"x": x}, tmp_path / "x.safetensors", ready=ready))
+    t.start()
+    t.join()
+    assert not err, err
+    assert torch.all(load_file(tmp_path / "x.safetensors")["x"] == 7.0)
+
+
+def _capture(err, fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        err.append(e)
+
+
+def test_save_state_and_sharded_save_model_wait_for_side_stream_work(tmp_path):
+    """save_state and a sharded save_model write their files from worker threads: parameters
+    written on the training thread's side stream right before the save are saved with the
+    written values (the workers' own current streams know nothing of that work)."""
+    from accelerate_c.safetensors_io import load_file
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accelerator()
+    model, opt = acc.prepare(model, opt)
+    side = torch.cuda.Stream()
+    for k, save in enumerate((lambda d: acc.save_state(d),
+                              lambda d: acc.save_model(model, d, max_shard_size="1MB"))):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(_SLEEP)
+            with torch.no_grad():
+                for i, p in enumerate(model.parameters()):
+                    p.fill_(float(10 * k + i + 1))
+            save(str(tmp_path / f"s{k}"))
+        files = sorted(f for f in os.listdir(tmp_path / f"s{k}") if f.startswith("model") and
+                       f.endswith(".safetensors"))
+        assert len(files) >= (1 if k == 0 else 2), files
+        got = {}
+        for f in files:
+            got.update(load_file(tmp_path / f"s{k}" / f))
+        for i, (n, p) in enumerate(model.named_parameters()):
+            assert torch.all(got[n] == float(10 * k + i + 1)), (k, n)

@@ -477,7 +477,7 @@ class HandMade:
     took ownership ever calls the deleter."""
 
     def __init__(self, storage, shape, byte_offset=0, strides=None, versioned=False, major=1, flags=0,
-                 device_type=1, code_bits=None, lanes=1):
+                 device_type=1, code_bits=None, lanes=1, device_id=0):
         self.storage = storage
         self.deleted = 0
         self._shape = (ctypes.c_int64 * max(1, len(shape)))(*shape)
@@ -491,7 +491,7 @@ class HandMade:
         m = _DLManagedTensorVersioned() if versioned else _DLManagedTensor()
         dl = m.dl_tensor
         dl.data = storage.data_ptr()
-        dl.device = _DLDevice(device_type, 0)
+        dl.device = _DLDevice(device_type, device_id)
         dl.ndim = len(shape)
         dl.dtype = _DLDataType(code, bits, lanes)
         dl.shape = ctypes.cast(self._shape, ctypes.POINTER(ctypes.c_int64))
@@ -584,3 +584,33 @@ def test_hand_made_capsule_released_when_other_argument_fails():
         _C.cast_(hm.capsule, torch.ones(10, dtype=torch.int64))
     assert hm.deleted == 1
     assert torch.equal(dst_storage, torch.zeros(10, dtype=torch.float16))
+
+
+def test_cuda_kernels_refuse_arguments_on_another_device():
+    """Capsules claiming CUDA devices 0 and 1 (their memory is host memory that no CUDA call may
+    touch): every CUDA binding compares each tensor argument's device with the tensor's and
+    names the one that differs, before any launch."""
+    t = torch.zeros(8)
+    f32 = torch.zeros(3)
+
+    def cuda(storage, dev, shape=None):
+        return HandMade(storage, shape or tuple(storage.shape), device_type=2, device_id=dev).capsule
+
+    cases = [
+        ("cuda_stats_", "out", lambda: _C.cuda_stats_(cuda(t, 0), cuda(f32, 1), 0)),
+        ("cuda_scale_", "dev_factor", lambda: _C.cuda_scale_(cuda(t, 1), 2.0, cuda(f32, 0, (1,)), 0)),
+        ("cuda_unscale_check_", "inv_scale",
+         lambda: _C.cuda_unscale_check_(cuda(t, 0), cuda(f32, 1, (1,)), cuda(f32, 0, (1,)), None, 0)),
+        ("cuda_unscale_check_", "found_inf",
+         lambda: _C.cuda_unscale_check_(cuda(t, 0), cuda(f32, 0, (1,)), cuda(f32, 1, (1,)), None, 0)),
+        ("cuda_unscale_check_", "sumsq",
+         lambda: _C.cuda_unscale_check_(cuda(t, 0), cuda(f32, 0, (1,)), cuda(f32, 0, (1,)), cuda(f32, 1, (1,)), 0)),
+        ("cuda_cast_", "src", lambda: _C.cuda_cast_(cuda(torch.zeros(8, dtype=torch.float16), 0), cuda(t, 1), 0)),
+    ]
+    for fn, arg, call in cases:
+        with pytest.raises(ValueError) as e:
+            call()
+        msg = str(e.value)
+        assert msg.startswith(f"{fn}: {arg} is on cuda:"), msg
+        assert "every tensor argument must be on" in msg, msg
+    assert torch.equal(t, torch.zeros(8)) and torch.equal(f32, torch.zeros(3))

@@ -87,6 +87,18 @@ def test_communicator_calls_reach_nccl(fake_nccl):
                          (lambda: c.broadcast(t, root=3), "root 3 of 1 ranks"),
                          (lambda: c.all_reduce(torch.zeros(3, dtype=torch.int32)), "dtype")]:
             expect((ValueError, TypeError, _C.CoreError), msg, bad)
+        # send and recv on two devices (a capsule claiming CUDA device 1): refused before NCCL runs
+        import sys
+        sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
+        from test_dlpack import HandMade
+        calls = fake.fake_nccl_other_calls()
+        for s_, r_, msg in [(t, HandMade(torch.zeros(6), (6,), device_type=2, device_id=1).capsule,
+                             "all_gather: recv is on cuda:1 but send is on cpu"),
+                            (HandMade(t.clone(), (6,), device_type=2, device_id=0).capsule, torch.zeros(6),
+                             "reduce_scatter: recv is on cpu but send is on cuda:0")]:
+            fn = c.all_gather if "all_gather" in msg else c.reduce_scatter
+            expect(ValueError, msg, lambda: fn(s_, r_))
+        assert fake.fake_nccl_other_calls() == calls  # neither reached NCCL
         c.close()
         c.close()
         expect(ValueError, "closed", lambda: c.all_reduce(t))

@@ -735,6 +735,25 @@ def _as_cuda_capsule(t, device_id=0):
     return cap
 
 
+def test_st_save_ready_events_are_checked_before_anything_is_written(tmp_path):
+    """st_save's `ready` ({CUDA device: cudaEvent_t handle}, what save_file passes so the
+    writer's copies wait for the producing stream) must name an event for the device of every
+    CUDA tensor: a missing or NULL one is a ValueError naming the device and the tensor, raised
+    before the core runs (no file); host tensors need none."""
+    path = tmp_path / "r.safetensors"
+    host = torch.randn(100)
+    cases = [({}, ValueError, "st_save: ready has no event for CUDA device 3 (tensor 'layer.gpu')"),
+             ({3: 0}, ValueError, "the event for CUDA device 3 (tensor 'layer.gpu') is a NULL handle"),
+             ([1], TypeError, "ready must be a dict of CUDA device index to event handle, or None")]
+    for ready, exc, msg in cases:
+        with pytest.raises(exc) as ei:
+            _C.st_save(str(path), ["cpu", "layer.gpu"], [torch.zeros(4), _as_cuda_capsule(host, 3)], None, 0, ready)
+        assert msg in str(ei.value)
+    assert _listdir(tmp_path) == []
+    _C.st_save(str(path), ["cpu"], [torch.arange(4.0)], None, 0, {})  # host tensors: no event needed
+    assert torch.equal(load_file(path)["cpu"], torch.arange(4.0))
+
+
 def test_st_save_takes_dlpack_capsules(tmp_path):
     a, b = torch.arange(10, dtype=torch.int32), torch.randn(3, 4)
     _C.st_save(str(tmp_path / "c.safetensors"), ["a", "b"], [a.__dlpack__(), b.__dlpack__(max_version=(1, 0))],

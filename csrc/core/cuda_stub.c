@@ -52,6 +52,14 @@ ac_result_t ac_cuda_stream_wait(void *waiter, void *waitee, void *event) {
   return NOT_BUILT();
 }
 
+ac_result_t ac_cuda_device_enter(int device, int *prev) {
+  (void)device;
+  if (prev) *prev = 0;
+  return NOT_BUILT();
+}
+
+void ac_cuda_device_leave(int prev) { (void)prev; }
+
 ac_result_t ac_cuda_check_device(int device) {
   (void)device;
   return NOT_BUILT();
@@ -72,6 +80,11 @@ ac_result_t ac_cuda_stream_create(void **stream, int device) {
 }
 
 void ac_cuda_stream_destroy(void *stream, int device) { (void)stream, (void)device; }
+
+ac_result_t ac_cuda_stream_wait_event(void *stream, void *event, int device) {
+  (void)stream, (void)event, (void)device;
+  return NOT_BUILT();
+}
 
 ac_result_t ac_cuda_copy_to_host_async(void *dst, const void *src, size_t n, int device, void *stream) {
   (void)dst, (void)src, (void)n, (void)device, (void)stream;

@@ -668,8 +668,8 @@ done:
  * removes the temp file and sets *refused, so the caller redoes the file buffered; with
  * `forced` that is an error. */
 static ac_result_t save_chunked(const char *path, const dbuf *hdr, const wr_item *items, size_t n,
-                                const ac_st_tensor_t *tensors, uint64_t total, int threads, int use_direct,
-                                int forced, char **tmp, int *fd, int *refused) {
+                                const ac_st_tensor_t *tensors, void *const *ready, uint64_t total, int threads,
+                                int use_direct, int forced, char **tmp, int *fd, int *refused) {
   *refused = 0;
 #ifdef O_DIRECT
   const int oflag = use_direct ? O_DIRECT : 0;
@@ -692,8 +692,10 @@ static ac_result_t save_chunked(const char *path, const dbuf *hdr, const wr_item
   for (size_t i = 0; i < n; i++) {
     if (!items[i].nbytes) continue; /* zero-size tensors own no bytes */
     const ac_st_tensor_t *t = items[i].t;
+    int cuda = t->memory == AC_ST_CUDA;
     segs[ns++] = (st_seg){.off = off, .p = (const char *)t->data, .len = items[i].nbytes, .tensor = items[i].idx,
-                          .device = t->memory == AC_ST_CUDA ? (int)t->device : -1};
+                          .device = cuda ? (int)t->device : -1,
+                          .event = cuda && ready ? ready[items[i].idx] : NULL};
     off += items[i].nbytes;
   }
   AC_CHECK_GOTO(open_temp(path, oflag, tmp, fd), r, done);
@@ -778,6 +780,11 @@ done:
 
 ac_result_t ac_st_save(const char *path, const ac_st_tensor_t *tensors, size_t ntensors,
                        const ac_st_kv_t *metadata, size_t nmeta, int threads) {
+  return ac_st_save_after(path, tensors, ntensors, metadata, nmeta, threads, NULL);
+}
+
+ac_result_t ac_st_save_after(const char *path, const ac_st_tensor_t *tensors, size_t ntensors,
+                             const ac_st_kv_t *metadata, size_t nmeta, int threads, void *const *ready) {
   last_write_mode = "none";
   if (ST_BIG_ENDIAN) return AC_FAIL(AC_ERR_UNSUPPORTED, "safetensors I/O needs a little-endian host");
   if (!path || !*path) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_st_save: empty path");
@@ -800,15 +807,16 @@ ac_result_t ac_st_save(const char *path, const ac_st_tensor_t *tensors, size_t n
   for (size_t i = 0; i < ntensors && !staged; i++) staged = items[i].nbytes && items[i].t->memory == AC_ST_CUDA;
   if (direct) {
     int refused;
-    AC_CHECK_GOTO(save_chunked(path, &hdr, items, ntensors, tensors, total, threads, 1, dio == DIO_ALWAYS, &tmp, &fd,
-                               &refused),
+    AC_CHECK_GOTO(save_chunked(path, &hdr, items, ntensors, tensors, ready, total, threads, 1, dio == DIO_ALWAYS,
+                               &tmp, &fd, &refused),
                   r, done);
     if (refused) direct = 0; /* this file system has no O_DIRECT: the same bytes, buffered */
   }
   if (!direct && staged) {
     int refused;
-    AC_CHECK_GOTO(save_chunked(path, &hdr, items, ntensors, tensors, total, threads, 0, 0, &tmp, &fd, &refused), r,
-                  done);
+    AC_CHECK_GOTO(save_chunked(path, &hdr, items, ntensors, tensors, ready, total, threads, 0, 0, &tmp, &fd,
+                               &refused),
+                  r, done);
   } else if (!direct) {
     AC_CHECK_GOTO(save_buffered(path, &hdr, items, ntensors, tensors, threads, &tmp, &fd), r, done);
   }

@@ -64,6 +64,7 @@ static const st_device_ops cuda_ops = {
     .host_free = ac_cuda_host_free,
     .stream_create = ac_cuda_stream_create,
     .stream_destroy = ac_cuda_stream_destroy,
+    .stream_wait_event = ac_cuda_stream_wait_event,
     .copy_async = ac_cuda_copy_to_host_async,
     .stream_sync = ac_cuda_stream_sync,
 };
@@ -110,6 +111,7 @@ typedef struct {
   void **streams; /* staged: [ndev], created on first use, on this worker's thread */
   size_t *first;  /* staged: [ndev], tensor of the first piece queued on that device in this chunk */
   size_t *count;  /* staged: [ndev], pieces queued on that device in this chunk */
+  void **waited;  /* staged: [ndev], the event that stream last waited for (one per device is usual) */
 } dw_worker;
 
 /* Copies the stream's bytes [start, start + len) into buf (host segments only). */
@@ -211,6 +213,16 @@ static int fill_staged(dw_worker *w, uint64_t start, size_t len) {
       w->count[d] = 0;
     }
     w->count[d]++;
+    /* the data may still be being written on the caller's stream: wait for its event first */
+    if (g->event && w->waited[d] != g->event) {
+      ac_result_t rc = ops->stream_wait_event(w->streams[d], g->event, d);
+      if (rc != AC_OK) {
+        record_copy(r, g->tensor, 0, d, rc, start);
+        bad = 1;
+        break;
+      }
+      w->waited[d] = g->event;
+    }
     uint64_t lo = g->off > start ? g->off : start;
     uint64_t hi = g->off + g->len < end ? g->off + g->len : end;
     ac_result_t rc = ops->copy_async(w->buf + (lo - start), g->p + (lo - g->off), (size_t)(hi - lo), d, w->streams[d]);
@@ -293,6 +305,7 @@ static void free_staged_state(dw_worker *w, int n) {
     free(w[i].streams);
     free(w[i].first);
     free(w[i].count);
+    free(w[i].waited);
   }
 }
 
@@ -356,7 +369,8 @@ int st_direct_write(int fd, const st_seg *segs, size_t nsegs, uint64_t total, in
       w[i].streams = calloc((size_t)r.ndev, sizeof *w[i].streams);
       w[i].first = malloc((size_t)r.ndev * sizeof *w[i].first);
       w[i].count = calloc((size_t)r.ndev, sizeof *w[i].count);
-      if (!w[i].streams || !w[i].first || !w[i].count) {
+      w[i].waited = calloc((size_t)r.ndev, sizeof *w[i].waited);
+      if (!w[i].streams || !w[i].first || !w[i].count || !w[i].waited) {
         free_staged_state(w, i + 1);
         f->kind = ST_FAIL_ALLOC;
         f->code = AC_ERR_NOMEM;

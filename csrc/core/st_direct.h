@@ -28,6 +28,7 @@ typedef struct {
   uint64_t len;
   size_t tensor;
   int device;
+  void *event; /* device segments: NULL, or a cudaEvent_t the copy stream waits for before copying */
 } st_seg;
 
 /* How a chunked write failed. */
@@ -64,8 +65,8 @@ typedef struct {
  * Staged mode, when any segment is on a device: the staging buffers are pinned host memory from
  * the device ops, every worker is a thread of its own (the caller only waits, so its current
  * CUDA device never changes), and a chunk's device pieces are queued as device->host copies on
- * the worker's stream for that device, its host pieces memcpy'd meanwhile, and the streams
- * synchronised before the pwrite. Returns 0; 1 with *f set when a pwrite or a device copy failed
+ * the worker's stream for that device (after that stream waited for the segment's event, if it
+ * has one), its host pieces memcpy'd meanwhile, and the streams synchronised before the pwrite. Returns 0; 1 with *f set when a pwrite or a device copy failed
  * or staged mode could start no thread; -1 with f->kind ST_FAIL_ALLOC when not even one staging
  * buffer could be allocated. Every buffer and stream is freed before it returns. */
 int st_direct_write(int fd, const st_seg *segs, size_t nsegs, uint64_t total, int threads, int direct,
@@ -79,6 +80,7 @@ typedef struct {
   void (*host_free)(void *ptr);
   ac_result_t (*stream_create)(void **stream, int device);
   void (*stream_destroy)(void *stream, int device);
+  ac_result_t (*stream_wait_event)(void *stream, void *event, int device);
   ac_result_t (*copy_async)(void *dst, const void *src, size_t n, int device, void *stream);
   ac_result_t (*stream_sync)(void *stream, int device);
 } st_device_ops;

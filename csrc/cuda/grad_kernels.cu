@@ -3,6 +3,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math.h>
+#include <stdint.h>
+
+#include <mutex>
 
 #include "ac/cuda.h"
 
@@ -26,8 +29,13 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ bool nonfinite(float v) { return !(fabsf(v) < INFINITY); }
 
-/* Block-wide reduction of (sum, max, flag), then one atomic per block. */
-__device__ void block_commit(double sum, float mx, int nf, float *out_sum, float *out_max, float *out_flag) {
+/* Block-wide reduction of (sum, max, flag) in a fixed order (lane shuffles, then warp 0's
+ * sums in warp order). The block's sum goes to partials[blockIdx.x] (summed by finish_sum in
+ * block order, so the total is bitwise the same run to run: float atomics would add the blocks
+ * in whatever order they finish), or, with partials NULL (a one-block launch), straight into
+ * *out_sum. The max is an integer atomic and the flag a plain store: both are order-free. */
+__device__ void block_commit(double sum, float mx, int nf, double *partials, float *out_sum, float *out_max,
+                             float *out_flag) {
   __shared__ double s_sum[kThreads / 32];
   __shared__ float s_max[kThreads / 32];
   __shared__ int s_nf[kThreads / 32];
@@ -52,15 +60,24 @@ __device__ void block_commit(double sum, float mx, int nf, float *out_sum, float
       m = fmaxf(m, s_max[w]);
       f |= s_nf[w];
     }
-    if (out_sum) atomicAdd(out_sum, (float)t);
+    if (out_sum && partials) partials[blockIdx.x] = t;
+    else if (out_sum) *out_sum += (float)t;
     /* non-negative floats order like their bit patterns, so an integer max is a float max */
     if (out_max) atomicMax(reinterpret_cast<int *>(out_max), __float_as_int(m));
     if (f && out_flag) *out_flag = 1.0f;
   }
 }
 
+/* The second pass: one block adds the per-block partials in a fixed order (thread i takes
+ * blocks i, i + kThreads, ...; then the same fixed tree as block_commit) into *out_sum. */
+__global__ void finish_sum(const double *partials, unsigned nblocks, float *out_sum) {
+  double sum = 0.0;
+  for (unsigned i = threadIdx.x; i < nblocks; i += kThreads) sum += partials[i];
+  block_commit(sum, 0.0f, 0, nullptr, out_sum, nullptr, nullptr);
+}
+
 template <typename T>
-__global__ void stats_kernel(const T *p, size_t n, float *out) {
+__global__ void stats_kernel(const T *p, size_t n, double *partials, float *out) {
   double sum = 0.0;
   float mx = 0.0f;
   int nf = 0;
@@ -70,7 +87,7 @@ __global__ void stats_kernel(const T *p, size_t n, float *out) {
     mx = fmaxf(mx, fabsf(v));
     nf |= nonfinite(v);
   }
-  block_commit(sum, mx, nf, &out[0], &out[1], &out[2]);
+  block_commit(sum, mx, nf, partials, &out[0], &out[1], &out[2]);
 }
 
 template <typename T>
@@ -81,7 +98,8 @@ __global__ void scale_kernel(T *p, size_t n, float factor, const float *dev_fact
 }
 
 template <typename T>
-__global__ void unscale_check_kernel(T *p, size_t n, const float *inv_scale, float *found_inf, float *sumsq) {
+__global__ void unscale_check_kernel(T *p, size_t n, const float *inv_scale, float *found_inf, double *partials,
+                                     float *sumsq) {
   float f = *inv_scale;
   double sum = 0.0;
   int nf = 0;
@@ -91,7 +109,7 @@ __global__ void unscale_check_kernel(T *p, size_t n, const float *inv_scale, flo
     sum += (double)v * v;
     nf |= nonfinite(v);
   }
-  block_commit(sum, 0.0f, nf, sumsq, nullptr, found_inf);
+  block_commit(sum, 0.0f, nf, partials, sumsq, nullptr, found_inf);
 }
 
 template <typename S, typename D>
@@ -105,10 +123,75 @@ unsigned grid_for(size_t n) {
   return (unsigned)(blocks > 4096 ? 4096 : (blocks ? blocks : 1));
 }
 
+/* ---- scratch for the per-block partial sums ----------------------------------------------------
+ * Taken from a memory pool of our own per device (stream-ordered: cudaMallocFromPoolAsync and
+ * cudaFreeAsync on the launch's stream, so concurrent launches on other streams each get their
+ * own, and nothing blocks the host). The pool keeps its memory (release threshold: never), so a
+ * training step does not map and unmap device memory at every synchronisation, as the default
+ * pool (threshold 0) would; it holds at most the few KiB of the largest grid in use. */
+constexpr int kMaxDevices = 64;
+
+cudaMemPool_t scratch_pool(int device) {
+  static std::mutex mu;
+  static cudaMemPool_t pools[kMaxDevices];
+  static bool tried[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!tried[device]) {
+    tried[device] = true;
+    int supported = 0;
+    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) == cudaSuccess && supported) {
+      cudaMemPoolProps props = {};
+      props.allocType = cudaMemAllocationTypePinned;
+      props.location.type = cudaMemLocationTypeDevice;
+      props.location.id = device;
+      cudaMemPool_t pool = nullptr;
+      if (cudaMemPoolCreate(&pool, &props) == cudaSuccess) {
+        uint64_t keep = UINT64_MAX;
+        (void)cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+        pools[device] = pool;
+      }
+    }
+    (void)cudaGetLastError();
+  }
+  return pools[device];
+}
+
+/* Scratch for `nblocks` partials on `s`, or NULL (then the caller launches one block, which
+ * needs none: still deterministic, only slower) when no pool can be had on this device. */
+double *scratch_alloc(unsigned nblocks, cudaStream_t s) {
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  cudaMemPool_t pool = scratch_pool(device);
+  void *p = nullptr;
+  if (!pool || cudaMallocFromPoolAsync(&p, nblocks * sizeof(double), pool, s) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return static_cast<double *>(p);
+}
+
 ac_result_t launched(const char *what) {
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return AC_FAIL(AC_ERR_CUDA, "%s: kernel launch failed: %s", what, cudaGetErrorString(e));
   return AC_OK;
+}
+
+/* After a first pass that wrote partials (non-NULL): the fixed-order second pass into
+ * *out_sum, then the scratch goes back to the pool (stream-ordered, after the pass). */
+ac_result_t finish(double *partials, unsigned grid, float *out_sum, cudaStream_t s, const char *what) {
+  ac_result_t r = launched(what);
+  if (partials) {
+    if (r == AC_OK) {
+      finish_sum<<<1, kThreads, 0, s>>>(partials, grid, out_sum);
+      r = launched(what);
+    }
+    if (cudaFreeAsync(partials, s) != cudaSuccess) (void)cudaGetLastError();
+  }
+  return r;
 }
 
 ac_result_t check_args(ac_dtype_t dt, const void *p, size_t n, const char *what) {
@@ -147,8 +230,11 @@ extern "C" ac_result_t ac_cuda_stats(ac_dtype_t dt, const void *data, size_t n, 
   if (!dev_out) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_cuda_stats: dev_out is NULL");
   if (n == 0) return AC_OK;
   cudaStream_t s = (cudaStream_t)stream;
-  AC_DISPATCH(dt, (stats_kernel<T><<<grid_for(n), kThreads, 0, s>>>((const T *)data, n, dev_out)));
-  return launched("ac_cuda_stats");
+  unsigned grid = grid_for(n);
+  double *partials = grid > 1 ? scratch_alloc(grid, s) : nullptr;
+  if (!partials) grid = 1;
+  AC_DISPATCH(dt, (stats_kernel<T><<<grid, kThreads, 0, s>>>((const T *)data, n, partials, dev_out)));
+  return finish(partials, grid, dev_out, s, "ac_cuda_stats");
 }
 
 extern "C" ac_result_t ac_cuda_scale(ac_dtype_t dt, void *data, size_t n, float factor, const float *dev_factor,
@@ -167,9 +253,12 @@ extern "C" ac_result_t ac_cuda_unscale_check(ac_dtype_t dt, void *data, size_t n
     return AC_FAIL(AC_ERR_INVALID_ARG, "ac_cuda_unscale_check: inv_scale and found_inf must be device pointers");
   if (n == 0) return AC_OK;
   cudaStream_t s = (cudaStream_t)stream;
-  AC_DISPATCH(dt, (unscale_check_kernel<T><<<grid_for(n), kThreads, 0, s>>>((T *)data, n, dev_inv_scale,
-                                                                              dev_found_inf, dev_sumsq)));
-  return launched("ac_cuda_unscale_check");
+  unsigned grid = grid_for(n);
+  double *partials = dev_sumsq && grid > 1 ? scratch_alloc(grid, s) : nullptr;
+  if (dev_sumsq && !partials) grid = 1;
+  AC_DISPATCH(dt, (unscale_check_kernel<T><<<grid, kThreads, 0, s>>>((T *)data, n, dev_inv_scale, dev_found_inf,
+                                                                       partials, dev_sumsq)));
+  return finish(partials, grid, dev_sumsq, s, "ac_cuda_unscale_check");
 }
 
 extern "C" ac_result_t ac_cuda_cast(ac_dtype_t src_dt, const void *src, ac_dtype_t dst_dt, void *dst, size_t n,

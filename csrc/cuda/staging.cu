@@ -84,6 +84,14 @@ extern "C" ac_result_t ac_cuda_copy_to_host_async(void *dst, const void *src, si
   return AC_OK;
 }
 
+extern "C" ac_result_t ac_cuda_stream_wait_event(void *stream, void *event, int device) {
+  if (!event) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_cuda_stream_wait_event: event is NULL");
+  AC_CHECK(use_device(device, "ac_cuda_stream_wait_event"));
+  cudaError_t e = cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)event, 0);
+  if (e != cudaSuccess) return failed("cudaStreamWaitEvent (the tensors' ready event)", device, e);
+  return AC_OK;
+}
+
 extern "C" ac_result_t ac_cuda_stream_sync(void *stream, int device) {
   AC_CHECK(use_device(device, "ac_cuda_stream_sync"));
   cudaError_t e = cudaStreamSynchronize((cudaStream_t)stream);

@@ -1,4 +1,5 @@
-/* streams.cu — CUDA events that order the reducer's comm stream after the compute stream. */
+/* streams.cu — CUDA events that order the reducer's comm stream after the compute stream, and
+ * the current-device guard of the kernel launches. */
 #include <cuda_runtime.h>
 
 #include "ac/cuda.h"
@@ -25,4 +26,21 @@ extern "C" ac_result_t ac_cuda_stream_wait(void *waiter, void *waitee, void *eve
   if (rc == cudaSuccess) rc = cudaStreamWaitEvent((cudaStream_t)waiter, (cudaEvent_t)event, 0);
   if (rc != cudaSuccess) return AC_FAIL(AC_ERR_CUDA, "ordering streams failed: %s", cudaGetErrorString(rc));
   return AC_OK;
+}
+
+extern "C" ac_result_t ac_cuda_device_enter(int device, int *prev) {
+  if (!prev) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_cuda_device_enter: prev is NULL");
+  cudaError_t rc = cudaGetDevice(prev);
+  if (rc == cudaSuccess && *prev != device) rc = cudaSetDevice(device);
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError(); /* do not leave the error for the next, unrelated check */
+    return AC_FAIL(AC_ERR_CUDA, "making CUDA device %d current failed: %s", device, cudaGetErrorString(rc));
+  }
+  return AC_OK;
+}
+
+extern "C" void ac_cuda_device_leave(int prev) {
+  int cur = -1;
+  if (cudaGetDevice(&cur) != cudaSuccess || (cur != prev && cudaSetDevice(prev) != cudaSuccess))
+    (void)cudaGetLastError();
 }

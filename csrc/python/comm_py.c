@@ -106,6 +106,11 @@ static PyObject *gather_scatter(PyObject *op, PyObject *args, PyObject *kwds, in
     pyac_view_release(&vs);
     return NULL;
   }
+  if (pyac_same_device(gather ? "all_gather" : "reduce_scatter", &vs, "send", &vd, "recv") < 0) {
+    pyac_view_release(&vs);
+    pyac_view_release(&vd);
+    return NULL;
+  }
   size_t n = (size_t)ac_comm_size(c);
   size_t small = gather ? vs.n : vd.n, big = gather ? vd.n : vs.n;
   ac_result_t r = AC_OK;

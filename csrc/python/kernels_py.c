@@ -171,27 +171,46 @@ static PyObject *py_cuda_device_count(PyObject *m, PyObject *const *a, Py_ssize_
 
 /* ---- CUDA: results stay in device tensors; `stream` is a cudaStream_t as an int ---------- */
 
-/* A small float32 device tensor used as an output/input scalar slot. */
-static int device_f32(PyObject *m, PyObject *o, int access, size_t min_n, const char *arg, pyac_view *v) {
+/* A small float32 device tensor used as an output/input scalar slot, on the device of `on`
+ * (the tensor the kernel works on). */
+static int device_f32(PyObject *m, PyObject *o, int access, size_t min_n, const char *arg, const char *fn,
+                      const pyac_view *on, pyac_view *v) {
   if (pyac_view_from(m, o, access, PYAC_ON_CUDA, arg, v) < 0) return -1;
   if (v->dt != AC_F32 || v->n < min_n) {
     PyErr_Format(PyExc_TypeError, "%s must be a float32 CUDA tensor of at least %zu elements", arg, min_n);
     pyac_view_release(v);
     return -1;
   }
+  if (pyac_same_device(fn, on, "tensor", v, arg) < 0) {
+    pyac_view_release(v);
+    return -1;
+  }
   return 0;
 }
+
+/* Runs a launch with the device of `on` current (a kernel can only go to a stream of the
+ * current device; the caller's current device is restored). */
+#define ON_DEVICE(on, r, launch)                                      \
+  do {                                                                \
+    int prev_;                                                        \
+    (r) = ac_cuda_device_enter((on)->device.device_id, &prev_);       \
+    if ((r) == AC_OK) {                                               \
+      (r) = (launch);                                                 \
+      ac_cuda_device_leave(prev_);                                    \
+    }                                                                 \
+  } while (0)
 
 static PyObject *py_cuda_stats_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view v, out;
   void *stream;
   if (!pyac_nargs_ok("cuda_stats_", n, 3) || pyac_stream(a[2], 0, &stream) < 0) return NULL;
   if (pyac_view_from(m, a[0], PYAC_READ, PYAC_ON_CUDA, "tensor", &v) < 0) return NULL;
-  if (device_f32(m, a[1], PYAC_WRITE, 3, "out", &out) < 0) {
+  if (device_f32(m, a[1], PYAC_WRITE, 3, "out", "cuda_stats_", &v, &out) < 0) {
     pyac_view_release(&v);
     return NULL;
   }
-  ac_result_t r = ac_cuda_stats(v.dt, v.data, v.n, out.data, stream);
+  ac_result_t r;
+  ON_DEVICE(&v, r, ac_cuda_stats(v.dt, v.data, v.n, out.data, stream));
   pyac_view_release(&v);
   pyac_view_release(&out);
   if (r != AC_OK) return pyac_raise(m, r);
@@ -205,11 +224,12 @@ static PyObject *py_cuda_scale_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   if (!pyac_nargs_ok("cuda_scale_", n, 4) || get_float(a[1], "factor", &f) < 0 || pyac_stream(a[3], 0, &stream) < 0)
     return NULL;
   if (pyac_view_from(m, a[0], PYAC_WRITE, PYAC_ON_CUDA, "tensor", &v) < 0) return NULL;
-  if (a[2] != Py_None && device_f32(m, a[2], PYAC_READ, 1, "dev_factor", &df) < 0) {
+  if (a[2] != Py_None && device_f32(m, a[2], PYAC_READ, 1, "dev_factor", "cuda_scale_", &v, &df) < 0) {
     pyac_view_release(&v);
     return NULL;
   }
-  ac_result_t r = ac_cuda_scale(v.dt, v.data, v.n, f, df.data, stream);
+  ac_result_t r;
+  ON_DEVICE(&v, r, ac_cuda_scale(v.dt, v.data, v.n, f, df.data, stream));
   pyac_view_release(&v);
   pyac_view_release(&df);
   if (r != AC_OK) return pyac_raise(m, r);
@@ -217,14 +237,16 @@ static PyObject *py_cuda_scale_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 }
 
 static PyObject *py_cuda_unscale_check_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  static const char fn[] = "cuda_unscale_check_";
   pyac_view v, inv, found, sq = {0};
   void *stream;
-  if (!pyac_nargs_ok("cuda_unscale_check_", n, 5) || pyac_stream(a[4], 0, &stream) < 0) return NULL;
+  if (!pyac_nargs_ok(fn, n, 5) || pyac_stream(a[4], 0, &stream) < 0) return NULL;
   if (pyac_view_from(m, a[0], PYAC_WRITE, PYAC_ON_CUDA, "tensor", &v) < 0) return NULL;
-  if (device_f32(m, a[1], PYAC_READ, 1, "inv_scale", &inv) < 0) goto fail_v;
-  if (device_f32(m, a[2], PYAC_WRITE, 1, "found_inf", &found) < 0) goto fail_inv;
-  if (a[3] != Py_None && device_f32(m, a[3], PYAC_WRITE, 1, "sumsq", &sq) < 0) goto fail_found;
-  ac_result_t r = ac_cuda_unscale_check(v.dt, v.data, v.n, inv.data, found.data, sq.data, stream);
+  if (device_f32(m, a[1], PYAC_READ, 1, "inv_scale", fn, &v, &inv) < 0) goto fail_v;
+  if (device_f32(m, a[2], PYAC_WRITE, 1, "found_inf", fn, &v, &found) < 0) goto fail_inv;
+  if (a[3] != Py_None && device_f32(m, a[3], PYAC_WRITE, 1, "sumsq", fn, &v, &sq) < 0) goto fail_found;
+  ac_result_t r;
+  ON_DEVICE(&v, r, ac_cuda_unscale_check(v.dt, v.data, v.n, inv.data, found.data, sq.data, stream));
   pyac_view_release(&sq);
   pyac_view_release(&found);
   pyac_view_release(&inv);
@@ -245,9 +267,12 @@ static PyObject *py_cuda_cast_(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   void *stream;
   if (!pyac_nargs_ok("cuda_cast_", n, 3) || pyac_stream(a[2], 0, &stream) < 0) return NULL;
   if (cast_views(m, a, PYAC_ON_CUDA, &d, &s) < 0) return NULL;
-  ac_result_t r = ac_cuda_cast(s.dt, s.data, d.dt, d.data, d.n, stream);
+  ac_result_t r = AC_OK;
+  if (pyac_same_device("cuda_cast_", &d, "dst", &s, "src") == 0)
+    ON_DEVICE(&d, r, ac_cuda_cast(s.dt, s.data, d.dt, d.data, d.n, stream));
   pyac_view_release(&d);
   pyac_view_release(&s);
+  if (PyErr_Occurred()) return NULL;
   if (r != AC_OK) return pyac_raise(m, r);
   Py_RETURN_NONE;
 }

@@ -73,6 +73,32 @@ enum { PYAC_ON_CPU = 0, PYAC_ON_CUDA = 1, PYAC_ON_ANY = 2 };
 int pyac_view_from(PyObject *module, PyObject *obj, int access, int where, const char *arg, pyac_view *v);
 void pyac_view_release(pyac_view *v);
 
+/* 0 when views `a` and `b` are on the same device (CUDA memory and CUDA managed memory of one
+ * ordinal count as one device); else -1 with a ValueError naming `fn` and both arguments. A
+ * CUDA kernel runs on one device and must only touch that device's memory: a tensor of another
+ * GPU would be read or written across devices (or fault). */
+static inline int pyac_dev_is_cuda(DLDevice d) { return d.device_type == kDLCUDA || d.device_type == kDLCUDAManaged; }
+
+static inline void pyac_dev_name(DLDevice d, char *buf, size_t len) {
+  if (pyac_dev_is_cuda(d)) snprintf(buf, len, "cuda:%d", (int)d.device_id);
+  else if (d.device_type == kDLCPU) snprintf(buf, len, "cpu");
+  else snprintf(buf, len, "DLPack device (%d, %d)", (int)d.device_type, (int)d.device_id);
+}
+
+static inline int pyac_same_device(const char *fn, const pyac_view *a, const char *aname, const pyac_view *b,
+                                   const char *bname) {
+  DLDevice x = a->device, y = b->device;
+  if (x.device_id == y.device_id &&
+      (x.device_type == y.device_type || (pyac_dev_is_cuda(x) && pyac_dev_is_cuda(y))))
+    return 0;
+  char nx[48], ny[48];
+  pyac_dev_name(x, nx, sizeof nx);
+  pyac_dev_name(y, ny, sizeof ny);
+  PyErr_Format(PyExc_ValueError, "%s: %s is on %s but %s is on %s; every tensor argument must be on %s's device", fn,
+               bname, ny, aname, nx, aname);
+  return -1;
+}
+
 /* The DLPack exchange under pyac_view_from, for consumers with rules of their own (the
  * safetensors engine takes every dtype): exports `obj` (asking for a versioned capsule first,
  * a legacy one if the producer refuses max_version) or takes a capsule, checks the DLPack

@@ -142,15 +142,50 @@ static const char *utf8_of(PyObject *s, const char *what) {
   return u;
 }
 
+/* ready[i] for each CUDA tensor: the event handle `events` (a dict {device index: int, a
+ * cudaEvent_t}) has for its device; NULL when `events` is None. Returns 0, or -1 with an
+ * exception naming the tensor. */
+static int ready_events(PyObject *events, const ac_st_tensor_t *ts, Py_ssize_t nt, void **ready) {
+  if (events == Py_None) return 0;
+  if (!PyDict_Check(events)) {
+    PyErr_Format(PyExc_TypeError, "st_save: ready must be a dict of CUDA device index to event handle, or None; "
+                 "got %s", Py_TYPE(events)->tp_name);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < nt; i++) {
+    if (ts[i].memory != AC_ST_CUDA) continue;
+    PyObject *key = PyLong_FromLong(ts[i].device);
+    if (!key) return -1;
+    PyObject *h = PyDict_GetItemWithError(events, key); /* borrowed */
+    Py_DECREF(key);
+    if (!h) {
+      if (!PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "st_save: ready has no event for CUDA device %d (tensor '%s')",
+                     (int)ts[i].device, ts[i].name);
+      return -1;
+    }
+    ready[i] = PyLong_AsVoidPtr(h);
+    if (!ready[i]) {
+      if (!PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "st_save: the event for CUDA device %d (tensor '%s') is a NULL handle",
+                     (int)ts[i].device, ts[i].name);
+      return -1;
+    }
+  }
+  return 0;
+}
+
 static PyObject *py_st_save(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-  if (n != 5) {
-    PyErr_Format(PyExc_TypeError, "st_save(path, names, tensors, metadata, threads) takes 5 arguments (%zd given)", n);
+  if (n != 5 && n != 6) {
+    PyErr_Format(PyExc_TypeError,
+                 "st_save(path, names, tensors, metadata, threads[, ready]) takes 5 or 6 arguments (%zd given)", n);
     return NULL;
   }
   int threads;
   if (get_threads(a[4], &threads) < 0) return NULL;
   PyObject *path = NULL, *names = NULL, *tensors = NULL, *meta = NULL, *ret = NULL;
   ac_st_tensor_t *ts = NULL;
+  void **ready = NULL;
   st_view *views = NULL;
   ac_st_kv_t *kv = NULL;
   Py_ssize_t nt = 0, nv = 0, nm = 0;
@@ -174,9 +209,10 @@ static PyObject *py_st_save(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     nm = PyList_GET_SIZE(meta);
   }
   ts = PyMem_Calloc((size_t)(nt ? nt : 1), sizeof *ts);
+  ready = PyMem_Calloc((size_t)(nt ? nt : 1), sizeof *ready);
   views = PyMem_Calloc((size_t)(nt ? nt : 1), sizeof *views);
   kv = PyMem_Calloc((size_t)(nm ? nm : 1), sizeof *kv);
-  if (!ts || !views || !kv) {
+  if (!ts || !ready || !views || !kv) {
     PyErr_NoMemory();
     goto done;
   }
@@ -199,9 +235,12 @@ static PyObject *py_st_save(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     ts[i].memory = views[i].memory;
     ts[i].device = views[i].device;
   }
+  PyObject *events = n == 6 ? a[5] : Py_None;
+  if (ready_events(events, ts, nt, ready) < 0) goto done;
   const char *p = PyBytes_AS_STRING(path);
   ac_result_t r;
-  Py_BEGIN_ALLOW_THREADS r = ac_st_save(p, ts, (size_t)nt, kv, (size_t)nm, threads);
+  Py_BEGIN_ALLOW_THREADS r = ac_st_save_after(p, ts, (size_t)nt, kv, (size_t)nm, threads,
+                                              events == Py_None ? NULL : (void *const *)ready);
   Py_END_ALLOW_THREADS
   if (r != AC_OK) {
     pyac_raise(m, r);
@@ -211,6 +250,7 @@ static PyObject *py_st_save(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 done:
   for (Py_ssize_t i = 0; i < nv; i++) st_view_release(&views[i]);
   PyMem_Free(ts);
+  PyMem_Free(ready);
   PyMem_Free(views);
   PyMem_Free(kv);
   Py_XDECREF(meta);
@@ -382,10 +422,11 @@ static PyObject *py_st_last_write_mode(PyObject *m, PyObject *unused) {
 
 PyMethodDef pyac_safetensors_methods[] = {
     FAST("st_save", py_st_save,
-         "st_save(path, names, tensors, metadata, threads): write a safetensors file (contiguous tensors or "
+         "st_save(path, names, tensors, metadata, threads[, ready]): write a safetensors file (contiguous tensors or "
          "DLPack capsules, any dtype; CPU memory, or CUDA memory in a CUDA build, staged through pinned buffers: "
-         "the caller orders pending GPU work first) atomically and durably; metadata is a dict of str or None; "
-         "threads 0 = choose."),
+         "whose copies wait for ready[device], a cudaEvent_t handle recorded after the work that writes them; "
+         "without ready, the caller must have finished that work) atomically and durably; metadata is a dict of "
+         "str or None; threads 0 = choose."),
     FAST("st_header", py_st_header,
          "st_header(path) -> {'tensors': [(name, dtype, shape, begin, end), ...] in offset order, "
          "'metadata': dict or None, 'data_start': int}; validates the whole header."),

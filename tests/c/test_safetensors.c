@@ -827,16 +827,33 @@ typedef struct {
   int device;
 } fake_range;
 
+/* A "ready event" of the caller's stream: until a stream that waited for it reaches the wait,
+ * the tensor's device bytes are still being written by the caller's kernels (the fake holds
+ * stale bytes there); completing the event writes the final ones. */
+typedef struct {
+  int device;
+  fake_range *r;
+  unsigned char *final; /* the encoded bytes the caller's kernels are writing */
+  int done;             /* under fk.mu */
+  atomic_int waits;     /* streams that waited for it */
+} fake_event;
+
+/* A queued operation: a copy, or (`wait` set) a wait for an event. */
 typedef struct {
   void *dst;
   const void *src;
   size_t n;
+  fake_event *wait;
 } fake_copy;
+
+#define FAKE_MAX_WAITED 8
 
 typedef struct {
   int device;
   fake_copy *q;
   size_t nq, cap;
+  fake_event *waited[FAKE_MAX_WAITED]; /* the events this stream has queued a wait for */
+  int nwaited;
 } fake_stream;
 
 static struct {
@@ -852,6 +869,8 @@ static struct {
   size_t fail_n;
   int fail_sync;   /* stream_sync fails (after doing the copies) */
   int fail_alloc;  /* host_alloc number fail_alloc (1-based) and all later ones fail; 0 = never */
+  int fail_wait;   /* stream_wait_event fails */
+  fake_event *pending[FAKE_MAX_RANGES]; /* per range: its ready event not yet completed, or NULL */
 } fk = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static atomic_long fk_allocs, fk_frees, fk_streams, fk_stream_frees, fk_copies, fk_syncs, fk_checks, fk_bad;
@@ -864,6 +883,8 @@ static void fake_reset(void) {
   fk.fail_n = 0;
   fk.fail_sync = 0;
   fk.fail_alloc = 0;
+  fk.fail_wait = 0;
+  memset(fk.pending, 0, sizeof fk.pending);
   atomic_store(&fk_allocs, 0);
   atomic_store(&fk_frees, 0);
   atomic_store(&fk_streams, 0);
@@ -962,14 +983,45 @@ static void fake_stream_destroy(void *stream, int device) {
   free(s);
 }
 
+static int fake_queue(fake_stream *s, fake_copy op) {
+  if (s->nq == s->cap) {
+    size_t cap = s->cap ? 2 * s->cap : 8;
+    fake_copy *nq = realloc(s->q, cap * sizeof *nq);
+    if (!nq) return -1;
+    s->q = nq;
+    s->cap = cap;
+  }
+  s->q[s->nq++] = op;
+  return 0;
+}
+
+static ac_result_t fake_stream_wait_event(void *stream, void *event, int device) {
+  fake_stream *s = stream;
+  fake_event *e = event;
+  if (on_main()) fake_bad("wait_event on the caller's thread");
+  if (s->device != device || e->device != device) fake_bad("wait for an event of another device");
+  if (fk.fail_wait)
+    return AC_FAIL(AC_ERR_CUDA, "cudaStreamWaitEvent (the tensors' ready event) on device %d failed: fake invalid "
+                   "resource handle", device);
+  if (s->nwaited < FAKE_MAX_WAITED) s->waited[s->nwaited++] = e;
+  if (fake_queue(s, (fake_copy){NULL, NULL, 0, e}) < 0) return AC_FAIL(AC_ERR_NOMEM, "fake: queue");
+  atomic_fetch_add(&e->waits, 1);
+  return AC_OK;
+}
+
 static ac_result_t fake_copy_async(void *dst, const void *src, size_t n, int device, void *stream) {
   fake_stream *s = stream;
   if (on_main()) fake_bad("copy on the caller's thread");
   if (s->device != device) fake_bad("copy on a stream of another device");
   const unsigned char *q = src, *readable = NULL;
   for (int i = 0; i < fk.nranges && !readable; i++)
-    if (q >= fk.ranges[i].p && q + n <= fk.ranges[i].p + fk.ranges[i].n && fk.ranges[i].device == device)
+    if (q >= fk.ranges[i].p && q + n <= fk.ranges[i].p + fk.ranges[i].n && fk.ranges[i].device == device) {
       readable = fk.ranges[i].alias + (q - fk.ranges[i].p);
+      fake_event *e = fk.pending[i];
+      int waited = !e;
+      for (int k = 0; k < s->nwaited && !waited; k++) waited = s->waited[k] == e;
+      if (!waited) fake_bad("copy of a tensor before its stream waited for the tensor's ready event");
+    }
   if (!readable) {
     fake_bad("copy from memory that is not on that fake device");
     return AC_FAIL(AC_ERR_CUDA, "fake: invalid device pointer");
@@ -982,14 +1034,7 @@ static ac_result_t fake_copy_async(void *dst, const void *src, size_t n, int dev
   if (!pinned) fake_bad("copy into memory that is not a live pinned buffer");
   if (fk.fail_src && q < fk.fail_src + fk.fail_n && fk.fail_src < q + n)
     return AC_FAIL(AC_ERR_CUDA, "cudaMemcpyAsync (device %d to host, %zu bytes) failed: fake device fault", device, n);
-  if (s->nq == s->cap) {
-    size_t cap = s->cap ? 2 * s->cap : 8;
-    fake_copy *nq = realloc(s->q, cap * sizeof *nq);
-    if (!nq) return AC_FAIL(AC_ERR_NOMEM, "fake: queue");
-    s->q = nq;
-    s->cap = cap;
-  }
-  s->q[s->nq++] = (fake_copy){dst, readable, n};
+  if (fake_queue(s, (fake_copy){dst, readable, n, NULL}) < 0) return AC_FAIL(AC_ERR_NOMEM, "fake: queue");
   atomic_fetch_add(&fk_copies, 1);
   return AC_OK;
 }
@@ -999,6 +1044,14 @@ static ac_result_t fake_stream_sync(void *stream, int device) {
   if (on_main()) fake_bad("sync on the caller's thread");
   if (s->device != device) fake_bad("sync of a stream with another device");
   for (size_t i = 0; i < s->nq; i++) { /* the "DMA": decode into the pinned buffer */
+    fake_event *e = s->q[i].wait;
+    if (e) { /* the caller's kernels before the event are done: their bytes are in place */
+      pthread_mutex_lock(&fk.mu);
+      if (!e->done) memcpy((void *)(uintptr_t)e->r->alias, e->final, e->r->n);
+      e->done = 1;
+      pthread_mutex_unlock(&fk.mu);
+      continue;
+    }
     unsigned char *d = s->q[i].dst;
     const unsigned char *src = s->q[i].src;
     for (size_t k = 0; k < s->q[i].n; k++) d[k] = src[k] ^ FAKE_KEY;
@@ -1018,6 +1071,7 @@ static const st_device_ops fake_ops = {
     .host_free = fake_host_free,
     .stream_create = fake_stream_create,
     .stream_destroy = fake_stream_destroy,
+    .stream_wait_event = fake_stream_wait_event,
     .copy_async = fake_copy_async,
     .stream_sync = fake_stream_sync,
 };
@@ -1050,6 +1104,27 @@ static void free_fake_device(fake_range *r) {
   munmap((void *)(uintptr_t)r->alias, r->n);
   r->p = r->alias = NULL;
   r->n = 0;
+}
+
+/* The tensor on fake range r is still being written by the caller's stream: its device bytes
+ * are stale (0xEE) until a copy stream passes a wait for the returned event. */
+static fake_event *fake_pending_write(fake_range *r) {
+  fake_event *e = calloc(1, sizeof *e);
+  if (!CHECK(e && r)) return e;
+  e->device = r->device;
+  e->r = r;
+  e->final = malloc(r->n);
+  if (!CHECK(e->final)) return e;
+  memcpy(e->final, r->alias, r->n);
+  memset((void *)(uintptr_t)r->alias, 0xEE, r->n);
+  fk.pending[r - fk.ranges] = e;
+  return e;
+}
+
+static void free_fake_event(fake_event *e) {
+  if (!e) return;
+  free(e->final);
+  free(e);
 }
 
 /* The ops' books balance after a save: every buffer and stream freed, nothing misused. */
@@ -1365,6 +1440,79 @@ TEST(gpu_tensors_staging_failures) {
   st_direct_set_device_ops(NULL);
 }
 
+/* Tensors still being written on the caller's stream when the save starts: with their ready
+ * events (ac_st_save_after), every writer stream waits for the event of each device tensor
+ * before copying any of its bytes, so the file holds the final bytes; a failed wait is an
+ * error naming the tensor and the file, and leaves the old file. */
+TEST(gpu_tensors_wait_for_the_callers_ready_event) {
+  st_direct_set_device_ops(&fake_ops);
+  if (!CHECK(st_direct_set_chunk_bytes(SMALL_CHUNK) == 0)) return;
+  size_t nb = 6 * SMALL_CHUNK;
+  unsigned char *host = malloc(nb);
+  for (size_t i = 0; i < nb; i++) host[i] = (unsigned char)(i * 13 + (i >> 11));
+  int64_t s_big[1] = {(int64_t)(3 * SMALL_CHUNK + 555)}, s_b[1] = {(int64_t)(SMALL_CHUNK + 7)}, s_c[1] = {999};
+  const ac_st_tensor_t ref_t[] = {{"dev0.big", AC_ST_U8, 1, s_big, host, AC_ST_HOST, 0},
+                                  {"dev1.b", AC_ST_U8, 1, s_b, host + 3, AC_ST_HOST, 0},
+                                  {"host.c", AC_ST_U8, 1, s_c, host + 5, AC_ST_HOST, 0}};
+  char ref[512], out[512];
+  path_of(ref, sizeof ref, "ready_ref.safetensors");
+  path_of(out, sizeof out, "ready.safetensors");
+  setenv(DIO_ENV, "0", 1);
+  CHECK_OK(ac_st_save(ref, ref_t, 3, NULL, 0, 1));
+  size_t lref = 0;
+  unsigned char *want = read_whole(ref, &lref);
+  static const char *const modes[] = {"1", "0"};
+  for (int m = 0; m < 2; m++)
+    for (int threads = 1; threads <= 4; threads *= 2)
+      for (int fail = 0; fail < 2; fail++) {
+        fake_reset();
+        ac_st_tensor_t t[3];
+        memcpy(t, ref_t, sizeof t);
+        fake_range *d0 = to_fake_device(&t[0], 0), *d1 = to_fake_device(&t[1], 1);
+        fake_event *e0 = fake_pending_write(d0), *e1 = fake_pending_write(d1);
+        void *ready[3] = {e0, e1, (void *)(uintptr_t)1}; /* a host tensor's entry is never used */
+        fk.fail_wait = fail;
+        static const char old[] = "the previous file";
+        write_whole(out, old, sizeof old);
+        setenv(DIO_ENV, modes[m], 1);
+        ac_result_t r = ac_st_save_after(out, t, 3, NULL, 0, threads, ready);
+        char label[96];
+        snprintf(label, sizeof label, "%s=%s, threads %d%s", DIO_ENV, modes[m], threads, fail ? ", failed wait" : "");
+        size_t len = 0;
+        unsigned char *got = read_whole(out, &len);
+        if (!fail) {
+          CHECK_MSG(r == AC_OK, "%s: %s", label, ac_last_error());
+          CHECK_MSG(got && want && len == lref && memcmp(got, want, len) == 0, "%s: the file differs from the final "
+                    "bytes (copied before the caller's work was done?)", label);
+          /* each stream that copied a tensor waited for its event, once */
+          CHECK_MSG(atomic_load(&e0->waits) >= 1 && atomic_load(&e1->waits) >= 1, "%s: waits %d, %d", label,
+                    atomic_load(&e0->waits), atomic_load(&e1->waits));
+          CHECK_MSG(atomic_load(&e0->waits) <= threads && atomic_load(&e1->waits) <= threads, "%s: waits %d, %d",
+                    label, atomic_load(&e0->waits), atomic_load(&e1->waits));
+        } else {
+          CHECK_MSG(r == AC_ERR_CUDA, "%s: %s", label, ac_result_string(r));
+          CHECK_CONTAINS(ac_last_error(), "ready.safetensors: copying tensor 'dev");
+          CHECK_CONTAINS(ac_last_error(), "cudaStreamWaitEvent (the tensors' ready event)");
+          CHECK_MSG(got && len == sizeof old && memcmp(got, old, len) == 0, "%s: the old file changed", label);
+        }
+        check_fake_books(label);
+        free(got);
+        free_fake_event(e0);
+        free_fake_event(e1);
+        free_fake_device(d0);
+        free_fake_device(d1);
+        int temps;
+        CHECK_EQ_INT(dir_count(&temps), 2);
+        CHECK_EQ_INT(temps, 0);
+      }
+  unsetenv(DIO_ENV);
+  free(want);
+  free(host);
+  clear_dir();
+  CHECK(st_direct_set_chunk_bytes(0) == 0);
+  st_direct_set_device_ops(NULL);
+}
+
 /* Argument checks of device tensors happen before any file exists. With the real CUDA layer of
  * this CPU-only build (cuda_stub.c), a device tensor is "built without CUDA". */
 TEST(gpu_tensors_argument_errors) {
@@ -1426,6 +1574,7 @@ static const tu_test_t tests[] = {
     TU_CASE(direct_io_refused_falls_back_or_fails),
     TU_CASE(gpu_tensors_staged_bytes_equal_host),
     TU_CASE(gpu_tensors_staging_failures),
+    TU_CASE(gpu_tensors_wait_for_the_callers_ready_event),
     TU_CASE(gpu_tensors_argument_errors),
     TU_CASE(cleanup),
 };

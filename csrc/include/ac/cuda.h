@@ -4,7 +4,10 @@
  * Results stay on the device: outputs are device pointers, so a training step needs no
  * device->host synchronisation until it must decide whether to skip the optimizer step.
  * `stream` is a cudaStream_t (NULL = legacy default stream); all work is asynchronous on it.
- * GPU reductions use atomics, so sums of squares are not bitwise reproducible run to run. */
+ * Sums of squares are bitwise reproducible run to run: each block's partial sum (in double)
+ * goes to scratch from a stream-ordered pool of ours, and a second one-block pass adds them in
+ * block order (no float atomics, whose order depends on timing). The same buffer size gives
+ * the same grid, hence the same result; the max and the non-finite flag are order-free. */
 #ifndef AC_CUDA_H
 #define AC_CUDA_H
 
@@ -21,7 +24,8 @@ int ac_cuda_built(void);
 ac_result_t ac_cuda_device_count(int *count);
 
 /* Accumulates statistics of a device buffer into dev_out (3 floats, device memory, zeroed by
- * the caller before the first buffer): dev_out[0] += sum of squares, dev_out[1] =
+ * the caller before the first buffer; on the current device, which must be data's): dev_out[0]
+ * += sum of squares (summed in double, rounded once), dev_out[1] =
  * max(dev_out[1], max |x|, NaN ignored), dev_out[2] = 1 if any element is NaN or +-Inf. */
 ac_result_t ac_cuda_stats(ac_dtype_t dt, const void *data, size_t n, float *dev_out, void *stream);
 
@@ -39,6 +43,12 @@ ac_result_t ac_cuda_unscale_check(ac_dtype_t dt, void *data, size_t n, const flo
 /* dst[i] = (dst_dt) src[i] on the device. */
 ac_result_t ac_cuda_cast(ac_dtype_t src_dt, const void *src, ac_dtype_t dst_dt, void *dst, size_t n,
                          void *stream);
+
+/* Makes `device` the calling thread's current CUDA device, returning the one that was current
+ * in *prev, for ac_cuda_device_leave(*prev). A kernel can only be launched on a stream of the
+ * current device, so every launch on a caller's tensor runs between these two. */
+ac_result_t ac_cuda_device_enter(int device, int *prev);
+void ac_cuda_device_leave(int prev);
 
 /* Events for ordering streams (the reducer's comm stream against the compute stream). */
 ac_result_t ac_cuda_event_create(void **event); /* a cudaEvent_t without timing */
@@ -72,6 +82,9 @@ void ac_cuda_stream_destroy(void *stream, int device); /* NULL is a no-op */
  * `stream` (cudaMemcpyAsync, DeviceToHost): asynchronous when dst is pinned. dst must stay
  * valid until ac_cuda_stream_sync on that stream has returned. */
 ac_result_t ac_cuda_copy_to_host_async(void *dst, const void *src, size_t n, int device, void *stream);
+/* Makes `stream` (of `device`) wait for `event` (recorded by someone else, on any stream of that
+ * device) before the work queued on it next; the host does not block. */
+ac_result_t ac_cuda_stream_wait_event(void *stream, void *event, int device);
 /* Waits for everything queued on `stream` (of `device`); errors of the copies show here. */
 ac_result_t ac_cuda_stream_sync(void *stream, int device);
 

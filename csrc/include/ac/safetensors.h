@@ -67,7 +67,8 @@ typedef enum {
 
 /* One tensor to write. `data` points to dtype_size * prod(shape) bytes of C-order, little-endian
  * memory that must stay valid and unmodified during ac_st_save (for a CUDA tensor: no work that
- * writes it may be pending on any stream; the writer copies it on streams of its own). The
+ * writes it may be pending on any stream, unless ac_st_save_after is given an event that follows
+ * that work; the writer copies it on streams of its own). The
  * caller keeps ownership of every pointer. ndim == 0 is a scalar (one element). */
 typedef struct {
   const char *name;      /* UTF-8, unique, not "__metadata__" */
@@ -123,6 +124,16 @@ typedef struct {
  * AC_ERR_INVALID_ARG naming the variable and its value. */
 ac_result_t ac_st_save(const char *path, const ac_st_tensor_t *tensors, size_t ntensors,
                        const ac_st_kv_t *metadata, size_t nmeta, int threads);
+
+/* ac_st_save, with the device->host copies of CUDA tensors ordered after work still queued on
+ * other streams: `ready` is NULL (= ac_st_save) or has one entry per tensor, NULL or a
+ * cudaEvent_t recorded on the stream that produced that tensor's data (the caller's current
+ * stream, recorded on the caller's thread: the writer's own threads have other current
+ * streams). Each writer stream waits for the event (cudaStreamWaitEvent: the host does not
+ * block) before its first copy of the tensor. The events must not be recorded again before the
+ * call returns; host tensors' entries are ignored. */
+ac_result_t ac_st_save_after(const char *path, const ac_st_tensor_t *tensors, size_t ntensors,
+                             const ac_st_kv_t *metadata, size_t nmeta, int threads, void *const *ready);
 
 /* How the last ac_st_save on this thread wrote its data: "direct" (O_DIRECT), "buffered", or
  * "none" (no save yet, or it failed before writing any data). Thread-local; never NULL. */
