@@ -5,6 +5,7 @@ from .dataclasses import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     DistributedType,
+    DynamoBackend,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,

@@ -11,24 +11,38 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 
-class _ChoiceEnum(str, enum.Enum):
-    """A string enum that compares equal to its value and lists its choices."""
+class _ContainsValues(enum.EnumMeta):
+    """`"bf16" in PrecisionType`: whether a value (or member) names a member."""
+
+    def __contains__(cls, item):
+        try:
+            cls(item)
+        except ValueError:
+            return False
+        return True
+
+
+class _ValueEnum(enum.Enum, metaclass=_ContainsValues):
+    """accelerate's plain "value" enums: str() and format() give the value, `in` takes values;
+    not a str, so a member is not equal to its value (RNGType, DDPCommunicationHookType)."""
 
     def __str__(self):
         return self.value
 
     @classmethod
     def list(cls):
-        return [m.value for m in cls]
-
-    @classmethod
-    def has(cls, value) -> bool:
-        return str(value) in cls.list()
+        return [str(m) for m in cls]
 
 
-class DistributedType(_ChoiceEnum):
+class _ValueStrEnum(str, _ValueEnum):
+    """accelerate's str + value enums (PrecisionType, DynamoBackend): also a str, equal to and
+    hashed as its value."""
+
+
+class DistributedType(str, enum.Enum):
     """accelerate 1.15's members, all of them, so code comparing against any of them runs;
-    accelerate_c itself only ever reports NO, MULTI_CPU and MULTI_GPU."""
+    accelerate_c itself only ever reports NO, MULTI_CPU and MULTI_GPU. As accelerate's, a str
+    equal to its value whose str() is the member's name ('DistributedType.NO')."""
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
@@ -46,20 +60,51 @@ class DistributedType(_ChoiceEnum):
     MULTI_NEURON = "MULTI_NEURON"
 
 
-class PrecisionType(_ChoiceEnum):
+class PrecisionType(_ValueStrEnum):
     NO = "no"
     FP8 = "fp8"
     FP16 = "fp16"
     BF16 = "bf16"
 
 
-class RNGType(_ChoiceEnum):
+class DynamoBackend(_ValueStrEnum):
+    """torch.compile backends by accelerate's names; accelerate_c runs only NO."""
+
+    NO = "NO"
+    EAGER = "EAGER"
+    AOT_EAGER = "AOT_EAGER"
+    INDUCTOR = "INDUCTOR"
+    AOT_TS_NVFUSER = "AOT_TS_NVFUSER"
+    NVPRIMS_NVFUSER = "NVPRIMS_NVFUSER"
+    CUDAGRAPHS = "CUDAGRAPHS"
+    OFI = "OFI"
+    FX2TRT = "FX2TRT"
+    ONNXRT = "ONNXRT"
+    TENSORRT = "TENSORRT"
+    AOT_TORCHXLA_TRACE_ONCE = "AOT_TORCHXLA_TRACE_ONCE"
+    TORCHXLA_TRACE_ONCE = "TORCHXLA_TRACE_ONCE"
+    TVM = "TVM"
+    HPU_BACKEND = "HPU_BACKEND"
+    NEURON = "NEURON"
+
+
+class RNGType(_ValueEnum):
+    """accelerate's members; synchronize_rng_state handles torch, cuda and generator."""
+
     TORCH = "torch"
     CUDA = "cuda"
+    MLU = "mlu"
+    SDAA = "sdaa"
+    MUSA = "musa"
+    NPU = "npu"
+    XLA = "xla"
+    XPU = "xpu"
+    HPU = "hpu"
+    NEURON = "neuron"
     GENERATOR = "generator"
 
 
-class DDPCommunicationHookType(_ChoiceEnum):
+class DDPCommunicationHookType(_ValueEnum):
     NO = "no"
     FP16 = "fp16"
     BF16 = "bf16"
