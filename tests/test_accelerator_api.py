@@ -70,7 +70,7 @@ def test_plugin_alone_sets_steps():
     ("log_with", "tensorboard"),
     ("torch_tp_plugin", object()),
     ("megatron_lm_plugin", object()),
-    ("dynamo_plugin", object()),
+    ("dynamo_plugin", accelerate_c.utils.TorchDynamoPlugin(backend="inductor")),
     ("deepspeed_plugins", object()),
 ])
 def test_unsupported_parameters_raise_not_implemented_naming_them(name, value):

@@ -13,6 +13,7 @@ from .dataclasses import (
     PrecisionType,
     ProjectConfiguration,
     RNGType,
+    TorchDynamoPlugin,
 )
 from .operations import (
     broadcast,

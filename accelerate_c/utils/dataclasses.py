@@ -119,7 +119,15 @@ class KwargsHandler:
         return copy.deepcopy(self.__dict__)
 
     def to_kwargs(self):
-        default = self.__class__().to_dict()
+        # the class's defaults as written, not as the environment would fill them in
+        # (TorchDynamoPlugin reads ACCELERATE_DYNAMO_*): an environment value is a change too
+        saved = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+        for k in saved:
+            del os.environ[k]
+        try:
+            default = self.__class__().to_dict()
+        finally:
+            os.environ.update(saved)
         return {k: v for k, v in self.to_dict().items() if default[k] != v}
 
 
@@ -208,6 +216,49 @@ class ProjectConfiguration:
 
     def __post_init__(self):
         self.set_directories(self.project_dir)
+
+
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """torch.compile settings, accelerate's fields; unset fields are read from the
+    ACCELERATE_DYNAMO_* variables the launcher sets, as accelerate reads them. accelerate_c
+    compiles nothing: the Accelerator takes only backend NO (the default)."""
+
+    backend: DynamoBackend | str | None = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: dict | None = None
+    disable: bool = False
+    use_regional_compilation: bool | None = None
+
+    def __post_init__(self):
+        if self.backend is None:
+            self.backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
+        name = str(getattr(self.backend, "value", self.backend)).upper()
+        if name not in DynamoBackend:
+            raise ValueError(f"TorchDynamoPlugin(backend={self.backend!r}): unknown dynamo backend; expected one of "
+                             f"{[b.lower() for b in DynamoBackend.list()]}")
+        self.backend = DynamoBackend(name)
+        if self.mode is None:
+            self.mode = os.environ.get("ACCELERATE_DYNAMO_MODE", "default")
+        if self.fullgraph is None:
+            self.fullgraph = parse_flag_from_env("ACCELERATE_DYNAMO_USE_FULLGRAPH")
+        if self.use_regional_compilation is None:
+            self.use_regional_compilation = parse_flag_from_env("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION")
+        if self.dynamic is None and os.environ.get("ACCELERATE_DYNAMO_USE_DYNAMIC") is not None:
+            self.dynamic = parse_flag_from_env("ACCELERATE_DYNAMO_USE_DYNAMIC")
+
+    def to_dict(self):
+        out = copy.deepcopy(self.__dict__)
+        out["backend"] = self.backend.value.lower()
+        return out
+
+    def to_kwargs(self):
+        # torch.compile's arguments: regional compilation is the Accelerator's choice, not torch's
+        kwargs = super().to_kwargs()
+        kwargs.pop("use_regional_compilation", None)
+        return kwargs
 
 
 def parse_flag_from_env(key: str, default: bool = False) -> bool:
