@@ -283,9 +283,12 @@ def skip_first_batches(dataloader, num_batches: int = 0):
             extra = dict(sampler=new_bs, batch_size=dataloader.batch_size)
         else:
             extra = dict(batch_sampler=new_bs)
+        # _drop_last stays False, as in accelerate's skipped loader: over an iterable shard with
+        # drop_last the remainder is then worked out, and is 0 (the shard holds whole batches
+        # only); over a map-style dataset it is -1 anyway (DataLoaderStateMixin.begin)
         return DataLoaderShard(dataset, device=dataloader.device, rng_types=dataloader.rng_types,
                                synchronized_generator=dataloader.synchronized_generator,
-                               _drop_last=dataloader._drop_last, _non_blocking=dataloader._non_blocking,
+                               _drop_last=False, _non_blocking=dataloader._non_blocking,
                                iteration=dataloader.iteration, **extra, **kwargs)
     if new_bs is None:
         return SkipDataLoader(dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,
