@@ -16,7 +16,6 @@ from accelerate_c.utils.config import (
     ConfigError,
     default_config_file,
     load_config_from_file,
-    validate,
     write_config_file,
 )
 

@@ -5,7 +5,6 @@ accelerate_c has not built are refused with an error naming the argument and the
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
