@@ -16,6 +16,8 @@ from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batche
 from .ddp import BucketComm, broadcast_model, register_forward_sync
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
+from .plugins import check_kind, kind_of, refuse_features
+from .plugins import dynamo_plugin as resolve_dynamo_plugin
 from .scaler import LossScaler
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState
@@ -27,9 +29,9 @@ from .utils.dataclasses import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
-    KwargsHandler,
     PrecisionType,
     ProjectConfiguration,
+    TorchDynamoPlugin,
     parse_choice_from_env,
     parse_flag_from_env,
 )
@@ -66,11 +68,6 @@ def _tune_host_malloc():
         _C.tune_host_malloc()
 
 
-def _not_supported(name: str, value):
-    raise NotImplementedError(f"Accelerator({name}={value!r}): not supported yet by accelerate_c; "
-                              f"leave {name} at its default")
-
-
 class Accelerator:
     """Creates the training state and wraps models, optimizers, schedulers and data loaders.
 
@@ -102,17 +99,18 @@ class Accelerator:
         deepspeed_plugins=None,
         parallelism_config=None,
     ):
-        for name, value in (("deepspeed_plugin", deepspeed_plugin), ("fsdp_plugin", fsdp_plugin),
-                            ("torch_tp_plugin", torch_tp_plugin), ("megatron_lm_plugin", megatron_lm_plugin),
-                            ("log_with", log_with), ("dynamo_plugin", dynamo_plugin),
-                            ("deepspeed_plugins", deepspeed_plugins), ("parallelism_config", parallelism_config)):
-            if value is not None:
-                _not_supported(name, value)
-        if dynamo_backend is not None and str(dynamo_backend).lower() != "no":
-            _not_supported("dynamo_backend", dynamo_backend)
-        for env in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        refuse_features(deepspeed_plugin=deepspeed_plugin, deepspeed_plugins=deepspeed_plugins,
+                        fsdp_plugin=fsdp_plugin, megatron_lm_plugin=megatron_lm_plugin,
+                        torch_tp_plugin=torch_tp_plugin, parallelism_config=parallelism_config, log_with=log_with)
+        for env in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM"):
             if parse_flag_from_env(env):
-                raise NotImplementedError(f"{env}=true: DeepSpeed/FSDP sharding is not supported yet by accelerate_c")
+                raise NotImplementedError(f"{env}=true: DeepSpeed/FSDP/Megatron-LM are not supported yet by "
+                                          "accelerate_c")
+        # a default TorchDynamoPlugin (transformers' Trainer always passes one) compiles nothing
+        dynamo = resolve_dynamo_plugin(dynamo_plugin, dynamo_backend, TorchDynamoPlugin)
+        check_kind("project_config", project_config, ProjectConfiguration)
+        check_kind("gradient_accumulation_plugin", gradient_accumulation_plugin, GradientAccumulationPlugin)
+        check_kind("dataloader_config", dataloader_config, DataLoaderConfiguration)
 
         # project
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
@@ -136,17 +134,18 @@ class Accelerator:
         self.init_handler = None
         seen = set()
         for handler in kwargs_handlers or []:
-            if not isinstance(handler, KwargsHandler) or not isinstance(handler, _HANDLERS):
+            kind = kind_of(handler, _HANDLERS)  # ours, or accelerate's class of the same name
+            if kind is None:
                 raise NotImplementedError(f"kwargs handler {type(handler).__name__} is not supported yet by "
                                           f"accelerate_c (supported: {[h.__name__ for h in _HANDLERS]})")
-            if type(handler) in seen:
-                raise ValueError(f"You can only pass one {type(handler).__name__} in `kwargs_handlers`.")
-            seen.add(type(handler))
-            if isinstance(handler, AutocastKwargs):
+            if kind in seen:
+                raise ValueError(f"You can only pass one {kind.__name__} in `kwargs_handlers`.")
+            seen.add(kind)
+            if kind is AutocastKwargs:
                 self.autocast_handler = handler
-            elif isinstance(handler, GradScalerKwargs):
+            elif kind is GradScalerKwargs:
                 self.scaler_handler = handler
-            elif isinstance(handler, DistributedDataParallelKwargs):
+            elif kind is DistributedDataParallelKwargs:
                 self.ddp_handler = handler
             else:
                 self.init_handler = handler
@@ -155,6 +154,7 @@ class Accelerator:
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
         self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, _from_accelerator=True,
                                       **init_kwargs)
+        self.state.dynamo_plugin = dynamo  # where accelerate keeps it
 
         # gradient accumulation: argument or plugin, never both
         if gradient_accumulation_plugin is not None:

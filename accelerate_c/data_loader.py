@@ -86,7 +86,12 @@ class DataLoaderStateMixin:
 
     def begin(self):
         self.reset()
-        if not self._drop_last:
+        # A loader made by skip_first_batches over a map-style dataset reports no remainder
+        # (-1), as accelerate's does: gather_for_metrics then keeps every gathered sample of
+        # its last batch rather than cutting at a count that was worked out for the full pass.
+        bs = getattr(self, "sampler", None) if isinstance(getattr(self, "sampler", None), BatchSampler) \
+            else getattr(self, "batch_sampler", None)
+        if not self._drop_last and not isinstance(bs, SkipBatchSampler):
             try:
                 length = getattr(self.dataset, "total_length", None) or len(self.dataset)
                 self.remainder = length % self.total_batch_size
@@ -163,6 +168,8 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
     @property
     def total_batch_size(self):
         bs = self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
+        if isinstance(bs, SkipBatchSampler):  # skip_first_batches: the shard it wraps decides
+            bs = bs.batch_sampler
         if bs is None:
             return self.batch_size
         n = getattr(bs, "num_processes", 1)
@@ -276,9 +283,12 @@ def skip_first_batches(dataloader, num_batches: int = 0):
             extra = dict(sampler=new_bs, batch_size=dataloader.batch_size)
         else:
             extra = dict(batch_sampler=new_bs)
+        # _drop_last stays False, as in accelerate's skipped loader: over an iterable shard with
+        # drop_last the remainder is then worked out, and is 0 (the shard holds whole batches
+        # only); over a map-style dataset it is -1 anyway (DataLoaderStateMixin.begin)
         return DataLoaderShard(dataset, device=dataloader.device, rng_types=dataloader.rng_types,
                                synchronized_generator=dataloader.synchronized_generator,
-                               _drop_last=dataloader._drop_last, _non_blocking=dataloader._non_blocking,
+                               _drop_last=False, _non_blocking=dataloader._non_blocking,
                                iteration=dataloader.iteration, **extra, **kwargs)
     if new_bs is None:
         return SkipDataLoader(dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,

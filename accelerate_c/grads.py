@@ -225,27 +225,12 @@ class GradGroup:
             v.copy_(g)
             p.grad = v
 
-    def zero_(self, indices=None, set_to_none: bool = True):
-        """set_to_none=True (torch's default): `.grad = None`, and the ranges are left stale
-        (the next gradient is copied in over them; resync() zeroes those that get none).
-        set_to_none=False: params that have a gradient keep a zero one, in the buffer, as
-        torch's zero_grad(set_to_none=False) does."""
-        full = indices is None or len(set(indices)) == len(self.params)
-        idx = range(len(self.params)) if indices is None else indices
-        if set_to_none:
-            for i in idx:
-                self.params[i].grad = None
-        else:
-            if full:
-                self.flat.zero_()
-            for i in idx:
-                p, v = self.params[i], self.views[i]
-                if p.grad is None:
-                    continue
-                if not full:
-                    v.zero_()
-                p.grad = v  # a replaced gradient is dropped, as torch would zero it
-        if full:  # nothing left that carries the loss scale; a partial zero leaves the rest as is
+    def cleared(self):
+        """An optimizer's zero_grad ran over (some of) these params. The `.grad` values it left
+        need no work now (resync() brings them in at the next step); but when no param of the
+        group has a gradient any more, nothing carries the loss scale or an overflow: a step
+        taken before the next backward must not be skipped for the last one's overflow."""
+        if all(p.grad is None for p in self.params):
             self.needs_unscale = False
             self.found_inf = False
 
@@ -632,8 +617,8 @@ class GradManager:
             g.wrote()
         return total
 
-    def zero(self, params, set_to_none: bool = True):
-        touched, loose = self.split(params)
-        for g, idx in touched.items():
-            g.zero_(idx, set_to_none=set_to_none)
-        return loose
+    def cleared(self, params):
+        """After an optimizer's own zero_grad over `params` (AcceleratedOptimizer.zero_grad)."""
+        touched, _ = self.split(params)
+        for g in touched:
+            g.cleared()

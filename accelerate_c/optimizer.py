@@ -1,10 +1,19 @@
 """AcceleratedOptimizer: steps and zeroes only on sync steps, skips fp16 overflow steps."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .state import AcceleratorState, GradientState
 from .utils.operations import send_to_device
+
+
+def _parameters(fn) -> tuple:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: assume torch's
+        return ("set_to_none",)
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -13,7 +22,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     - step() and zero_grad() act only when gradients are synchronised (end of accumulation);
     - under fp16, step() unscales (once: clip_grad_norm_ may have done it already), skips the
       update when a gradient is non-finite and updates the loss scale;
-    - zero_grad() sets `.grad = None` as torch does (set_to_none=False: zeros, in the buffer)."""
+    - zero_grad() calls the wrapped optimizer's zero_grad (torch's: `.grad = None`, or zeros
+      in the buffer with set_to_none=False)."""
 
     def __init__(self, optimizer, device_placement: bool = True, scaler=None, grads=None):
         self.optimizer = optimizer
@@ -64,20 +74,24 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def zero_grad(self, set_to_none=None):
+        """On sync steps, the wrapped optimizer's own zero_grad runs (a subclass's override or a
+        wrapper's, as with accelerate); set_to_none defaults to True and is only passed to a
+        zero_grad that takes it. The flat buffers need nothing here: the `.grad` values it
+        leaves (None, zeroed views, new tensors) are brought into the buffers at the next step
+        (GradManager.prepare_step), and the bookkeeping of groups left without any gradient
+        is reset."""
         if not self.gradient_state.sync_gradients:
             return
-        params = self._params()
-        to_none = set_to_none is None or bool(set_to_none)
-        loose = self._grads.zero(params, set_to_none=to_none) if self._grads is not None else params
-        # parameters outside the buffers keep torch's semantics
-        for p in loose:
-            if p.grad is None:
-                continue
-            if to_none:
-                p.grad = None
-            else:
-                p.grad.detach_()
-                p.grad.zero_()
+        zero_grad = self.optimizer.zero_grad
+        if "set_to_none" in _parameters(zero_grad):
+            self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+        else:
+            if set_to_none is not None:
+                raise ValueError(f"zero_grad(set_to_none={set_to_none!r}): {type(self.optimizer).__name__}.zero_grad "
+                                 "takes no set_to_none argument")
+            self.optimizer.zero_grad()
+        if self._grads is not None:
+            self._grads.cleared(self._params())
 
     def step(self, closure=None):
         if not self.gradient_state.sync_gradients:

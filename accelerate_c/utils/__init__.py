@@ -5,6 +5,7 @@ from .dataclasses import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     DistributedType,
+    DynamoBackend,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -12,6 +13,7 @@ from .dataclasses import (
     PrecisionType,
     ProjectConfiguration,
     RNGType,
+    TorchDynamoPlugin,
 )
 from .operations import (
     broadcast,

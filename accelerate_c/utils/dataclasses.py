@@ -11,24 +11,38 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 
-class _ChoiceEnum(str, enum.Enum):
-    """A string enum that compares equal to its value and lists its choices."""
+class _ContainsValues(enum.EnumMeta):
+    """`"bf16" in PrecisionType`: whether a value (or member) names a member."""
+
+    def __contains__(cls, item):
+        try:
+            cls(item)
+        except ValueError:
+            return False
+        return True
+
+
+class _ValueEnum(enum.Enum, metaclass=_ContainsValues):
+    """accelerate's plain "value" enums: str() and format() give the value, `in` takes values;
+    not a str, so a member is not equal to its value (RNGType, DDPCommunicationHookType)."""
 
     def __str__(self):
         return self.value
 
     @classmethod
     def list(cls):
-        return [m.value for m in cls]
-
-    @classmethod
-    def has(cls, value) -> bool:
-        return str(value) in cls.list()
+        return [str(m) for m in cls]
 
 
-class DistributedType(_ChoiceEnum):
+class _ValueStrEnum(str, _ValueEnum):
+    """accelerate's str + value enums (PrecisionType, DynamoBackend): also a str, equal to and
+    hashed as its value."""
+
+
+class DistributedType(str, enum.Enum):
     """accelerate 1.15's members, all of them, so code comparing against any of them runs;
-    accelerate_c itself only ever reports NO, MULTI_CPU and MULTI_GPU."""
+    accelerate_c itself only ever reports NO, MULTI_CPU and MULTI_GPU. As accelerate's, a str
+    equal to its value whose str() is the member's name ('DistributedType.NO')."""
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
@@ -46,20 +60,51 @@ class DistributedType(_ChoiceEnum):
     MULTI_NEURON = "MULTI_NEURON"
 
 
-class PrecisionType(_ChoiceEnum):
+class PrecisionType(_ValueStrEnum):
     NO = "no"
     FP8 = "fp8"
     FP16 = "fp16"
     BF16 = "bf16"
 
 
-class RNGType(_ChoiceEnum):
+class DynamoBackend(_ValueStrEnum):
+    """torch.compile backends by accelerate's names; accelerate_c runs only NO."""
+
+    NO = "NO"
+    EAGER = "EAGER"
+    AOT_EAGER = "AOT_EAGER"
+    INDUCTOR = "INDUCTOR"
+    AOT_TS_NVFUSER = "AOT_TS_NVFUSER"
+    NVPRIMS_NVFUSER = "NVPRIMS_NVFUSER"
+    CUDAGRAPHS = "CUDAGRAPHS"
+    OFI = "OFI"
+    FX2TRT = "FX2TRT"
+    ONNXRT = "ONNXRT"
+    TENSORRT = "TENSORRT"
+    AOT_TORCHXLA_TRACE_ONCE = "AOT_TORCHXLA_TRACE_ONCE"
+    TORCHXLA_TRACE_ONCE = "TORCHXLA_TRACE_ONCE"
+    TVM = "TVM"
+    HPU_BACKEND = "HPU_BACKEND"
+    NEURON = "NEURON"
+
+
+class RNGType(_ValueEnum):
+    """accelerate's members; synchronize_rng_state handles torch, cuda and generator."""
+
     TORCH = "torch"
     CUDA = "cuda"
+    MLU = "mlu"
+    SDAA = "sdaa"
+    MUSA = "musa"
+    NPU = "npu"
+    XLA = "xla"
+    XPU = "xpu"
+    HPU = "hpu"
+    NEURON = "neuron"
     GENERATOR = "generator"
 
 
-class DDPCommunicationHookType(_ChoiceEnum):
+class DDPCommunicationHookType(_ValueEnum):
     NO = "no"
     FP16 = "fp16"
     BF16 = "bf16"
@@ -74,7 +119,15 @@ class KwargsHandler:
         return copy.deepcopy(self.__dict__)
 
     def to_kwargs(self):
-        default = self.__class__().to_dict()
+        # the class's defaults as written, not as the environment would fill them in
+        # (TorchDynamoPlugin reads ACCELERATE_DYNAMO_*): an environment value is a change too
+        saved = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+        for k in saved:
+            del os.environ[k]
+        try:
+            default = self.__class__().to_dict()
+        finally:
+            os.environ.update(saved)
         return {k: v for k, v in self.to_dict().items() if default[k] != v}
 
 
@@ -163,6 +216,49 @@ class ProjectConfiguration:
 
     def __post_init__(self):
         self.set_directories(self.project_dir)
+
+
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """torch.compile settings, accelerate's fields; unset fields are read from the
+    ACCELERATE_DYNAMO_* variables the launcher sets, as accelerate reads them. accelerate_c
+    compiles nothing: the Accelerator takes only backend NO (the default)."""
+
+    backend: DynamoBackend | str | None = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: dict | None = None
+    disable: bool = False
+    use_regional_compilation: bool | None = None
+
+    def __post_init__(self):
+        if self.backend is None:
+            self.backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
+        name = str(getattr(self.backend, "value", self.backend)).upper()
+        if name not in DynamoBackend:
+            raise ValueError(f"TorchDynamoPlugin(backend={self.backend!r}): unknown dynamo backend; expected one of "
+                             f"{[b.lower() for b in DynamoBackend.list()]}")
+        self.backend = DynamoBackend(name)
+        if self.mode is None:
+            self.mode = os.environ.get("ACCELERATE_DYNAMO_MODE", "default")
+        if self.fullgraph is None:
+            self.fullgraph = parse_flag_from_env("ACCELERATE_DYNAMO_USE_FULLGRAPH")
+        if self.use_regional_compilation is None:
+            self.use_regional_compilation = parse_flag_from_env("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION")
+        if self.dynamic is None and os.environ.get("ACCELERATE_DYNAMO_USE_DYNAMIC") is not None:
+            self.dynamic = parse_flag_from_env("ACCELERATE_DYNAMO_USE_DYNAMIC")
+
+    def to_dict(self):
+        out = copy.deepcopy(self.__dict__)
+        out["backend"] = self.backend.value.lower()
+        return out
+
+    def to_kwargs(self):
+        # torch.compile's arguments: regional compilation is the Accelerator's choice, not torch's
+        kwargs = super().to_kwargs()
+        kwargs.pop("use_regional_compilation", None)
+        return kwargs
 
 
 def parse_flag_from_env(key: str, default: bool = False) -> bool:

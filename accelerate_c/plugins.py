@@ -1,0 +1,93 @@
+"""Which plugin and kwargs-handler objects the Accelerator takes, and which values it refuses.
+
+A script moved from accelerate keeps building its configuration with accelerate's own classes
+(`accelerate.utils.DistributedDataParallelKwargs(...)`), and transformers' Trainer always
+passes a default `TorchDynamoPlugin()`: accelerate's objects of the classes accelerate_c has
+(same names, same fields) are taken as they are, like ours, so that what the Accelerator
+changes on them (ProjectConfiguration.iteration, DataLoaderConfiguration.split_batches) is
+seen by the caller as with accelerate. Only values asking for something accelerate_c has not
+built are refused, naming the argument and the value.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+def _is_accelerates(obj, cls) -> bool:
+    """Whether obj is an instance of accelerate's class of the same name as ours (accelerate
+    need not be importable: the class is recognised by its module)."""
+    return any(base.__name__ == cls.__name__ and base.__module__.split(".")[0] == "accelerate"
+               for base in type(obj).__mro__)
+
+
+def kind_of(obj, classes):
+    """The class among `classes` (ours) that obj is an instance of, or accelerate's
+    counterpart of; None when none."""
+    for cls in classes:
+        if isinstance(obj, cls) or _is_accelerates(obj, cls):
+            return cls
+    return None
+
+
+def check_kind(argument: str, obj, cls):
+    """obj, when it is a `cls` (ours or accelerate's); else a TypeError naming the argument."""
+    if obj is not None and kind_of(obj, (cls,)) is None:
+        raise TypeError(f"Accelerator({argument}=...): expected a {cls.__name__} (accelerate_c's or accelerate's), "
+                        f"got {type(obj).__module__}.{type(obj).__name__}")
+    return obj
+
+
+def describe(obj) -> str:
+    """`Name(field=value, ...)` with only the fields that differ from the class's defaults."""
+    changed = []
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+            value = getattr(obj, f.name, None)
+            if default is dataclasses.MISSING or value != default:
+                changed.append(f"{f.name}={value!r}")
+    return f"{type(obj).__name__}({', '.join(changed)})"
+
+
+def dynamo_plugin(plugin, backend, plugin_cls):
+    """The TorchDynamoPlugin in effect (accelerate's rules: dynamo_backend builds one; neither
+    given: one from the ACCELERATE_DYNAMO_* variables). accelerate_c compiles nothing, so any
+    backend but NO is refused."""
+    if plugin is not None and backend is not None:
+        raise ValueError("You cannot pass in both `dynamo_plugin` and `dynamo_backend`, please only pass in one.")
+    if backend is not None:
+        argument = f"dynamo_backend={backend!r}"
+        plugin = plugin_cls(backend=backend)
+    elif plugin is not None:
+        check_kind("dynamo_plugin", plugin, plugin_cls)
+        argument = f"dynamo_plugin={describe(plugin)}"
+    else:
+        plugin = plugin_cls()
+        argument = f"ACCELERATE_DYNAMO_BACKEND={str(getattr(plugin.backend, 'value', plugin.backend))!r}"
+    name = str(getattr(plugin.backend, "value", plugin.backend)).upper()
+    if name != "NO":
+        raise NotImplementedError(f"Accelerator({argument}): torch dynamo backend {name} is not supported yet by "
+                                  "accelerate_c, which does not compile models; use backend 'no' (the default), "
+                                  "or torch.compile the model yourself before prepare()")
+    return plugin
+
+
+# Arguments whose mere presence turns a feature on in accelerate (it sets ACCELERATE_USE_FSDP,
+# ..._DEEPSPEED, ..._MEGATRON_LM for any plugin given, default-valued or not)
+_FEATURE_ARGUMENTS = {
+    "deepspeed_plugin": "DeepSpeed", "deepspeed_plugins": "DeepSpeed", "fsdp_plugin": "FSDP",
+    "megatron_lm_plugin": "Megatron-LM", "torch_tp_plugin": "tensor parallelism",
+    "parallelism_config": "ParallelismConfig (tensor/context/sharded data parallelism)",
+    "log_with": "experiment trackers (log_with)",
+}
+
+
+def refuse_features(**arguments):
+    """NotImplementedError naming the first argument given that asks for a feature not built."""
+    for name, value in arguments.items():
+        if value is not None:
+            shown = describe(value) if dataclasses.is_dataclass(value) else repr(value)
+            raise NotImplementedError(f"Accelerator({name}={shown}): {_FEATURE_ARGUMENTS[name]} is not supported yet "
+                                      f"by accelerate_c (in accelerate, passing {name} turns it on); leave {name} "
+                                      "at None")
