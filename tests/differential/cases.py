@@ -56,10 +56,13 @@ def draw(seed: int, world: int | None = None) -> dict:
     c["nan_grad_step"] = r.randrange(4) if (c["mp"] != "fp16" and r.random() < 0.1) else None
     c["eval"] = r.random() < 0.5
     c["eval_skip"] = r.choice((0, 0, 1)) if c["eval"] else 0  # evaluation resumed past its first batch
-    # uneven inputs: even_batches=False, the loop inside join_uneven_inputs (torch's Join)
+    # uneven inputs: even_batches=False, the loop inside join_uneven_inputs (torch's Join). The
+    # reference is torch DDP under Join, which itself mismatches its collectives under no_sync
+    # accumulation and with two DDP models in one loss: one model, a step per batch
     c["uneven"] = c["world"] > 1 and r.random() < 0.2
     if c["uneven"]:
         c["epochs"], c["skip_first"], c["eval"], c["eval_skip"] = 1, 0, False, 0
+        c["ga"], c["two_models"] = 1, False
         c["dataset_extra"] = max(1, c["dataset_extra"])  # some ranks get a batch more
     # a weight used by two reentrant-checkpointed segments: torch DDP refuses it without
     # static_graph, so one process only

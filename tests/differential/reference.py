@@ -15,6 +15,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
+from accelerate.state import PartialState
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -30,6 +31,10 @@ def _world():
 
 def _batches(case, ds, world, rank):
     """What accelerate 1.15 hands this process, batch by batch."""
+    # accelerate's process state is a singleton that prepare_data_loader initialises on first
+    # use; without cpu=True it takes a CPU process group for one process, and the evaluation's
+    # Accelerator below would then gather nothing
+    PartialState(cpu=True)
     shard = prepare_data_loader(W.loader(ds, case), device=torch.device("cpu"), num_processes=world,
                                 process_index=rank, put_on_device=False, even_batches=not case["uneven"])
     return [tuple(t.clone() for t in b) for b in shard]

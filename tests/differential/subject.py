@@ -11,7 +11,7 @@ import contextlib
 import torch
 
 from accelerate_c import Accelerator
-from accelerate_c.utils import DistributedDataParallelKwargs
+from accelerate_c.utils import DataLoaderConfiguration, DistributedDataParallelKwargs
 
 from . import workload as W
 
@@ -36,7 +36,7 @@ def run(case: dict) -> dict:
                                               comm_hook=case["comm_hook"])]
     ga = case["ga"] if case["sync_style"] == "accumulate" else 1
     acc = Accelerator(cpu=True, mixed_precision=case["mp"], gradient_accumulation_steps=ga, kwargs_handlers=handlers,
-                      even_batches=not case["uneven"])
+                      dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]))
     models = W.models(case)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     opt = W.optimizer(case, params)
