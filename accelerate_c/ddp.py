@@ -103,6 +103,8 @@ class BucketComm:
         self.prescale = 1.0 / self.world if self.hook_dtype is None else 1.0
         self.nccl = None  # _C.NcclComm: CUDA buckets are launched from the C hooks, no Python
         self.comm_stream = None
+        # id(model) -> its groups in the order they started in the latest reduced backward
+        self.first_order: dict = {}
 
     def attach(self, g):
         """Called for every group (and again after a re-layout): on the NCCL backend, CUDA
@@ -120,9 +122,22 @@ class BucketComm:
         g.nccl = True
 
     def start(self, g):
-        """Start of a reduced backward: the C launches wait for the stream backward runs on."""
+        """Start of a reduced backward for group g (its first gradient): the C launches wait for
+        the stream backward runs on. Records the order in which the model's groups start, and,
+        inside join_uneven_inputs, defers the launches of a model with several groups (see
+        finish)."""
         if g.nccl:
             g.reducer.set_compute_stream(torch.cuda.current_stream(g.device).cuda_stream)
+        order = self.first_order.setdefault(g.model_key, [])
+        if g in order:  # a new backward of that model
+            order.clear()
+        order.append(g)
+        # The buckets of two groups (two dtypes) launch in the order their gradients complete,
+        # interleaved; a process that ran out of data cannot know that interleaving, so under
+        # join each group's buckets are reduced at the end of backward, group after group, in
+        # the order the groups started (which it saw in its own backwards: _ShadowHook)
+        g.defer = (self.manager.joining.get(g.model_key) is not None and not g.nccl
+                   and sum(1 for o in self.manager.groups if o.model_key == g.model_key) > 1)
 
     def wire_bufs(self, g):
         """Per bucket of g: None when it is all-reduced in place, else the buffer it travels in
@@ -137,8 +152,10 @@ class BucketComm:
             g.wire_bufs = bufs
         return g.wire_bufs
 
-    def launch(self, g, first: int, last: int):
+    def launch(self, g, first: int, last: int, deferred: bool = False):
         """Starts the all-reduce of buckets [first, last) of group g (called from a hook)."""
+        if g.defer and not deferred:
+            return  # finish launches them all
         wires = self.wire_bufs(g)
         for b in range(first, last):
             t, wire = g.buckets[b], wires[b]
@@ -209,6 +226,9 @@ class BucketComm:
                     g.reducer.nccl_launch(first, last)
                 else:
                     self.launch(g, first, last)
+        if g.defer:
+            self.launch(g, 0, len(g.buckets), deferred=True)
+            g.defer = False
         if g.nccl:
             g.reducer.nccl_wait()  # the compute stream waits for the comm stream; the host does not
         sumsq, nonfinite = self._wait(g)
@@ -383,7 +403,10 @@ class _ShadowHook:
         if not will_reduce:
             return
         comm = j.manager.comm
-        for g in groups:
+        # the order the others reduce the groups in: as they started in this process's own
+        # latest backward (the same graph), then any group not seen there
+        seen = [g for g in comm.first_order.get(id(m), []) if g in groups]
+        for g in seen + [g for g in groups if g not in seen]:
             # the buckets the others reduce, in their order, with zeros (this rank adds nothing;
             # the others divide by the full world size, torch DDP's default under Join)
             wires = None if g.nccl else comm.wire_bufs(g)

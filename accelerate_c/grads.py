@@ -75,6 +75,7 @@ class GradGroup:
         self.model_key = None  # id() of the prepared model the parameters came from
         self.nccl = False  # buckets launched by the C reducer over NCCL (ddp.BucketComm.attach)
         self.works = []  # buckets in flight: (bucket, work, range, wire tensor or None)
+        self.defer = False  # this backward's buckets are launched at its end (ddp.BucketComm.start)
         self.hooks = []
         self._build(list(range(len(self.params)))[::-1] if order is None else order)
         for i, p in enumerate(self.params):
@@ -405,6 +406,7 @@ class GradManager:
         """After a backward that raised: forget half-marked buckets so the next one starts clean."""
         for g in self.groups:
             g.works = []
+            g.defer = False
             g.reducer.launching = False
             g.reducer.reset()
 

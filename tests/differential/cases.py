@@ -102,6 +102,9 @@ REGRESSIONS = {
         _case(REGRESSION_SEED + 6, world=2, mp="fp16", clip="norminf", clip_twice=True, overflow=(1, 1)),
     "one weight in two reentrant-checkpointed segments, one process":
         _case(REGRESSION_SEED + 7, reentrant=True, ga=2),
+    # found by the harness itself
+    "join_uneven_inputs on a model with bf16 and fp32 layers (the shadow reduced groups out of order)":
+        _case(REGRESSION_SEED + 9, world=2, uneven=True, param_dtype="mixed", tiny_buckets=True, dataset_extra=1),
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }

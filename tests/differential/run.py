@@ -57,9 +57,10 @@ def _run_batch(world: int, cases: list[dict], workdir: str, timeout: float) -> d
         for rank_file in sorted(p for p in os.listdir(workdir) if p.startswith(os.path.basename(out_path) + ".rank")):
             for seed, errs in _read(os.path.join(workdir, rank_file)).items():
                 done.setdefault(seed, []).extend(errs)
+        crashed = any(f.startswith(os.path.basename(out_path) + ".rank") for f in os.listdir(workdir))
         results.update(done)
         rest = [c for c in todo if c["seed"] not in results]
-        if rc != 0 and rest:
+        if rc != 0 and rest and not crashed:
             # the case running when the batch died is the first without a result
             results.setdefault(rest[0]["seed"], []).append(f"the process group exited with {rc}:\n{tail}")
             rest = rest[1:]
