@@ -1,6 +1,7 @@
 # make test  — set up .venv (pinned torch, tools), build the package, run the C and Python tests
 # make demo  — set up, then train the small example model (the main job)
 # make bench — set up, then run the benchmarks
+# make soak SECONDS=N — set up, then run the differential harness on new seeds for N seconds
 VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
@@ -8,7 +9,7 @@ PIP     := $(VENV)/bin/pip
 TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all venv install test test-c test-py demo bench fuzz clean
+.PHONY: all venv install test test-c test-py demo bench fuzz soak clean
 
 all: test
 
@@ -37,6 +38,11 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/bench_kernels.py
+
+# the differential harness (tests/differential) on new random cases for as long as asked;
+# every failure prints the command that replays it
+soak: install
+	$(PY) tests/differential/run.py --seconds $(or $(SECONDS),600)
 
 # bounded fuzzing of the safetensors header parser (libFuzzer when clang has it, else the
 # target's own mutation driver), under AddressSanitizer + UBSan

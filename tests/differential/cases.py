@@ -44,7 +44,11 @@ def draw(seed: int, world: int | None = None) -> dict:
     c["assign_grad"] = r.random() < 0.15  # a .grad assigned between backward and the step
     c["two_models"] = r.random() < 0.2
     c["sync_style"] = r.choice(SYNC_STYLES)
-    c["optimizer"] = r.choice(OPTIMIZERS) if c["param_dtype"] == "fp32" else r.choice(OPTIMIZERS[:2])
+    # Adam's update is g / sqrt(v): the sign of a near-zero gradient decides a whole step, so
+    # 16-bit rounding noise (summation order of a 16-bit wire or an autocast forward) would be
+    # amplified past any tolerance that still catches bugs; Adam is drawn with fp32 end to end
+    exact = c["param_dtype"] == "fp32" and c["mp"] == "no" and c["comm_hook"] == "no"
+    c["optimizer"] = r.choice(OPTIMIZERS) if exact else r.choice(OPTIMIZERS[:2])
     c["skip_first"] = r.choice((0, 0, 1, 2))
     c["epochs"] = r.choice((1, 1, 2))
     c["reentrant"] = c["world"] == 1 and r.random() < 0.2

@@ -193,11 +193,34 @@ acc.backward(nn.functional.mse_loss(m(x2), y2))
 check(torch.allclose(m.out.weight.grad, want, rtol=1e-5, atol=1e-7), "two backwards in one step: wrong sum")
 
 # 4b. clip_grad_norm_ reuses the averaging pass's sum of squares, unless the gradients were
-#     changed since (version counter): both cases against torch's clip on the same gradients
+#     changed since (version counter): both cases against torch's clip on the same gradients.
+#     The sums are taken during a reduced backward only once a clip has asked for a 2-norm, so
+#     the cache is first reachable at the second step of one Accelerator; a counting stand-in
+#     for the module's kernels tells whether clip read the buffer again.
+class _CountingKernels:
+    def __init__(self, real):
+        self.real, self.reads = real, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.real, name)
+        if name in ("sumsq", "stats"):
+            def counted(*a, **k):
+                self.reads += 1
+                return fn(*a, **k)
+            return counted
+        return fn
+
+
+from accelerate_c import grads as _grads_mod  # noqa: E402
+
 for touch in (False, True):
     acc = fresh()
     m = acc.prepare(copy.deepcopy(base))
     acc.backward(nn.functional.mse_loss(m(x1), y1))
+    acc.clip_grad_norm_(m.parameters(), 0.05)  # step 1: asks for 2-norms from now on
+    for p in m.parameters():
+        p.grad = None
+    acc.backward(nn.functional.mse_loss(m(x2), y2))  # step 2: measured as it is reduced
     if touch:
         m.out.weight.grad.mul_(3.0)
     ref_grads = [p.grad.clone() for p in m.parameters()]
@@ -205,8 +228,16 @@ for touch in (False, True):
     for p, g in zip(ref_ps, ref_grads):
         p.grad = g.clone()
     want_norm = torch.nn.utils.clip_grad_norm_(ref_ps, 0.05)
-    got = acc.clip_grad_norm_(m.parameters(), 0.05)
+    counting = _CountingKernels(_grads_mod._C)
+    _grads_mod._C = counting
+    try:
+        got = acc.clip_grad_norm_(m.parameters(), 0.05)
+    finally:
+        _grads_mod._C = counting.real
     check(torch.allclose(got, want_norm, rtol=1e-6), f"clip norm (touched={touch}): {got} vs {want_norm}")
+    check((counting.reads > 0) == touch,
+          f"clip read the buffer {counting.reads} time(s) (touched={touch}): the cached sums were "
+          f"{'trusted after a change' if touch else 'not used'}")
     for p, q in zip(m.parameters(), ref_ps):
         check(torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-9), f"clipped grads differ (touched={touch})")
 
