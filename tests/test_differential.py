@@ -19,7 +19,7 @@ from accelerate_c import _C
 from differential import run as harness
 from differential.cases import REGRESSIONS
 
-CASES = int(os.environ.get("AC_DIFF_CASES", "300"))
+CASES = int(os.environ.get("AC_DIFF_CASES", "500"))
 
 
 def _fail(failures):
