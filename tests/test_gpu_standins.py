@@ -167,3 +167,27 @@ def test_clip_on_groups_of_several_gpus_keeps_each_kernel_on_its_device(monkeypa
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-6, atol=0)
     for g, p in zip(groups, ref):
         torch.testing.assert_close(g.buf, p.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_on_gpu_reports_nan_and_inf_as_torch(monkeypatch, bad, norm_type):
+    """A NaN gradient gives a NaN norm and NaN gradients, an inf one an inf norm and gradients
+    x 0 (inf x 0 = NaN where the inf was), as torch's clip_grad_norm_ does (the CUDA path used
+    to report inf for both)."""
+    from accelerate_c import grads
+
+    kernels = FakeCudaKernels()
+    monkeypatch.setattr(grads, "_C", kernels)
+    gen = torch.Generator().manual_seed(5)
+    bufs = [torch.randn(n, generator=gen) for n in (30, 40)]
+    bufs[1][7] = bad
+    ref = [torch.nn.Parameter(torch.zeros_like(b)) for b in bufs]
+    for p, b in zip(ref, bufs):
+        p.grad = b.clone()
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm=1.0, norm_type=norm_type)
+    groups = [_FakeCudaGroup(kernels, 0, b) for b in bufs]
+    got = grads.GradManager._clip_cuda(None, groups, 1.0, norm_type, None)
+    torch.testing.assert_close(got.double(), want.double(), equal_nan=True)
+    for g, p in zip(groups, ref):
+        torch.testing.assert_close(g.buf, p.grad, equal_nan=True)
