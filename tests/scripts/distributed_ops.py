@@ -14,7 +14,7 @@ acc = Accelerator(cpu=True)
 n, r = acc.num_processes, acc.process_index
 assert n == int(os.environ["WORLD_SIZE"]) > 1, (n, os.environ.get("WORLD_SIZE"))
 assert r == int(os.environ["RANK"]) and acc.local_process_index == int(os.environ["LOCAL_RANK"])
-assert str(acc.distributed_type) == "MULTI_CPU" and acc.use_distributed and acc.state.backend == "gloo"
+assert acc.distributed_type == "MULTI_CPU" and str(acc.distributed_type) == "DistributedType.MULTI_CPU" and acc.use_distributed and acc.state.backend == "gloo"
 assert acc.is_main_process == (r == 0) and acc.is_last_process == (r == n - 1)
 assert acc.mixed_precision == os.environ.get("EXPECT_MIXED_PRECISION", "no")
 
