@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
 from . import _C
+from .collective_tls import outside_backward_tls
 
 _WIRE: dict = {}  # (backend, dtype) -> the dtype that backend all-reduces it in
 
@@ -125,6 +126,10 @@ class BucketComm:
 
     def launch(self, g, first: int, last: int):
         """Starts the all-reduce of buckets [first, last) of group g (called from a hook)."""
+        with outside_backward_tls():  # a work holding a Python object can abort the exit
+            self._launch(g, first, last)
+
+    def _launch(self, g, first: int, last: int):
         wires = self.wire_bufs(g)
         for b in range(first, last):
             t, wire = g.buckets[b], wires[b]
@@ -156,10 +161,14 @@ class BucketComm:
         return (f"rank {self.rank}/{self.world}: the all-reduce of gradient bucket {b} ({count} {g.dtype} "
                 f"elements: {shown})")
 
-    @torch.no_grad()
     def finish(self, g):
         """End of a sync backward for group g: launch what is left, wait for every bucket in
-        order, average and measure the buffer, re-lay it once in arrival order."""
+        order, average and measure the buffer, re-lay it once in arrival order. Called from the
+        end-of-backward callback: its collectives, like the hooks', start outside backward's TLS."""
+        with torch.no_grad(), outside_backward_tls():
+            self._finish(g)
+
+    def _finish(self, g):
         pending = g.reducer.pending()
         if pending:
             if not self.find_unused:
@@ -187,7 +196,7 @@ class BucketComm:
                 if g.nccl:
                     g.reducer.nccl_launch(first, last)
                 else:
-                    self.launch(g, first, last)
+                    self._launch(g, first, last)
         if g.nccl:
             g.reducer.nccl_wait()  # the compute stream waits for the comm stream; the host does not
         sumsq, nonfinite = self._wait(g)
