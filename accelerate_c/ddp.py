@@ -33,17 +33,27 @@ from .collective_tls import outside_backward_tls
 
 _WIRE: dict = {}  # (backend, dtype) -> the dtype that backend all-reduces it in
 
+# How backends refuse a dtype they cannot reduce (torch 2.13): gloo's dtype dispatch raises
+# "Invalid scalar type" (float8, uint16); NCCL's names the unsupported type. Anything else
+# (a timeout, a peer that died) is a real failure, not an answer about the dtype.
+_UNSUPPORTED_DTYPE = ("Invalid scalar type", "data type is not supported", "Unconvertible NCCL type")
+
 
 def _wire_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype to all-reduce `t` in: its own if the backend takes it (gloo in torch 2.13 takes
     fp16/bf16), else fp32. Decided once per backend and dtype with a 1-element probe, which
-    behaves the same on every rank; real failures of real collectives are never retried."""
-    key = (dist.get_backend(), t.dtype)
+    behaves the same on every rank; only the backend's refusal of the dtype means fp32, any
+    other failure of the probe is raised (and nothing is cached)."""
+    backend = dist.get_backend()
+    key = (backend, t.dtype)
     if key not in _WIRE:
         try:
             dist.all_reduce(torch.zeros(1, dtype=t.dtype, device=t.device))
             _WIRE[key] = t.dtype
-        except RuntimeError:
+        except (RuntimeError, TypeError) as e:
+            if not any(m in str(e) for m in _UNSUPPORTED_DTYPE):
+                raise RuntimeError(f"rank {dist.get_rank()}: the 1-element {t.dtype} all-reduce that checks whether "
+                                   f"the {backend} backend reduces {t.dtype} gradients failed: {e}") from e
             _WIRE[key] = torch.float32
     return _WIRE[key]
 
