@@ -30,20 +30,31 @@ from torch.autograd.graph import increment_version
 from torch.distributed.algorithms.join import Joinable
 
 from . import _C
+from .collective_tls import outside_backward_tls
 
 _WIRE: dict = {}  # (backend, dtype) -> the dtype that backend all-reduces it in
+
+# How backends refuse a dtype they cannot reduce (torch 2.13): gloo's dtype dispatch raises
+# "Invalid scalar type" (float8, uint16); NCCL's names the unsupported type. Anything else
+# (a timeout, a peer that died) is a real failure, not an answer about the dtype.
+_UNSUPPORTED_DTYPE = ("Invalid scalar type", "data type is not supported", "Unconvertible NCCL type")
 
 
 def _wire_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype to all-reduce `t` in: its own if the backend takes it (gloo in torch 2.13 takes
     fp16/bf16), else fp32. Decided once per backend and dtype with a 1-element probe, which
-    behaves the same on every rank; real failures of real collectives are never retried."""
-    key = (dist.get_backend(), t.dtype)
+    behaves the same on every rank; only the backend's refusal of the dtype means fp32, any
+    other failure of the probe is raised (and nothing is cached)."""
+    backend = dist.get_backend()
+    key = (backend, t.dtype)
     if key not in _WIRE:
         try:
             dist.all_reduce(torch.zeros(1, dtype=t.dtype, device=t.device))
             _WIRE[key] = t.dtype
-        except RuntimeError:
+        except (RuntimeError, TypeError) as e:
+            if not any(m in str(e) for m in _UNSUPPORTED_DTYPE):
+                raise RuntimeError(f"rank {dist.get_rank()}: the 1-element {t.dtype} all-reduce that checks whether "
+                                   f"the {backend} backend reduces {t.dtype} gradients failed: {e}") from e
             _WIRE[key] = torch.float32
     return _WIRE[key]
 
@@ -152,10 +163,14 @@ class BucketComm:
             g.wire_bufs = bufs
         return g.wire_bufs
 
-    def launch(self, g, first: int, last: int, deferred: bool = False):
+    def launch(self, g, first: int, last: int):
         """Starts the all-reduce of buckets [first, last) of group g (called from a hook)."""
-        if g.defer and not deferred:
+        if g.defer:
             return  # finish launches them all
+        with outside_backward_tls():  # a work holding a Python object can abort the exit
+            self._launch(g, first, last)
+
+    def _launch(self, g, first: int, last: int):
         wires = self.wire_bufs(g)
         for b in range(first, last):
             t, wire = g.buckets[b], wires[b]
@@ -194,10 +209,14 @@ class BucketComm:
         return (f"rank {self.rank}/{self.world}: the all-reduce of gradient bucket {b} ({count} {g.dtype} "
                 f"elements: {shown})")
 
-    @torch.no_grad()
     def finish(self, g):
         """End of a sync backward for group g: launch what is left, wait for every bucket in
-        order, average and measure the buffer, re-lay it once in arrival order."""
+        order, average and measure the buffer, re-lay it once in arrival order. Called from the
+        end-of-backward callback: its collectives, like the hooks', start outside backward's TLS."""
+        with torch.no_grad(), outside_backward_tls():
+            self._finish(g)
+
+    def _finish(self, g):
         pending = g.reducer.pending()
         if pending:
             if not self.find_unused:
@@ -227,7 +246,7 @@ class BucketComm:
                 else:
                     self.launch(g, first, last)
         if g.defer:
-            self.launch(g, 0, len(g.buckets), deferred=True)
+            self._launch(g, 0, len(g.buckets))
             g.defer = False
         if g.nccl:
             g.reducer.nccl_wait()  # the compute stream waits for the comm stream; the host does not

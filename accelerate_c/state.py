@@ -318,18 +318,3 @@ class GradientState:
         return (f"Sync Gradients: {self.sync_gradients}\nAt end of current dataloader: {self.end_of_dataloader}\n"
                 f"Extra samples added: {self.remainder}\nGradient accumulation plugin: {self.plugin_kwargs}\n")
 
-
-def exit_without_teardown(code: int = 0):
-    """Ends a finished multi-process program through os._exit, after a barrier and
-    destroy_process_group: torch 2.13's gloo backend sometimes aborts at interpreter exit
-    ("terminate called without an active exception"), in plain torch scripts too, which would
-    turn a finished, successful run into a crash. Used by `accelerate-c test` and the tests."""
-    import os
-    import sys
-
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

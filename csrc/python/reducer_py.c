@@ -89,6 +89,14 @@ static int reducer_init(PyObject *op, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"numel", "order", "esize", "first_cap_bytes", "cap_bytes", "align",
                            "on_first", "launch", "slow", NULL};
   ReducerObject *self = (ReducerObject *)op;
+  /* Once built, a Reducer's plan, sizes, buffer (base pointer, dtype) and hooks belong together:
+   * a second __init__ would swap the plan and sizes under a buffer attached for the old ones,
+   * and the hooks' in-place pre-division would then write past its end. */
+  if (self->plan) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "Reducer.__init__ called on a Reducer that is already initialised: create a new Reducer");
+    return -1;
+  }
   PyObject *numel_o, *order_o, *on_first = Py_None, *launch = Py_None, *slow = Py_None;
   Py_ssize_t esize, first_cap, cap, align;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnnnn|OOO:Reducer", kwlist, &numel_o, &order_o, &esize, &first_cap,
@@ -121,9 +129,7 @@ static int reducer_init(PyObject *op, PyObject *args, PyObject *kwds) {
     pyac_raise(pyac_module_of(op), r);
     return -1;
   }
-  ac_bucket_plan_destroy(self->plan);
   self->plan = plan;
-  PyMem_Free(self->numel);
   self->numel = numel;
   self->prescale = 1.0f;
   Py_XSETREF(self->on_first, on_first == Py_None ? NULL : Py_NewRef(on_first));

@@ -26,7 +26,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _exit import finish  # noqa: E402
 
 from accelerate_c import (Accelerator, DataLoaderConfiguration, GradScalerKwargs,  # noqa: E402
                           ProjectConfiguration)
@@ -144,7 +143,7 @@ def main():
                     os.environ["ACCELERATE_C_TEST_PAUSE_SAVE"] = os.path.join(workdir, "paused")
 
         train(acc, model, opt, sched, dl, counter, 0, 10 * nb, on_batch=on_batch)
-        finish(3)  # not reached: the 4th save pauses until killed
+        sys.exit(3)  # not reached: the 4th save pauses until killed
     if phase == "fail":  # a state that cannot be saved (rank 0 writes it): every rank raises, none hangs
         acc, model, opt, sched, dl, counter = build(workdir, "no", 0)
 
@@ -169,7 +168,7 @@ def main():
         with open(os.path.join(workdir, f"fail_{acc.process_index}.json"), "w") as f:
             json.dump(out, f)
         acc.print(f"checkpoint_resume fail OK on {acc.num_processes} processes")
-        finish(0)
+        sys.exit(0)
     for precision in precisions:
         acc, model, opt, sched, dl, counter = build(workdir, precision, 0 if phase == "full" else 1234)
         nb = len(dl)
@@ -189,7 +188,7 @@ def main():
     with open(os.path.join(workdir, f"{phase}_{acc.process_index}.json"), "w") as f:
         json.dump(out, f, indent=1)
     acc.print(f"checkpoint_resume {phase} OK on {acc.num_processes} processes")
-    finish(0)
+    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from torch import nn
 
 from accelerate_c import Accelerator
 
-from _exit import finish
 
 if sys.argv[1] == "accelerate":
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
@@ -64,4 +63,3 @@ if acc.is_main_process:
     print(f"result timeout {timeout}")
     print(f"result buckets {spans}")
     print("result params " + " ".join(f"{float(p.double().sum()):.10e}" for p in model.parameters()))
-finish(0)

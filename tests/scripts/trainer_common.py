@@ -122,12 +122,6 @@ def main(argv):
                     "log_history": trainer.state.log_history, "eval": metrics,
                     "num_processes": trainer.accelerator.num_processes}, result)
     trainer.accelerator.wait_for_everyone()
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # gloo may abort in the interpreter's teardown (see tests/scripts/_exit.py)
 
 
 if __name__ == "__main__":

@@ -118,9 +118,7 @@ def main():
         if any(s not in ("pass", "skip") for s in statuses):
             code = 3  # a rank failed or did not report: collectives may be out of step
             break
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # see tests/scripts/_exit.py: gloo may abort at interpreter teardown
+    sys.exit(code)
 
 
 if __name__ == "__main__":
