@@ -9,8 +9,11 @@ import torch
 def tolerance(case: dict) -> float:
     """Relative tolerance on parameters and norms (relative to the reference tensor's largest
     magnitude). fp32 end to end differs only in summation order; 16-bit parameters round each
-    update to 8 bits of mantissa, so one ulp apart after a step is legitimate."""
-    if case["param_dtype"] != "fp32":
+    update to 8 bits of mantissa, so one ulp apart after a step is legitimate; so does a bf16 comm
+    hook (the gradients travel in bf16, and three ranks' sums taken in another order, as gloo
+    chunks buckets of other sizes differently, differ by one bf16 ulp: seen in the soak on an
+    inf-norm, 1.164 against 1.172)."""
+    if case["param_dtype"] != "fp32" or case["comm_hook"] == "bf16":
         return 2e-2
     if case["mp"] != "no" or case["comm_hook"] != "no":
         return 5e-3
