@@ -147,8 +147,10 @@ class BucketComm:
         # interleaved; a process that ran out of data cannot know that interleaving, so under
         # join each group's buckets are reduced at the end of backward, group after group, in
         # the order the groups started (which it saw in its own backwards: _ShadowHook)
-        g.defer = (self.manager.joining.get(g.model_key) is not None and not g.nccl
+        g.defer = (self.manager.joining.get(g.model_key) is not None
                    and sum(1 for o in self.manager.groups if o.model_key == g.model_key) > 1)
+        if g.nccl:  # the C hooks launch NCCL buckets themselves: tell them to wait
+            g.reducer.defer = g.defer
 
     def wire_bufs(self, g):
         """Per bucket of g: None when it is all-reduced in place, else the buffer it travels in
@@ -241,12 +243,16 @@ class BucketComm:
                 elif f != 1.0:  # accumulated earlier in this step, no gradient in this backward
                     v.mul_(f)
                 first, last = g.reducer.mark_ready(i)
-                if g.nccl:
+                if g.nccl and not g.defer:
                     g.reducer.nccl_launch(first, last)
-                else:
+                elif not g.nccl:
                     self.launch(g, first, last)
-        if g.defer:
-            self._launch(g, 0, len(g.buckets))
+        if g.defer:  # join_uneven_inputs on a model with several groups: all buckets now, in order
+            if g.nccl:
+                g.reducer.nccl_launch(0, len(g.buckets))
+                g.reducer.defer = False
+            else:
+                self._launch(g, 0, len(g.buckets))
             g.defer = False
         if g.nccl:
             g.reducer.nccl_wait()  # the compute stream waits for the comm stream; the host does not

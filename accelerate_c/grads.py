@@ -226,12 +226,13 @@ class GradGroup:
             v.copy_(g)
             p.grad = v
 
-    def cleared(self):
+    def cleared(self, zeroed: bool = False):
         """An optimizer's zero_grad ran over (some of) these params. The `.grad` values it left
         need no work now (resync() brings them in at the next step); but when no param of the
-        group has a gradient any more, nothing carries the loss scale or an overflow: a step
-        taken before the next backward must not be skipped for the last one's overflow."""
-        if all(p.grad is None for p in self.params):
+        group has a non-zero gradient any more (all None, or `zeroed`: torch's own zero_grad ran
+        over the whole group), nothing carries the loss scale or an overflow: a step taken
+        before the next backward must not be skipped for the last one's overflow."""
+        if zeroed or all(p.grad is None for p in self.params):
             self.needs_unscale = False
             self.found_inf = False
 
@@ -407,6 +408,7 @@ class GradManager:
         for g in self.groups:
             g.works = []
             g.defer = False
+            g.reducer.defer = False
             g.reducer.launching = False
             g.reducer.reset()
 
@@ -577,18 +579,20 @@ class GradManager:
         any_found = any(f for *_, f in per)
         if any_found:
             total = math.nan if any(math.isnan(s) for _, _, s, _, _ in per) else math.inf
-        # torch's formula, non-finite norms included (an fp16 step that overflowed is skipped
-        # anyway, but its gradients end as torch leaves them: x 0 for inf, x NaN for NaN).
-        # Python's min(1.0, nan) is 1.0, so NaN is carried explicitly
-        coef = max_norm / (total + 1e-6)
-        coef = coef if math.isnan(coef) else min(1.0, coef)
+        # torch's formula in torch's arithmetic: the norm comes out in the gradients' dtype (fp32
+        # when they mix dtypes) and the coefficient is computed in it, so a bf16 model is clipped
+        # by the same rounded coefficient as torch's; non-finite norms included (an fp16 step
+        # that overflowed is skipped anyway, but its gradients end as torch leaves them: x 0
+        # for inf, x NaN for NaN)
+        dtypes = {g.dtype for g in groups}
+        norm = torch.tensor(total, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         for g, inv, _, _, found in per:
             g.scale_(inv * coef)
             if inv != 1.0:
                 g.needs_unscale = False
                 g.found_inf = found
-        dtypes = {g.dtype for g in groups}
-        return torch.tensor(total, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        return norm
 
     def _clip_cuda(self, groups, max_norm, norm_type, inv_scale):
         for g in groups:
@@ -609,6 +613,8 @@ class GradManager:
         # the norm is then NaN, as torch's; other non-finite values give inf
         bad = torch.where(torch.isnan(acc[0]), torch.full_like(total, math.nan), torch.full_like(total, math.inf))
         total = torch.where(acc[2] > 0, bad, total)
+        dtypes = {g.dtype for g in groups}
+        total = total.to(dtypes.pop() if len(dtypes) == 1 else torch.float32)  # torch's norm dtype
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         coefs = {}  # the coefficient on each device
         for g in groups:
@@ -619,8 +625,9 @@ class GradManager:
             g.wrote()
         return total
 
-    def cleared(self, params):
-        """After an optimizer's own zero_grad over `params` (AcceleratedOptimizer.zero_grad)."""
+    def cleared(self, params, zeroed: bool = False):
+        """After an optimizer's own zero_grad over `params` (AcceleratedOptimizer.zero_grad);
+        `zeroed`: it was torch's, which leaves every gradient None or zero."""
         touched, _ = self.split(params)
-        for g in touched:
-            g.cleared()
+        for g, idx in touched.items():
+            g.cleared(zeroed and len(set(idx)) == len(g.params))

@@ -91,7 +91,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
                                  "takes no set_to_none argument")
             self.optimizer.zero_grad()
         if self._grads is not None:
-            self._grads.cleared(self._params())
+            # torch's own zero_grad leaves None or zeros; an override may leave anything
+            zeroed = getattr(type(self.optimizer).zero_grad, "__code__", None) is torch.optim.Optimizer.zero_grad.__code__
+            self._grads.cleared(self._params(), zeroed=zeroed)
 
     def step(self, closure=None):
         if not self.gradient_state.sync_gradients:

@@ -132,7 +132,7 @@ class FakeCudaKernels:
 class _FakeCudaGroup:
     def __init__(self, kernels, device_index, buf):
         self.is_cuda, self.needs_unscale = True, False
-        self.device_index, self.buf = device_index, buf
+        self.device_index, self.buf, self.dtype = device_index, buf, buf.dtype
         self.stats_dev = torch.zeros(3)
         self._stream = 0x1000 + device_index  # the current stream of that device
         for k in (id(buf), id(self.stats_dev), ("stream", self._stream)):

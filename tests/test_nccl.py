@@ -143,6 +143,17 @@ def test_reducer_launches_buckets_from_the_hooks_in_c(fake_nccl):
         assert fake.fake_nccl_last_count() == 32
         assert fake.fake_nccl_last_send() == flat.data_ptr() + 352 * 4
         assert python_launches == []
+        # defer (join_uneven_inputs on a model with several groups): complete buckets wait for
+        # the glue's nccl_launch at the end of backward
+        r.reset()
+        r.defer = True
+        for i in (1, 2, 0):
+            hooks[i](params[i])
+        assert fake.fake_nccl_all_reduce_calls() == 3, fake.fake_nccl_all_reduce_calls()
+        r.nccl_launch(0, r.count())
+        assert fake.fake_nccl_all_reduce_calls() == 6
+        assert fake.fake_nccl_last_send() == flat.data_ptr() + 352 * 4  # still in bucket order
+        r.defer = False
         r.nccl_wait()
         expect(TypeError, "Buffer", lambda: r.attach_nccl(c, torch.zeros(3), 0))
         expect(ValueError, "lays out", lambda: r.attach_nccl(c, _C.Buffer(torch.zeros(3)), 0, use_events=False))

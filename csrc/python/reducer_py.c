@@ -32,6 +32,7 @@ typedef struct {
   size_t *numel;      /* elements of each gradient (for the hooks' in-place pre-division) */
   int on_cuda;        /* the buffer is device memory */
   float prescale;     /* launching backwards: gradients x prescale (1/world) as they become ready */
+  int defer;          /* NCCL: complete buckets wait for the glue's nccl_launch at the end of backward */
 } ReducerObject;
 
 typedef struct {
@@ -407,6 +408,23 @@ static PyObject *reducer_nccl_wait(PyObject *op, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
+static PyObject *reducer_get_defer(PyObject *op, void *c) {
+  (void)c;
+  return PyBool_FromLong(((ReducerObject *)op)->defer);
+}
+
+static int reducer_set_defer(PyObject *op, PyObject *v, void *c) {
+  (void)c;
+  if (!v) {
+    PyErr_SetString(PyExc_AttributeError, "defer cannot be deleted");
+    return -1;
+  }
+  int t = PyObject_IsTrue(v);
+  if (t < 0) return -1;
+  ((ReducerObject *)op)->defer = t;
+  return 0;
+}
+
 static PyObject *reducer_get_launching(PyObject *op, void *c) {
   (void)c;
   return PyBool_FromLong(((ReducerObject *)op)->launching);
@@ -452,6 +470,9 @@ static PyMethodDef reducer_methods[] = {
 static PyGetSetDef reducer_getset[] = {
     {"launching", reducer_get_launching, reducer_set_launching,
      "whether hooks call launch() for buckets that become complete (sync steps of multi-process runs)", NULL},
+    {"defer", reducer_get_defer, reducer_set_defer,
+     "NCCL: hooks do not launch complete buckets; the glue launches them all at the end of backward "
+     "(nccl_launch), so every rank issues them in an order a joined rank can shadow", NULL},
     {"prescale", reducer_get_prescale, reducer_set_prescale,
      "on launching backwards, a gradient that already is its view is multiplied by this in place when it "
      "becomes ready (1/world: the all-reduce's sum is then the average)", NULL},
@@ -535,7 +556,7 @@ static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwds) {
   size_t from, to;
   ac_result_t rc = ac_bucket_mark_ready(red->plan, h->index, &from, &to);
   if (rc != AC_OK) return pyac_raise(pyac_module_of(h->reducer), rc);
-  if (red->launching && to > from && red->comm) return reducer_launch_nccl(red, from, to);
+  if (red->launching && to > from && red->comm) return red->defer ? Py_NewRef(Py_None) : reducer_launch_nccl(red, from, to);
   if (red->launching && to > from && red->launch) {
     PyObject *r = PyObject_CallFunction(red->launch, "nn", (Py_ssize_t)from, (Py_ssize_t)to);
     if (!r) return NULL;

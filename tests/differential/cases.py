@@ -54,10 +54,13 @@ def draw(seed: int, world: int | None = None) -> dict:
     c["reentrant"] = c["world"] == 1 and r.random() < 0.2
     # non-finite values: an overflowing loss on one rank (fp16 must skip that step everywhere),
     # or a NaN gradient after backward (clipping must propagate it as torch does)
+    # (drawn within the batches left after skip_first and the steps they make)
+    left = max(1, c["batches"] - c["skip_first"])
     c["overflow"] = None
     if c["mp"] == "fp16" and r.random() < 0.4:
-        c["overflow"] = (r.randrange(c["world"]), r.randrange(max(1, c["batches"])))
-    c["nan_grad_step"] = r.randrange(4) if (c["mp"] != "fp16" and r.random() < 0.1) else None
+        c["overflow"] = (r.randrange(c["world"]), r.randrange(left))
+    # under fp16 a NaN gradient must skip the step (and back the scale off) as GradScaler does
+    c["nan_grad_step"] = r.randrange(max(1, left // c["ga"])) if r.random() < 0.1 else None
     c["eval"] = r.random() < 0.5
     c["eval_skip"] = r.choice((0, 0, 1)) if c["eval"] else 0  # evaluation resumed past its first batch
     # uneven inputs: even_batches=False, the loop inside join_uneven_inputs (torch's Join). The

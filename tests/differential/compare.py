@@ -64,6 +64,21 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
             errors.append(f"step {k}: clip returned {s['norm']}, torch returned {r['norm']}")
         if not _num_close(s["lr"], r["lr"], 1e-9):
             errors.append(f"step {k}: learning rate {s['lr']}, the reference {r['lr']}")
+        if s["scale"] != r["scale"]:
+            errors.append(f"step {k}: loss scale {s['scale']}, GradScaler's {r['scale']}")
+        # the gradients the optimizer reads, each against its own magnitude: a wrong clip
+        # coefficient or a doubled sum shows here in full, however small the update it makes.
+        # From the second step on they come from parameters already a rounding apart, which a
+        # small gradient (a bias near its optimum) magnifies: 4x the tolerance there
+        grtol = rtol if k == 0 else 4 * rtol
+        for j, (a, b) in enumerate(zip(s["grads"], r["grads"])):
+            if (a is None) != (b is None):
+                errors.append(f"step {k}: gradient {j} is {'None' if a is None else 'set'}, torch's is "
+                              f"{'None' if b is None else 'set'}")
+            elif a is not None:
+                why = _close(a, b, grtol)
+                if why:
+                    errors.append(f"step {k}: gradient {j} {tuple(b.shape)}: {why}")
         for j, (a, b) in enumerate(zip(s["params"], r["params"])):
             why = _close(a, b, rtol)
             if why:

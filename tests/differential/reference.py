@@ -147,6 +147,7 @@ def _step(case, params, opt, scaler, world, sched, trace):
         if case["clip_twice"]:
             norm = torch.nn.utils.clip_grad_norm_(params, case["max_norm"], norm_type=norm_type)
         norm = float(norm)
+    grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
     skipped = False
     if scaler is not None:
         before = scaler.get_scale()
@@ -158,6 +159,7 @@ def _step(case, params, opt, scaler, world, sched, trace):
     if not skipped:
         for _ in range(world):
             sched.step()
-    trace["steps"].append({"params": [p.detach().float().clone() for p in params], "skipped": skipped,
-                           "lr": sched.get_last_lr()[0]})
+    trace["steps"].append({"params": [p.detach().float().clone() for p in params], "grads": grads,
+                           "skipped": skipped, "lr": sched.get_last_lr()[0],
+                           "scale": scaler.get_scale() if scaler is not None else None})
     return norm

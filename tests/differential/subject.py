@@ -96,6 +96,8 @@ def _train(case, acc, models, params, opt, dl, sched, trace):
                     if case["unscale_first"]:
                         acc.unscale_gradients()
                     norm = _clip(acc, case, params)
+                if sync:  # what the optimizer is about to read (None kept apart from zeros)
+                    grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
                 # under accumulate() the wrapped optimizer and scheduler skip non-sync steps
                 # themselves; with no_sync the loop only calls them at a window's end
                 if sync or case["sync_style"] == "accumulate":
@@ -104,9 +106,11 @@ def _train(case, acc, models, params, opt, dl, sched, trace):
                 if sync:
                     trace["steps"].append({
                         "params": [p.detach().float().clone() for p in params],
+                        "grads": grads,
                         "norm": norm,
                         "skipped": bool(opt.step_was_skipped),
                         "lr": sched.get_last_lr()[0],
+                        "scale": acc.scaler.get_scale() if acc.scaler is not None else None,
                     })
                 if sync or (case["zero_grad"].startswith("opt") and case["sync_style"] == "accumulate"):
                     W.zero_grads(case, opt, models, params)
