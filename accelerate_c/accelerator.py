@@ -480,6 +480,7 @@ class Accelerator:
             loss = self.scaler.scale(loss)
         try:
             loss.backward(**kwargs)
+            self._grads.finish_awaiting()
         except BaseException:
             self._grads.abort_backward()  # a failed backward must not leave buckets half-marked
             raise

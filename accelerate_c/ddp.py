@@ -120,8 +120,14 @@ class BucketComm:
     def attach(self, g):
         """Called for every group (and again after a re-layout): on the NCCL backend, CUDA
         groups hand their buffer and a comm stream to the C reducer, which then launches
-        complete buckets itself. 16-bit comm hooks keep the Python path (their cast lives there)."""
+        complete buckets itself. 16-bit comm hooks keep the Python path (their cast lives there).
+        On that path the wire dtype is settled here, at prepare, where every rank attaches the
+        same groups in the same order: its one-time probe is a collective, and made in the first
+        backward it would be that backward's first collective (a timeout there would then name
+        the probe rather than the bucket that waited)."""
         if not (g.is_cuda and dist.get_backend() == "nccl" and self.hook_dtype is None):
+            if self.hook_dtype is None or self.hook_dtype == g.dtype:
+                _wire_dtype(torch.empty(0, dtype=g.dtype, device=g.device))
             return
         if self.nccl is None:
             from . import nccl

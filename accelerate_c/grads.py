@@ -76,6 +76,7 @@ class GradGroup:
         self.nccl = False  # buckets launched by the C reducer over NCCL (ddp.BucketComm.attach)
         self.works = []  # buckets in flight: (bucket, work, range, wire tensor or None)
         self.defer = False  # this backward's buckets are launched at its end (ddp.BucketComm.start)
+        self.awaiting = False  # an end of backward came with gradients missing (_end_of_backward)
         self.hooks = []
         self._build(list(range(len(self.params)))[::-1] if order is None else order)
         for i, p in enumerate(self.params):
@@ -147,6 +148,13 @@ class GradGroup:
         """The first gradient of this group in a backward: a new step for the unscale state;
         decides whether buckets are reduced while this backward runs, and queues the end of
         backward (also for a raw loss.backward())."""
+        if self.awaiting:
+            # more gradients after an end of backward that came too early (see
+            # _end_of_backward): this backward goes on, in the graph task now running
+            self.awaiting = False
+            self.reducer.requeue = False
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            return
         if not self.needs_unscale:  # first gradient since the last unscale: a new step
             self.needs_unscale = True
             self.found_inf = False
@@ -165,6 +173,22 @@ class GradGroup:
         self.comm.launch(self, first, last)
 
     def _end_of_backward(self):
+        """The autograd engine's callback, queued on the graph task that delivered this group's
+        first gradient. Under reentrant activation checkpointing that may be a checkpointed
+        segment's inner backward, which ends while the outer one still has gradients of this
+        group to deliver (torch DDP waits for its last bucket instead). So when gradients are
+        still missing on a reduced backward, the group waits: the next of its hooks queues this
+        again on the task then running, and finish_awaiting() (after Accelerator.backward, or
+        before the step reads gradients) completes a backward that delivers no more."""
+        if self.reducer.launching and not self.broken and self.reducer.pending():
+            self.awaiting = True
+            self.reducer.requeue = True
+            return
+        self._finish_backward()
+
+    def _finish_backward(self):
+        self.awaiting = False
+        self.reducer.requeue = False
         try:
             if self.reducer.launching and not self.broken:
                 self.comm.finish(self)
@@ -403,11 +427,22 @@ class GradManager:
             for i, p in enumerate(group_params):
                 self.where[id(p)] = (g, i)
 
+    def finish_awaiting(self):
+        """Completes the reduced backwards whose end came with gradients still missing and that
+        delivered no more (GradGroup._end_of_backward): the missing ones are then really unused
+        (an error without find_unused_parameters, zeros with it). Every rank calls this at the
+        same point: the end of Accelerator.backward, and prepare_step for a raw loss.backward()."""
+        for g in list(self.groups):
+            if g.awaiting:
+                g._finish_backward()
+
     def abort_backward(self):
         """After a backward that raised: forget half-marked buckets so the next one starts clean."""
         for g in self.groups:
             g.works = []
             g.defer = False
+            g.awaiting = False
+            g.reducer.requeue = False
             g.reducer.defer = False
             g.reducer.launching = False
             g.reducer.reset()
@@ -422,6 +457,7 @@ class GradManager:
         buffers; on a sync step of a multi-process run, reduce what the bucketed reducer could
         not (groups rebuilt mid-step, float64 params) with one all-reduce each (every rank
         reaches the same entry points)."""
+        self.finish_awaiting()
         self.sync_views()
         if self.comm is None:
             return

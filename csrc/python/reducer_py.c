@@ -33,6 +33,7 @@ typedef struct {
   int on_cuda;        /* the buffer is device memory */
   float prescale;     /* launching backwards: gradients x prescale (1/world) as they become ready */
   int defer;          /* NCCL: complete buckets wait for the glue's nccl_launch at the end of backward */
+  int requeue;        /* the next hook calls on_first again (an end of backward came too early) */
 } ReducerObject;
 
 typedef struct {
@@ -425,6 +426,23 @@ static int reducer_set_defer(PyObject *op, PyObject *v, void *c) {
   return 0;
 }
 
+static PyObject *reducer_get_requeue(PyObject *op, void *c) {
+  (void)c;
+  return PyBool_FromLong(((ReducerObject *)op)->requeue);
+}
+
+static int reducer_set_requeue(PyObject *op, PyObject *v, void *c) {
+  (void)c;
+  if (!v) {
+    PyErr_SetString(PyExc_AttributeError, "requeue cannot be deleted");
+    return -1;
+  }
+  int t = PyObject_IsTrue(v);
+  if (t < 0) return -1;
+  ((ReducerObject *)op)->requeue = t;
+  return 0;
+}
+
 static PyObject *reducer_get_launching(PyObject *op, void *c) {
   (void)c;
   return PyBool_FromLong(((ReducerObject *)op)->launching);
@@ -473,6 +491,9 @@ static PyGetSetDef reducer_getset[] = {
     {"defer", reducer_get_defer, reducer_set_defer,
      "NCCL: hooks do not launch complete buckets; the glue launches them all at the end of backward "
      "(nccl_launch), so every rank issues them in an order a joined rank can shadow", NULL},
+    {"requeue", reducer_get_requeue, reducer_set_requeue,
+     "the next hook calls on_first again although gradients are marked (the glue's end of backward "
+     "ran in a reentrant backward nested in the one still delivering this buffer's gradients)", NULL},
     {"prescale", reducer_get_prescale, reducer_set_prescale,
      "on launching backwards, a gradient that already is its view is multiplied by this in place when it "
      "becomes ready (1/world: the all-reduce's sum is then the average)", NULL},
@@ -514,7 +535,7 @@ static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwds) {
   }
   if (!has_plan(red)) return NULL;
   PyObject *param = PyTuple_GET_ITEM(args, 0);
-  if (ac_bucket_ready_count(red->plan) == 0 && red->on_first) {
+  if ((ac_bucket_ready_count(red->plan) == 0 || red->requeue) && red->on_first) {
     PyObject *r = PyObject_CallNoArgs(red->on_first);
     if (!r) return NULL;
     Py_DECREF(r);

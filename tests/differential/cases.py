@@ -51,7 +51,12 @@ def draw(seed: int, world: int | None = None) -> dict:
     c["optimizer"] = r.choice(OPTIMIZERS) if exact else r.choice(OPTIMIZERS[:2])
     c["skip_first"] = r.choice((0, 0, 1, 2))
     c["epochs"] = r.choice((1, 1, 2))
-    c["reentrant"] = c["world"] == 1 and r.random() < 0.2
+    # reentrant activation checkpointing: a weight used by two segments ("shared": torch DDP
+    # refuses it without static_graph, so one process only), or a segment per layer with the
+    # output layer inside one ("separate": the first gradients arrive in a nested backward)
+    c["reentrant"] = False
+    if r.random() < 0.2:
+        c["reentrant"] = "shared" if c["world"] == 1 else "separate"
     # non-finite values: an overflowing loss on one rank (fp16 must skip that step everywhere),
     # or a NaN gradient after backward (clipping must propagate it as torch does)
     # (drawn within the batches left after skip_first and the steps they make)
@@ -71,8 +76,6 @@ def draw(seed: int, world: int | None = None) -> dict:
         c["epochs"], c["skip_first"], c["eval"], c["eval_skip"] = 1, 0, False, 0
         c["ga"], c["two_models"] = 1, False
         c["dataset_extra"] = max(1, c["dataset_extra"])  # some ranks get a batch more
-    # a weight used by two reentrant-checkpointed segments: torch DDP refuses it without
-    # static_graph, so one process only
     return c
 
 
@@ -108,8 +111,10 @@ REGRESSIONS = {
     "fp16 overflow on one rank, then clip twice (torch's coefficient on the skipped step)":
         _case(REGRESSION_SEED + 6, world=2, mp="fp16", clip="norminf", clip_twice=True, overflow=(1, 1)),
     "one weight in two reentrant-checkpointed segments, one process":
-        _case(REGRESSION_SEED + 7, reentrant=True, ga=2),
-    # found by the harness itself
+        _case(REGRESSION_SEED + 7, reentrant="shared", ga=2),
+    # found by the harness itself, or by reading it (review)
+    "reentrant checkpointing on 2 processes, the output layer in a segment (an end of backward too early)":
+        _case(REGRESSION_SEED + 10, world=2, reentrant="separate", ga=2),
     "join_uneven_inputs on a model with bf16 and fp32 layers (the shadow reduced groups out of order)":
         _case(REGRESSION_SEED + 9, world=2, uneven=True, param_dtype="mixed", tiny_buckets=True, dataset_extra=1),
     "skip_first_batches on 2 processes, then gather_for_metrics":
@@ -122,9 +127,11 @@ def describe(c: dict) -> str:
     keys = ("world", "param_dtype", "mp", "ga", "clip", "comm_hook", "sync_style", "zero_grad", "optimizer")
     parts = [f"{k}={c[k]}" for k in keys]
     for flag in ("unscale_first", "clip_twice", "tiny_buckets", "unused", "frozen", "assign_grad", "two_models",
-                 "reentrant", "eval", "uneven"):
+                 "eval", "uneven"):
         if c[flag]:
             parts.append(flag)
+    if c["reentrant"]:
+        parts.append(f"reentrant={c['reentrant']}")
     if c["skip_first"]:
         parts.append(f"skip_first={c['skip_first']}")
     if c["overflow"] is not None:

@@ -14,7 +14,7 @@ _DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 class Net(torch.nn.Module):
     """A small MLP whose layers the case dresses up: dtypes, a frozen layer, an unused layer,
-    a weight shared by two reentrant-checkpointed segments."""
+    reentrant-checkpointed segments (one weight in two of them, or a segment per layer)."""
 
     def __init__(self, case: dict, salt: int = 0):
         super().__init__()
@@ -39,9 +39,12 @@ class Net(torch.nn.Module):
     def forward(self, x):
         h = torch.tanh(self.inp(x.to(self.inp.weight.dtype)))
         h = h.to(self.mid.weight.dtype)
-        if self.reentrant:
+        if self.reentrant == "shared":  # one weight in two segments
             h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=True)
             h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=True)
+        elif self.reentrant == "separate":  # each segment its own weights, the output layer in one
+            h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=True)
+            return checkpoint(lambda t: self.out(t.to(self.out.weight.dtype)), h, use_reentrant=True).float()
         else:
             h = torch.tanh(self.mid(h))
         return self.out(h.to(self.out.weight.dtype)).float()
