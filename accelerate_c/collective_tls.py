@@ -14,6 +14,8 @@ configuration to autograd device threads; our collectives never read it.
 """
 from __future__ import annotations
 
+import collections
+import ctypes
 from contextlib import contextmanager
 
 import torch
@@ -35,3 +37,28 @@ def outside_backward_tls():
         yield
     finally:
         torch._C._stash_obj_in_tls(_KEY, ctx)
+
+
+# The tensors handed to recent collectives, kept referenced from Python. A gloo worker thread
+# destroys a finished work some time after waking its waiter (and a barrier's work holds the
+# works issued before it). If the work's tensors have no Python reference left by then, torch
+# has handed their Python objects to C++, and the worker must take the GIL to release them:
+# when that happens while the interpreter finalizes, the worker is ended inside a noexcept
+# destructor (std::terminate; seen in a core dump: ~AsyncBarrierWork -> ~AsyncAllgatherWork ->
+# TensorImpl::decref_pyobject -> take_gil). While Python still references a tensor, the
+# worker's release is a plain count decrement. The deque is bounded (old works are long gone
+# when their tensors drop out) and never freed, so that module teardown at exit does not drop
+# the last ones while a worker may still hold them.
+_RECENT: collections.deque = collections.deque(maxlen=512)
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_RECENT))
+
+
+_KEEP_MAX_BYTES = 1 << 20
+
+
+def keep(*tensors):
+    """Keeps Python references to small tensors given to a collective (see _RECENT; flags,
+    shapes, gathered metrics); returns the first. Larger ones are not kept, so the deque cannot
+    hold much memory: the reducer's buckets live as long as the model anyway."""
+    _RECENT.extend(t for t in tensors if t.numel() * t.element_size() <= _KEEP_MAX_BYTES)
+    return tensors[0] if tensors else None

@@ -30,7 +30,7 @@ from torch.autograd.graph import increment_version
 from torch.distributed.algorithms.join import Joinable
 
 from . import _C
-from .collective_tls import outside_backward_tls
+from .collective_tls import keep, outside_backward_tls
 
 _WIRE: dict = {}  # (backend, dtype) -> the dtype that backend all-reduces it in
 
@@ -49,7 +49,7 @@ def _wire_dtype(t: torch.Tensor) -> torch.dtype:
     key = (backend, t.dtype)
     if key not in _WIRE:
         try:
-            dist.all_reduce(torch.zeros(1, dtype=t.dtype, device=t.device))
+            dist.all_reduce(keep(torch.zeros(1, dtype=t.dtype, device=t.device)))
             _WIRE[key] = t.dtype
         except (RuntimeError, TypeError) as e:
             if not any(m in str(e) for m in _UNSUPPORTED_DTYPE):
@@ -75,10 +75,10 @@ def _collective_device(groups=()) -> torch.device:
 def _allreduce_(t: torch.Tensor):
     wire = _wire_dtype(t)
     if wire == t.dtype:
-        dist.all_reduce(t)
+        dist.all_reduce(keep(t))
     else:
         wide = t.to(wire)
-        dist.all_reduce(wide)
+        dist.all_reduce(wide)  # a whole buffer: too big to keep (collective_tls.keep)
         t.copy_(wide)
 
 
@@ -116,6 +116,7 @@ class BucketComm:
         self.comm_stream = None
         # id(model) -> its groups in the order they started in the latest reduced backward
         self.first_order: dict = {}
+        self._zeros: dict = {}  # shadow_zeros' buffers
 
     def attach(self, g):
         """Called for every group (and again after a re-layout): on the NCCL backend, CUDA
@@ -157,6 +158,16 @@ class BucketComm:
                    and sum(1 for o in self.manager.groups if o.model_key == g.model_key) > 1)
         if g.nccl:  # the C hooks launch NCCL buckets themselves: tell them to wait
             g.reducer.defer = g.defer
+
+    def shadow_zeros(self, count, dtype, device):
+        """Zeros for a joined process's share of a bucket's all-reduce: one buffer per size and
+        dtype, zeroed again for each use (the sum of the others lands in it), so that no
+        bucket-sized temporary is left for a gloo worker to release (collective_tls.keep)."""
+        key = (count, dtype, device)
+        buf = self._zeros.get(key)
+        if buf is None:
+            buf = self._zeros[key] = torch.zeros(count, dtype=dtype, device=device)
+        return buf.zero_()
 
     def wire_bufs(self, g):
         """Per bucket of g: None when it is all-reduced in place, else the buffer it travels in
@@ -296,7 +307,7 @@ class BucketComm:
     def _agree_used(self, g, used):
         """find_unused_parameters: a parameter has a gradient if any rank gave it one."""
         flags = torch.tensor(used, dtype=torch.int32, device=_collective_device([g]))
-        dist.all_reduce(flags)
+        dist.all_reduce(keep(flags))
         for p, v, n in zip(g.params, g.views, flags.tolist()):
             if n and p.grad is None:
                 p.grad = v
@@ -306,7 +317,7 @@ class BucketComm:
         becomes the layout on every rank, so buckets fill (and launch) in backward order."""
         order = torch.tensor(g.reducer.arrival_order(len(g.params)) if order is None else order, dtype=torch.int64,
                              device=_collective_device([g]))
-        dist.broadcast(order, src=0)
+        dist.broadcast(keep(order), src=0)
         order = order.tolist()
         if order != g.order:
             g.relayout(order)
@@ -325,7 +336,7 @@ def sync_gradients(manager, groups, extras) -> None:
     flags = [p.grad is v for g in groups for p, v in zip(g.params, g.views)]
     flags += [p.grad is not None for p in extras]
     used = torch.tensor(flags, dtype=torch.int32, device=_collective_device(groups))
-    dist.all_reduce(used)
+    dist.all_reduce(keep(used))
     used = used.tolist()
     k = 0
     for g in groups:
@@ -340,7 +351,7 @@ def sync_gradients(manager, groups, extras) -> None:
     for p in extras:  # parameters without a buffer (float64): one all-reduce each
         if used[k]:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(grad)
+            dist.all_reduce(keep(grad))
             p.grad = grad.div_(world)
         k += 1
     manager.extra_pending = False
@@ -363,7 +374,7 @@ def broadcast_model(model: torch.nn.Module, src: int = 0) -> None:
             raise ValueError(f"the model differs across processes: {detail}")
     with torch.no_grad():
         for _, _, t in tensors:
-            dist.broadcast(t.data, src=src)
+            dist.broadcast(keep(t.data), src=src)
 
 
 def _broadcast_buffers(module, src: int):
@@ -373,7 +384,7 @@ def _broadcast_buffers(module, src: int):
         by_dtype.setdefault((b.dtype, b.device), []).append(b)
     for bufs in by_dtype.values():
         flat = torch.cat([b.reshape(-1) for b in bufs])
-        dist.broadcast(flat, src=src)
+        dist.broadcast(keep(flat), src=src)
         offset = 0
         for b in bufs:
             n = b.numel()
@@ -406,7 +417,7 @@ def register_forward_sync(model: torch.nn.Module, manager, broadcast_buffers: bo
             # the highest rank that still has data (rank 0 may have joined)
             flags = torch.tensor([int(will_reduce), int(bcast), dist.get_rank()], dtype=torch.int64,
                                  device=joinable.join_device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            dist.all_reduce(keep(flags), op=dist.ReduceOp.MAX)
             src = int(flags[2])
         if bcast:
             with torch.no_grad():
@@ -426,7 +437,7 @@ class _ShadowHook:
         j = self.j
         m, groups = j.model, j.groups()
         flags = torch.tensor([0, 0, -1], dtype=torch.int64, device=j.join_device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(keep(flags), op=dist.ReduceOp.MAX)
         will_reduce, bcast, src = (int(v) for v in flags.tolist())
         if bcast:
             with torch.no_grad():
@@ -449,10 +460,10 @@ class _ShadowHook:
                     continue
                 # the dtype the others send this bucket in (the same rule as launch)
                 wire = t.dtype if wires[b] is None else wires[b].dtype
-                dist.all_reduce(torch.zeros(count, dtype=wire, device=g.device))
+                dist.all_reduce(comm.shadow_zeros(count, wire, g.device))
             if comm.find_unused:
                 # _agree_used's flags, from the same device rule
-                dist.all_reduce(torch.zeros(len(g.params), dtype=torch.int32, device=_collective_device([g])))
+                dist.all_reduce(keep(torch.zeros(len(g.params), dtype=torch.int32, device=_collective_device([g]))))
             if not g.relaid:
                 comm.relayout_shadow(g)
 
@@ -461,11 +472,11 @@ class _ShadowHook:
         a process that ran to the end (torch DDP's final model sync)."""
         j = self.j
         rank = torch.tensor([dist.get_rank() if is_last_joiner else -1], device=j.join_device)
-        dist.all_reduce(rank, op=dist.ReduceOp.MAX)
+        dist.all_reduce(keep(rank), op=dist.ReduceOp.MAX)
         src = int(rank.item())
         with torch.no_grad():
             for p in j.model.parameters():
-                dist.broadcast(p.data, src=src)
+                dist.broadcast(keep(p.data), src=src)
             _broadcast_buffers(j.model, src)
 
 
