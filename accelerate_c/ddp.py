@@ -114,8 +114,8 @@ class BucketComm:
         self.prescale = 1.0 / self.world if self.hook_dtype is None else 1.0
         self.nccl = None  # _C.NcclComm: CUDA buckets are launched from the C hooks, no Python
         self.comm_stream = None
-        # id(model) -> its groups in the order they started in the latest reduced backward
-        self.first_order: dict = {}
+        # id(model) -> its groups in the order they finished in the latest reduced backward
+        self.finish_order: dict = {}
         self._zeros: dict = {}  # shadow_zeros' buffers
 
     def attach(self, g):
@@ -146,10 +146,6 @@ class BucketComm:
         finish)."""
         if g.nccl:
             g.reducer.set_compute_stream(torch.cuda.current_stream(g.device).cuda_stream)
-        order = self.first_order.setdefault(g.model_key, [])
-        if g in order:  # a new backward of that model
-            order.clear()
-        order.append(g)
         # The buckets of two groups (two dtypes) launch in the order their gradients complete,
         # interleaved; a process that ran out of data cannot know that interleaving, so under
         # join each group's buckets are reduced at the end of backward, group after group, in
@@ -236,6 +232,10 @@ class BucketComm:
             self._finish(g)
 
     def _finish(self, g):
+        order = self.finish_order.setdefault(g.model_key, [])
+        if g in order:  # a new backward of that model
+            order.clear()
+        order.append(g)
         pending = g.reducer.pending()
         if pending:
             if not self.find_unused:
@@ -445,9 +445,9 @@ class _ShadowHook:
         if not will_reduce:
             return
         comm = j.manager.comm
-        # the order the others reduce the groups in: as they started in this process's own
+        # the order the others reduce the groups in: as they finished in this process's own
         # latest backward (the same graph), then any group not seen there
-        seen = [g for g in comm.first_order.get(id(m), []) if g in groups]
+        seen = [g for g in comm.finish_order.get(id(m), []) if g in groups]
         for g in seen + [g for g in groups if g not in seen]:
             # the buckets the others reduce, in their order, with zeros (this rank adds nothing;
             # the others divide by the full world size, torch DDP's default under Join)

@@ -54,9 +54,12 @@ def draw(seed: int, world: int | None = None) -> dict:
     # reentrant activation checkpointing: a weight used by two segments ("shared": torch DDP
     # refuses it without static_graph, so one process only), or a segment per layer with the
     # output layer inside one ("separate": the first gradients arrive in a nested backward)
+    # (torch DDP refuses reentrant checkpointing with find_unused_parameters, and under Join)
     c["reentrant"] = False
     if r.random() < 0.2:
         c["reentrant"] = "shared" if c["world"] == 1 else "separate"
+    if c["reentrant"] == "separate" and c["unused"]:
+        c["reentrant"] = False
     # non-finite values: an overflowing loss on one rank (fp16 must skip that step everywhere),
     # or a NaN gradient after backward (clipping must propagate it as torch does)
     # (drawn within the batches left after skip_first and the steps they make)
@@ -75,6 +78,7 @@ def draw(seed: int, world: int | None = None) -> dict:
     if c["uneven"]:
         c["epochs"], c["skip_first"], c["eval"], c["eval_skip"] = 1, 0, False, 0
         c["ga"], c["two_models"] = 1, False
+        c["reentrant"] = False
         c["dataset_extra"] = max(1, c["dataset_extra"])  # some ranks get a batch more
     return c
 
@@ -115,6 +119,8 @@ REGRESSIONS = {
     # found by the harness itself, or by reading it (review)
     "reentrant checkpointing on 2 processes, the output layer in a segment (an end of backward too early)":
         _case(REGRESSION_SEED + 10, world=2, reentrant="separate", ga=2),
+    "join_uneven_inputs, find_unused_parameters and a layer that never takes part, bf16 and fp32 layers":
+        _case(REGRESSION_SEED + 11, world=3, uneven=True, param_dtype="mixed", unused=True, dataset_extra=1),
     "join_uneven_inputs on a model with bf16 and fp32 layers (the shadow reduced groups out of order)":
         _case(REGRESSION_SEED + 9, world=2, uneven=True, param_dtype="mixed", tiny_buckets=True, dataset_extra=1),
     "skip_first_batches on 2 processes, then gather_for_metrics":

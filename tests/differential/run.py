@@ -64,7 +64,7 @@ def _run_batch(world: int, cases: list[dict], workdir: str, timeout: float) -> d
             # the case running when the batch died is the first without a result
             results.setdefault(rest[0]["seed"], []).append(f"the process group exited with {rc}:\n{tail}")
             rest = rest[1:]
-        elif rc != 0:
+        elif rc != 0 and not rest and not crashed:
             seed = todo[-1]["seed"]
             if not results.get(seed):
                 results[seed] = [f"the process group exited with {rc} after its last case:\n{tail}"]
