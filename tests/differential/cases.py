@@ -58,7 +58,9 @@ def draw(seed: int, world: int | None = None) -> dict:
     c["reentrant"] = False
     if r.random() < 0.2:
         c["reentrant"] = "shared" if c["world"] == 1 else "separate"
-    if c["reentrant"] == "separate" and c["unused"]:
+    if c["reentrant"] == "separate" and (c["unused"] or c["frozen"]):
+        # a frozen first layer leaves the segments' inputs without grad, and a reentrant
+        # segment whose inputs need no grad gives its weights none (torch's own rule)
         c["reentrant"] = False
     # non-finite values: an overflowing loss on one rank (fp16 must skip that step everywhere),
     # or a NaN gradient after backward (clipping must propagate it as torch does)

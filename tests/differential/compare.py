@@ -69,8 +69,9 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
         # the gradients the optimizer reads, each against its own magnitude: a wrong clip
         # coefficient or a doubled sum shows here in full, however small the update it makes.
         # From the second step on they come from parameters already a rounding apart, which a
-        # small gradient (a bias near its optimum) magnifies: 4x the tolerance there
-        grtol = rtol if k == 0 else 4 * rtol
+        # small gradient (a bias near its optimum) magnifies: 8x the tolerance there (a doubled
+        # or unclipped gradient is still off by far more)
+        grtol = rtol if k == 0 else 8 * rtol
         for j, (a, b) in enumerate(zip(s["grads"], r["grads"])):
             if (a is None) != (b is None):
                 errors.append(f"step {k}: gradient {j} is {'None' if a is None else 'set'}, torch's is "
