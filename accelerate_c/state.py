@@ -7,8 +7,10 @@ accelerate, constructing a new Accelerator re-initialises them instead of refusi
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import time
 from contextlib import contextmanager
 
 import torch
@@ -24,6 +26,24 @@ def _env_int(key: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
+
+
+def _let_gloo_workers_finish():
+    """At exit of a process whose group accelerate_c created: a gloo worker thread destroys a
+    finished work a moment after waking its waiter; if that releases a tensor whose Python
+    object only C++ still holds (torch's own temporaries, e.g. inside all_gather_object), the
+    worker needs the GIL, and once the interpreter is finalizing CPython ends the thread inside a
+    noexcept destructor: std::terminate after a finished run. Our own collectives keep their
+    tensors referenced (collective_tls.keep); for torch's, the workers get a moment, with the
+    GIL released, to finish while the interpreter is still alive."""
+    if _gloo_group_alive():
+        time.sleep(0.2)
+
+
+def _gloo_group_alive() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 class PartialState:
@@ -63,6 +83,7 @@ class PartialState:
                 if kwargs.get("init_method") is not None:
                     init["init_method"] = kwargs["init_method"]
                 dist.init_process_group(**init)
+                atexit.register(_let_gloo_workers_finish)
         else:
             self.num_processes = 1
             self.process_index = 0
