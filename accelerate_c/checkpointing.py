@@ -33,6 +33,7 @@ from torch.utils import hooks
 
 from .checkpoint_load import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, _CKPT_RE, _loader_state, _sfx,
                               complete_checkpoints, load_state)
+from . import collectives
 from .model_io import find_aliases, save_model as _save_model
 from .durable import fsync_dir, write_durable
 from .safetensors_io import record_ready, save_file, wait_ready
@@ -61,7 +62,7 @@ def _agree(acc, ok: bool) -> bool:
     import torch.distributed as dist
 
     flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=acc.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    collectives.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item()) == 0
 
 
@@ -77,10 +78,8 @@ def _gather(acc, values) -> list:
     t = torch.tensor(values, dtype=torch.int64, device=acc.device)
     if acc.num_processes == 1:
         return [t.tolist()]
-    import torch.distributed as dist
-
     out = [torch.empty_like(t) for _ in range(acc.num_processes)]
-    dist.all_gather(out, t)
+    collectives.all_gather(out, t)
     return [o.tolist() for o in out]
 
 

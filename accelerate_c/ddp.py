@@ -30,7 +30,7 @@ from torch.autograd.graph import increment_version
 from torch.distributed.algorithms.join import Joinable
 
 from . import _C
-from .collective_tls import keep, outside_backward_tls
+from . import collectives
 
 _WIRE: dict = {}  # (backend, dtype) -> the dtype that backend all-reduces it in
 
@@ -49,7 +49,7 @@ def _wire_dtype(t: torch.Tensor) -> torch.dtype:
     key = (backend, t.dtype)
     if key not in _WIRE:
         try:
-            dist.all_reduce(keep(torch.zeros(1, dtype=t.dtype, device=t.device)))
+            collectives.all_reduce(torch.zeros(1, dtype=t.dtype, device=t.device))
             _WIRE[key] = t.dtype
         except (RuntimeError, TypeError) as e:
             if not any(m in str(e) for m in _UNSUPPORTED_DTYPE):
@@ -75,10 +75,10 @@ def _collective_device(groups=()) -> torch.device:
 def _allreduce_(t: torch.Tensor):
     wire = _wire_dtype(t)
     if wire == t.dtype:
-        dist.all_reduce(keep(t))
+        collectives.all_reduce(t)
     else:
         wide = t.to(wire)
-        dist.all_reduce(wide)  # a whole buffer: too big to keep (collective_tls.keep)
+        collectives.all_reduce(wide)
         t.copy_(wide)
 
 
@@ -150,15 +150,13 @@ class BucketComm:
         # interleaved; a process that ran out of data cannot know that interleaving, so under
         # join each group's buckets are reduced at the end of backward, group after group, in
         # the order the groups started (which it saw in its own backwards: _ShadowHook)
-        g.defer = (self.manager.joining.get(g.model_key) is not None
-                   and sum(1 for o in self.manager.groups if o.model_key == g.model_key) > 1)
-        if g.nccl:  # the C hooks launch NCCL buckets themselves: tell them to wait
-            g.reducer.defer = g.defer
+        g.reducer.defer = (self.manager.joining.get(g.model_key) is not None
+                           and sum(1 for o in self.manager.groups if o.model_key == g.model_key) > 1)
 
     def shadow_zeros(self, count, dtype, device):
         """Zeros for a joined process's share of a bucket's all-reduce: one buffer per size and
         dtype, zeroed again for each use (the sum of the others lands in it), so that no
-        bucket-sized temporary is left for a gloo worker to release (collective_tls.keep)."""
+        bucket-sized temporary is left for a gloo worker to release (collectives.py)."""
         key = (count, dtype, device)
         buf = self._zeros.get(key)
         if buf is None:
@@ -180,12 +178,6 @@ class BucketComm:
 
     def launch(self, g, first: int, last: int):
         """Starts the all-reduce of buckets [first, last) of group g (called from a hook)."""
-        if g.defer:
-            return  # finish launches them all
-        with outside_backward_tls():  # a work holding a Python object can abort the exit
-            self._launch(g, first, last)
-
-    def _launch(self, g, first: int, last: int):
         wires = self.wire_bufs(g)
         for b in range(first, last):
             t, wire = g.buckets[b], wires[b]
@@ -204,7 +196,7 @@ class BucketComm:
                 if wire is not None:  # the backend does not take this dtype: fp32 on the wire
                     wire.copy_(t)
             try:
-                work = dist.all_reduce(t if wire is None else wire, async_op=True)
+                work = collectives.all_reduce(t if wire is None else wire, async_op=True)
             except RuntimeError as e:
                 raise RuntimeError(self._where(g, b, count) + f" could not start: {e}") from e
             g.works.append((b, work, t, wire))
@@ -224,14 +216,10 @@ class BucketComm:
         return (f"rank {self.rank}/{self.world}: the all-reduce of gradient bucket {b} ({count} {g.dtype} "
                 f"elements: {shown})")
 
+    @torch.no_grad()
     def finish(self, g):
         """End of a sync backward for group g: launch what is left, wait for every bucket in
-        order, average and measure the buffer, re-lay it once in arrival order. Called from the
-        end-of-backward callback: its collectives, like the hooks', start outside backward's TLS."""
-        with torch.no_grad(), outside_backward_tls():
-            self._finish(g)
-
-    def _finish(self, g):
+        order, average and measure the buffer, re-lay it once in arrival order."""
         order = self.finish_order.setdefault(g.model_key, [])
         if g in order:  # a new backward of that model
             order.clear()
@@ -260,17 +248,18 @@ class BucketComm:
                 elif f != 1.0:  # accumulated earlier in this step, no gradient in this backward
                     v.mul_(f)
                 first, last = g.reducer.mark_ready(i)
-                if g.nccl and not g.defer:
+                if g.reducer.defer:
+                    continue  # launched below
+                if g.nccl:
                     g.reducer.nccl_launch(first, last)
-                elif not g.nccl:
+                else:
                     self.launch(g, first, last)
-        if g.defer:  # join_uneven_inputs on a model with several groups: all buckets now, in order
+        if g.reducer.defer:  # join_uneven_inputs on a model with several groups: all buckets now, in order
+            g.reducer.defer = False
             if g.nccl:
                 g.reducer.nccl_launch(0, len(g.buckets))
-                g.reducer.defer = False
             else:
-                self._launch(g, 0, len(g.buckets))
-            g.defer = False
+                self.launch(g, 0, len(g.buckets))
         if g.nccl:
             g.reducer.nccl_wait()  # the compute stream waits for the comm stream; the host does not
         sumsq, nonfinite = self._wait(g)
@@ -307,7 +296,7 @@ class BucketComm:
     def _agree_used(self, g, used):
         """find_unused_parameters: a parameter has a gradient if any rank gave it one."""
         flags = torch.tensor(used, dtype=torch.int32, device=_collective_device([g]))
-        dist.all_reduce(keep(flags))
+        collectives.all_reduce(flags)
         for p, v, n in zip(g.params, g.views, flags.tolist()):
             if n and p.grad is None:
                 p.grad = v
@@ -317,7 +306,7 @@ class BucketComm:
         becomes the layout on every rank, so buckets fill (and launch) in backward order."""
         order = torch.tensor(g.reducer.arrival_order(len(g.params)) if order is None else order, dtype=torch.int64,
                              device=_collective_device([g]))
-        dist.broadcast(keep(order), src=0)
+        collectives.broadcast(order, src=0)
         order = order.tolist()
         if order != g.order:
             g.relayout(order)
@@ -336,7 +325,7 @@ def sync_gradients(manager, groups, extras) -> None:
     flags = [p.grad is v for g in groups for p, v in zip(g.params, g.views)]
     flags += [p.grad is not None for p in extras]
     used = torch.tensor(flags, dtype=torch.int32, device=_collective_device(groups))
-    dist.all_reduce(keep(used))
+    collectives.all_reduce(used)
     used = used.tolist()
     k = 0
     for g in groups:
@@ -351,7 +340,7 @@ def sync_gradients(manager, groups, extras) -> None:
     for p in extras:  # parameters without a buffer (float64): one all-reduce each
         if used[k]:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(keep(grad))
+            collectives.all_reduce(grad)
             p.grad = grad.div_(world)
         k += 1
     manager.extra_pending = False
@@ -374,7 +363,7 @@ def broadcast_model(model: torch.nn.Module, src: int = 0) -> None:
             raise ValueError(f"the model differs across processes: {detail}")
     with torch.no_grad():
         for _, _, t in tensors:
-            dist.broadcast(keep(t.data), src=src)
+            collectives.broadcast(t.data, src=src)
 
 
 def _broadcast_buffers(module, src: int):
@@ -384,7 +373,7 @@ def _broadcast_buffers(module, src: int):
         by_dtype.setdefault((b.dtype, b.device), []).append(b)
     for bufs in by_dtype.values():
         flat = torch.cat([b.reshape(-1) for b in bufs])
-        dist.broadcast(keep(flat), src=src)
+        collectives.broadcast(flat, src=src)
         offset = 0
         for b in bufs:
             n = b.numel()
@@ -417,7 +406,7 @@ def register_forward_sync(model: torch.nn.Module, manager, broadcast_buffers: bo
             # the highest rank that still has data (rank 0 may have joined)
             flags = torch.tensor([int(will_reduce), int(bcast), dist.get_rank()], dtype=torch.int64,
                                  device=joinable.join_device)
-            dist.all_reduce(keep(flags), op=dist.ReduceOp.MAX)
+            collectives.all_reduce(flags, op=dist.ReduceOp.MAX)
             src = int(flags[2])
         if bcast:
             with torch.no_grad():
@@ -437,7 +426,7 @@ class _ShadowHook:
         j = self.j
         m, groups = j.model, j.groups()
         flags = torch.tensor([0, 0, -1], dtype=torch.int64, device=j.join_device)
-        dist.all_reduce(keep(flags), op=dist.ReduceOp.MAX)
+        collectives.all_reduce(flags, op=dist.ReduceOp.MAX)
         will_reduce, bcast, src = (int(v) for v in flags.tolist())
         if bcast:
             with torch.no_grad():
@@ -460,10 +449,10 @@ class _ShadowHook:
                     continue
                 # the dtype the others send this bucket in (the same rule as launch)
                 wire = t.dtype if wires[b] is None else wires[b].dtype
-                dist.all_reduce(comm.shadow_zeros(count, wire, g.device))
+                collectives.all_reduce(comm.shadow_zeros(count, wire, g.device))
             if comm.find_unused:
                 # _agree_used's flags, from the same device rule
-                dist.all_reduce(keep(torch.zeros(len(g.params), dtype=torch.int32, device=_collective_device([g]))))
+                collectives.all_reduce(torch.zeros(len(g.params), dtype=torch.int32, device=_collective_device([g])))
             if not g.relaid:
                 comm.relayout_shadow(g)
 
@@ -472,11 +461,11 @@ class _ShadowHook:
         a process that ran to the end (torch DDP's final model sync)."""
         j = self.j
         rank = torch.tensor([dist.get_rank() if is_last_joiner else -1], device=j.join_device)
-        dist.all_reduce(keep(rank), op=dist.ReduceOp.MAX)
+        collectives.all_reduce(rank, op=dist.ReduceOp.MAX)
         src = int(rank.item())
         with torch.no_grad():
             for p in j.model.parameters():
-                dist.broadcast(keep(p.data), src=src)
+                collectives.broadcast(p.data, src=src)
             _broadcast_buffers(j.model, src)
 
 

@@ -75,8 +75,6 @@ class GradGroup:
         self.model_key = None  # id() of the prepared model the parameters came from
         self.nccl = False  # buckets launched by the C reducer over NCCL (ddp.BucketComm.attach)
         self.works = []  # buckets in flight: (bucket, work, range, wire tensor or None)
-        self.defer = False  # this backward's buckets are launched at its end (ddp.BucketComm.start)
-        self.awaiting = False  # an end of backward came with gradients missing (_end_of_backward)
         self.hooks = []
         self._build(list(range(len(self.params)))[::-1] if order is None else order)
         for i, p in enumerate(self.params):
@@ -148,10 +146,9 @@ class GradGroup:
         """The first gradient of this group in a backward: a new step for the unscale state;
         decides whether buckets are reduced while this backward runs, and queues the end of
         backward (also for a raw loss.backward())."""
-        if self.awaiting:
+        if self.reducer.requeue:
             # more gradients after an end of backward that came too early (see
             # _end_of_backward): this backward goes on, in the graph task now running
-            self.awaiting = False
             self.reducer.requeue = False
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             return
@@ -181,13 +178,11 @@ class GradGroup:
         again on the task then running, and finish_awaiting() (after Accelerator.backward, or
         before the step reads gradients) completes a backward that delivers no more."""
         if self.reducer.launching and not self.broken and self.reducer.pending():
-            self.awaiting = True
-            self.reducer.requeue = True
+            self.reducer.requeue = True  # the group waits for its next hook
             return
         self._finish_backward()
 
     def _finish_backward(self):
-        self.awaiting = False
         self.reducer.requeue = False
         try:
             if self.reducer.launching and not self.broken:
@@ -433,15 +428,13 @@ class GradManager:
         (an error without find_unused_parameters, zeros with it). Every rank calls this at the
         same point: the end of Accelerator.backward, and prepare_step for a raw loss.backward()."""
         for g in list(self.groups):
-            if g.awaiting:
+            if g.reducer.requeue:
                 g._finish_backward()
 
     def abort_backward(self):
         """After a backward that raised: forget half-marked buckets so the next one starts clean."""
         for g in self.groups:
             g.works = []
-            g.defer = False
-            g.awaiting = False
             g.reducer.requeue = False
             g.reducer.defer = False
             g.reducer.launching = False

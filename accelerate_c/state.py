@@ -34,7 +34,7 @@ def _let_gloo_workers_finish():
     object only C++ still holds (torch's own temporaries, e.g. inside all_gather_object), the
     worker needs the GIL, and once the interpreter is finalizing CPython ends the thread inside a
     noexcept destructor: std::terminate after a finished run. Our own collectives keep their
-    tensors referenced (collective_tls.keep); for torch's, the workers get a moment, with the
+    tensors referenced (collectives.py); for torch's, the workers get a moment, with the
     GIL released, to finish while the interpreter is still alive."""
     if _gloo_group_alive():
         time.sleep(0.2)

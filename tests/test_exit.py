@@ -4,7 +4,7 @@ Before the fix, about one run in 30 on a loaded 2-core machine ended with "termi
 without an active exception" (SIGABRT) after all work was done: gloo work objects launched
 during backward carried the Python object torch stashes for the backward, and a gloo worker
 thread releasing the last reference during interpreter shutdown aborted
-(accelerate_c/collective_tls.py). The LD_PRELOAD shim tests/shims/late_gloo_release.c makes
+(accelerate_c/collectives.py). The LD_PRELOAD shim tests/shims/late_gloo_release.c makes
 that interleaving the usual one, so the test fails on every run of the broken code instead of
 once in a while.
 """

@@ -4,7 +4,7 @@ tensors). What only a GPU can show runs in benchmarks/gpu_check.sh (docs/gpu.md)
 import pytest
 import torch
 
-from accelerate_c import ddp
+from accelerate_c import collectives, ddp
 
 
 class FakeNcclDist:
@@ -51,6 +51,7 @@ def fake_nccl(monkeypatch):
         return t
 
     monkeypatch.setattr(ddp, "dist", fake)
+    monkeypatch.setattr(collectives, "dist", fake)  # the reducer's collectives go through it
     monkeypatch.setattr(torch, "tensor", tensor)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return fake

@@ -6,7 +6,7 @@ from functools import update_wrapper
 
 import torch
 
-from ..collective_tls import keep
+from .. import collectives
 
 
 def _is_namedtuple(obj) -> bool:
@@ -122,8 +122,7 @@ def _all_shapes(dist, t, what: str) -> list:
     dims[1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     dims = dims.to(t.device)
     allv = [torch.empty_like(dims) for _ in range(dist.get_world_size())]
-    keep(dims, *allv)
-    dist.all_gather(allv, dims)
+    collectives.all_gather(allv, dims)
     return [tuple(v[1:1 + int(v[0])].tolist()) for v in allv]
 
 
@@ -148,8 +147,7 @@ def gather(tensor):
         t = t.contiguous()
         _check_same_shape(dist, t, "gather")
         out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        keep(t, *out)
-        dist.all_gather(out, t)
+        collectives.all_gather(out, t)
         return torch.cat(out, dim=0)
 
     return recursively_apply(one, tensor, error_on_other_type=True)
@@ -181,8 +179,7 @@ def reduce(tensor, reduction: str = "sum"):
         if dist is None or reduction == "none":
             return out
         _check_same_shape(dist, out, "reduce")
-        keep(out)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM)
+        collectives.all_reduce(out, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM)
         if reduction == "mean":
             out = out / dist.get_world_size()  # integer sums become floating means
         return out
@@ -198,8 +195,7 @@ def broadcast(tensor, from_process: int = 0):
 
     def one(t):
         _check_same_shape(dist, t, "broadcast")
-        keep(t)
-        dist.broadcast(t, src=from_process)
+        collectives.broadcast(t, src=from_process)
         return t
 
     return recursively_apply(one, tensor, error_on_other_type=True)
@@ -226,8 +222,7 @@ def copy_tensor_to_devices(tensor=None):
         tensor = torch.empty(shape, dtype=dtype, device=PartialState().device)
     else:
         tensor = tensor.contiguous()
-    keep(tensor)
-    dist.broadcast(tensor, src=holders[0])
+    collectives.broadcast(tensor, src=holders[0])
     return tensor
 
 

@@ -4,6 +4,8 @@ import random
 import numpy as np
 import torch
 
+from .. import collectives
+
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False):
     """Seeds python, numpy and torch (CPU and all CUDA devices).
@@ -45,7 +47,7 @@ def synchronize_rng_state(rng_type: str, generator=None):
     # NCCL moves CUDA tensors only
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     state = state.to(on)
-    dist.broadcast(state, src=0)
+    collectives.broadcast(state, src=0)
     state = state.cpu()
     if rng_type == "torch":
         torch.set_rng_state(state)

@@ -32,7 +32,7 @@ typedef struct {
   size_t *numel;      /* elements of each gradient (for the hooks' in-place pre-division) */
   int on_cuda;        /* the buffer is device memory */
   float prescale;     /* launching backwards: gradients x prescale (1/world) as they become ready */
-  int defer;          /* NCCL: complete buckets wait for the glue's nccl_launch at the end of backward */
+  int defer;          /* complete buckets wait for the glue to launch them at the end of backward */
   int requeue;        /* the next hook calls on_first again (an end of backward came too early) */
 } ReducerObject;
 
@@ -409,56 +409,24 @@ static PyObject *reducer_nccl_wait(PyObject *op, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
-static PyObject *reducer_get_defer(PyObject *op, void *c) {
-  (void)c;
-  return PyBool_FromLong(((ReducerObject *)op)->defer);
+/* The Reducer's flags (launching, defer, requeue): one getter and setter, the field's offset
+ * in the closure. */
+static PyObject *reducer_get_flag(PyObject *op, void *offset) {
+  return PyBool_FromLong(*(int *)((char *)op + (size_t)offset));
 }
 
-static int reducer_set_defer(PyObject *op, PyObject *v, void *c) {
-  (void)c;
+static int reducer_set_flag(PyObject *op, PyObject *v, void *offset) {
   if (!v) {
-    PyErr_SetString(PyExc_AttributeError, "defer cannot be deleted");
+    PyErr_SetString(PyExc_AttributeError, "Reducer flags cannot be deleted");
     return -1;
   }
   int t = PyObject_IsTrue(v);
   if (t < 0) return -1;
-  ((ReducerObject *)op)->defer = t;
+  *(int *)((char *)op + (size_t)offset) = t;
   return 0;
 }
 
-static PyObject *reducer_get_requeue(PyObject *op, void *c) {
-  (void)c;
-  return PyBool_FromLong(((ReducerObject *)op)->requeue);
-}
-
-static int reducer_set_requeue(PyObject *op, PyObject *v, void *c) {
-  (void)c;
-  if (!v) {
-    PyErr_SetString(PyExc_AttributeError, "requeue cannot be deleted");
-    return -1;
-  }
-  int t = PyObject_IsTrue(v);
-  if (t < 0) return -1;
-  ((ReducerObject *)op)->requeue = t;
-  return 0;
-}
-
-static PyObject *reducer_get_launching(PyObject *op, void *c) {
-  (void)c;
-  return PyBool_FromLong(((ReducerObject *)op)->launching);
-}
-
-static int reducer_set_launching(PyObject *op, PyObject *v, void *c) {
-  (void)c;
-  if (!v) {
-    PyErr_SetString(PyExc_AttributeError, "launching cannot be deleted");
-    return -1;
-  }
-  int t = PyObject_IsTrue(v);
-  if (t < 0) return -1;
-  ((ReducerObject *)op)->launching = t;
-  return 0;
-}
+#define FLAG(field) (void *)offsetof(ReducerObject, field)
 
 static PyMethodDef reducer_methods[] = {
     {"count", reducer_count, METH_NOARGS, "count() -> number of buckets"},
@@ -486,14 +454,17 @@ static PyMethodDef reducer_methods[] = {
 };
 
 static PyGetSetDef reducer_getset[] = {
-    {"launching", reducer_get_launching, reducer_set_launching,
-     "whether hooks call launch() for buckets that become complete (sync steps of multi-process runs)", NULL},
-    {"defer", reducer_get_defer, reducer_set_defer,
-     "NCCL: hooks do not launch complete buckets; the glue launches them all at the end of backward "
-     "(nccl_launch), so every rank issues them in an order a joined rank can shadow", NULL},
-    {"requeue", reducer_get_requeue, reducer_set_requeue,
+    {"launching", reducer_get_flag, reducer_set_flag,
+     "whether hooks call launch() for buckets that become complete (sync steps of multi-process runs)",
+     FLAG(launching)},
+    {"defer", reducer_get_flag, reducer_set_flag,
+     "hooks do not launch complete buckets (neither over NCCL nor through launch()); the glue launches "
+     "them all at the end of backward, so every rank issues them in an order a joined rank can shadow",
+     FLAG(defer)},
+    {"requeue", reducer_get_flag, reducer_set_flag,
      "the next hook calls on_first again although gradients are marked (the glue's end of backward "
-     "ran in a reentrant backward nested in the one still delivering this buffer's gradients)", NULL},
+     "ran in a reentrant backward nested in the one still delivering this buffer's gradients)",
+     FLAG(requeue)},
     {"prescale", reducer_get_prescale, reducer_set_prescale,
      "on launching backwards, a gradient that already is its view is multiplied by this in place when it "
      "becomes ready (1/world: the all-reduce's sum is then the average)", NULL},
@@ -577,8 +548,9 @@ static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwds) {
   size_t from, to;
   ac_result_t rc = ac_bucket_mark_ready(red->plan, h->index, &from, &to);
   if (rc != AC_OK) return pyac_raise(pyac_module_of(h->reducer), rc);
-  if (red->launching && to > from && red->comm) return red->defer ? Py_NewRef(Py_None) : reducer_launch_nccl(red, from, to);
-  if (red->launching && to > from && red->launch) {
+  if (!red->launching || to == from || red->defer) Py_RETURN_NONE;
+  if (red->comm) return reducer_launch_nccl(red, from, to);
+  if (red->launch) {
     PyObject *r = PyObject_CallFunction(red->launch, "nn", (Py_ssize_t)from, (Py_ssize_t)to);
     if (!r) return NULL;
     Py_DECREF(r);
