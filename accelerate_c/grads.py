@@ -245,16 +245,6 @@ class GradGroup:
             v.copy_(g)
             p.grad = v
 
-    def cleared(self, zeroed: bool = False):
-        """An optimizer's zero_grad ran over (some of) these params. The `.grad` values it left
-        need no work now (resync() brings them in at the next step); but when no param of the
-        group has a non-zero gradient any more (all None, or `zeroed`: torch's own zero_grad ran
-        over the whole group), nothing carries the loss scale or an overflow: a step taken
-        before the next backward must not be skipped for the last one's overflow."""
-        if zeroed or all(p.grad is None for p in self.params):
-            self.needs_unscale = False
-            self.found_inf = False
-
     def remove(self):
         for h in self.hooks:
             h.remove()
@@ -654,9 +644,19 @@ class GradManager:
             g.wrote()
         return total
 
-    def cleared(self, params, zeroed: bool = False):
-        """After an optimizer's own zero_grad over `params` (AcceleratedOptimizer.zero_grad);
-        `zeroed`: it was torch's, which leaves every gradient None or zero."""
-        touched, _ = self.split(params)
+    def new_scaler_step(self, params):
+        """After an fp16 optimizer step (the scaler's update): as with torch's GradScaler, whose
+        per-step state ends at update(), whatever gradients these params hold from now on count
+        as scaled again and are unscaled and checked at the next step, with or without a
+        backward in between (the zeros a zero_grad(set_to_none=False) left, say, find nothing;
+        an overflow of the step just taken must not skip the next one). Only groups this
+        optimizer covers whole: another optimizer over the rest of a group has not stepped."""
+        touched, loose = self.split(params)
         for g, idx in touched.items():
-            g.cleared(zeroed and len(set(idx)) == len(g.params))
+            if len(set(idx)) == len(g.params):
+                g.needs_unscale = True
+                g.found_inf = False
+        for p in loose:
+            entry = self.loose.get(id(p))
+            if entry is not None:
+                entry[0] = True

@@ -78,8 +78,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         wrapper's, as with accelerate); set_to_none defaults to True and is only passed to a
         zero_grad that takes it. The flat buffers need nothing here: the `.grad` values it
         leaves (None, zeroed views, new tensors) are brought into the buffers at the next step
-        (GradManager.prepare_step), and the bookkeeping of groups left without any gradient
-        is reset."""
+        (GradManager.prepare_step)."""
         if not self.gradient_state.sync_gradients:
             return
         zero_grad = self.optimizer.zero_grad
@@ -90,10 +89,6 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"zero_grad(set_to_none={set_to_none!r}): {type(self.optimizer).__name__}.zero_grad "
                                  "takes no set_to_none argument")
             self.optimizer.zero_grad()
-        if self._grads is not None:
-            # torch's own zero_grad leaves None or zeros; an override may leave anything
-            zeroed = getattr(type(self.optimizer).zero_grad, "__code__", None) is torch.optim.Optimizer.zero_grad.__code__
-            self._grads.cleared(self._params(), zeroed=zeroed)
 
     def step(self, closure=None):
         if not self.gradient_state.sync_gradients:
@@ -107,6 +102,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(found_inf)
+            if self._grads is not None:
+                self._grads.new_scaler_step(self._params())
 
     def train(self):
         if callable(getattr(self.optimizer, "train", None)):

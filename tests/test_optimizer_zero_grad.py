@@ -131,3 +131,35 @@ def test_fp16_step_after_zero_grad_is_not_skipped_for_an_old_overflow():
     assert acc.scaler.get_scale() == scaler.get_scale()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("custom", [False, True])
+def test_fp16_step_with_no_new_gradient_after_zero_grad_to_zeros(custom):
+    """fp16: a step overflows, torch's own zero_grad(set_to_none=False) leaves zeros, and the next
+    step comes before any backward: GradScaler unscales the zeros, finds nothing and steps, so
+    that step is not skipped for the old overflow (and the scale is not backed off twice). A
+    subclass's zero_grad (here one that only calls torch's) must not be taken for torch's own
+    without looking: the result is the same either way, since it too leaves zeros."""
+    cls = RecordingSGD if custom else torch.optim.SGD
+    model, ref = make_model(0), make_model(0)
+    acc = Accelerator(cpu=True, mixed_precision="fp16")
+    model, popt = acc.prepare(model, cls(model.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = next(iter(make_loader(n=4, batch_size=4)))
+    with torch.autocast("cpu", dtype=torch.float16):
+        ref_out = ref(x)
+    scaler.scale(loss_function(ref_out.float(), y) * float("inf")).backward()
+    scaler.step(ref_opt)
+    scaler.update()
+    ref_opt.zero_grad(set_to_none=False)
+    acc.backward(loss_function(model(x), y) * float("inf"))
+    popt.step()
+    popt.zero_grad(set_to_none=False)
+    before = scaler.get_scale()
+    scaler.step(ref_opt)  # no backward since: zeros
+    scaler.update()
+    ref_skipped = scaler.get_scale() < before
+    popt.step()
+    assert popt.step_was_skipped == ref_skipped
+    assert acc.scaler.get_scale() == scaler.get_scale()
