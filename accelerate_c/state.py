@@ -28,6 +28,9 @@ def _env_int(key: str, default: int) -> int:
         raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
 
 
+_AT_EXIT: list = []
+
+
 def _let_gloo_workers_finish():
     """At exit of a process whose group accelerate_c created: a gloo worker thread destroys a
     finished work a moment after waking its waiter; if that releases a tensor whose Python
@@ -83,7 +86,9 @@ class PartialState:
                 if kwargs.get("init_method") is not None:
                     init["init_method"] = kwargs["init_method"]
                 dist.init_process_group(**init)
-                atexit.register(_let_gloo_workers_finish)
+                if _let_gloo_workers_finish not in _AT_EXIT:  # once, however often a group is made
+                    _AT_EXIT.append(_let_gloo_workers_finish)
+                    atexit.register(_let_gloo_workers_finish)
         else:
             self.num_processes = 1
             self.process_index = 0

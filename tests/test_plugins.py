@@ -64,8 +64,6 @@ def test_a_default_dynamo_plugin_is_taken(make):
     acc = _ours(dynamo_plugin=plugin)
     assert acc.state.dynamo_plugin is plugin
     assert str(acc.state.dynamo_plugin.backend.value) == "NO"
-    model = acc.prepare(make_model(0))
-    assert not hasattr(model, "_orig_mod")  # nothing compiled, as accelerate with backend NO
 
 
 @pytest.mark.parametrize("make", [ours.TorchDynamoPlugin, theirs.TorchDynamoPlugin])

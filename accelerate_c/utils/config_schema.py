@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .dataclasses import DistributedType, PrecisionType
+from .dataclasses import DistributedType, DynamoBackend, PrecisionType
 
 ANY = object()  # `supported`: every valid value is supported
 
@@ -21,9 +21,7 @@ COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE", "AMAZON_SAGEMAKER")
 # the values the Accelerator and the launcher take (PrecisionType), in accelerate's menu order
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 assert set(MIXED_PRECISIONS) == set(PrecisionType.list()), "config_schema and PrecisionType disagree"
-DYNAMO_BACKENDS = ("NO", "EAGER", "AOT_EAGER", "INDUCTOR", "AOT_TS_NVFUSER", "NVPRIMS_NVFUSER", "CUDAGRAPHS",
-                   "OFI", "FX2TRT", "ONNXRT", "TENSORRT", "AOT_TORCHXLA_TRACE_ONCE", "TORCHXLA_TRACE_ONCE", "TVM",
-                   "HPU_BACKEND", "NEURON")
+DYNAMO_BACKENDS = tuple(DynamoBackend.list())
 DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")  # torchrun's registered rendezvous backends
 FSDP_SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")

@@ -119,16 +119,11 @@ class KwargsHandler:
         return copy.deepcopy(self.__dict__)
 
     def to_kwargs(self):
-        # the class's defaults as written, not as the environment would fill them in
-        # (TorchDynamoPlugin reads ACCELERATE_DYNAMO_*): an environment value is a change too
-        saved = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
-        for k in saved:
-            del os.environ[k]
-        try:
-            default = self.__class__().to_dict()
-        finally:
-            os.environ.update(saved)
+        default = self._defaults()
         return {k: v for k, v in self.to_dict().items() if default[k] != v}
+
+    def _defaults(self) -> dict:
+        return self.__class__().to_dict()
 
 
 @dataclass
@@ -253,6 +248,13 @@ class TorchDynamoPlugin(KwargsHandler):
         out = copy.deepcopy(self.__dict__)
         out["backend"] = self.backend.value.lower()
         return out
+
+    def _defaults(self) -> dict:
+        # the fields' defaults as __post_init__ resolves them with no ACCELERATE_DYNAMO_* set
+        # (an environment value is a change too), written out rather than obtained by
+        # clearing the process's environment around a second construction
+        return {"backend": "no", "mode": "default", "fullgraph": False, "dynamic": None, "options": None,
+                "disable": False, "use_regional_compilation": False}
 
     def to_kwargs(self):
         # torch.compile's arguments: regional compilation is the Accelerator's choice, not torch's

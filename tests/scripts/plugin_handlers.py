@@ -24,6 +24,8 @@ acc = Accelerator(cpu=True, kwargs_handlers=[
     DistributedDataParallelKwargs(bucket_cap_mb=CAP_MB, find_unused_parameters=True, broadcast_buffers=False),
     InitProcessGroupKwargs(backend="gloo", timeout=timedelta(seconds=77))])
 timeout = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
+# the value given, not just the same in both runs (a handler dropped on the shared path would be too)
+assert timeout == timedelta(seconds=77), timeout
 
 
 class Net(nn.Module):
