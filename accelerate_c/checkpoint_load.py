@@ -154,7 +154,7 @@ class _Plan:
 
 def _check_model_entries(model, state: dict, entries: dict, path: str, strict: bool) -> None:
     """``entries``: {name: (shape, torch dtype or None)} of the file. Raises RuntimeError naming
-    the file and the keys for missing/unexpected keys (strict), shapes or dtypes that differ."""
+    the file and the keys for missing/unexpected keys (strict) and shapes that differ."""
     aliases = find_aliases(state)
     groups = {}
     for k in state:
@@ -169,11 +169,7 @@ def _check_model_entries(model, state: dict, entries: dict, path: str, strict: b
              for n, (shape, _dt) in entries.items() if n in state and tuple(state[n].shape) != tuple(shape)]
     if wrong:
         raise RuntimeError(f"{path}: size mismatch for " + "; ".join(wrong[:20]))
-    wrong = [f"{n}: file {dt}, model {state[n].dtype}"
-             for n, (_shape, dt) in entries.items() if n in state and dt is not None and state[n].dtype != dt]
-    if wrong:
-        raise RuntimeError(f"{path}: dtype mismatch for " + "; ".join(wrong[:20]) + " (a checkpoint of this model "
-                           "in another precision? cast the model first)")
+    # another dtype is no error: the copy casts, as torch's load_state_dict (and accelerate) do
 
 
 def _model_targets(model, path: str, strict: bool) -> dict:
@@ -204,6 +200,9 @@ def _check_optimizer_shapes(opt, saved_groups: list, entries, where: str) -> Non
     optimizers keep per parameter, the parameter's shape: a state from another model is refused
     before anything is read into the optimizer."""
     params = [p for g in opt.param_groups for p in g["params"]]
+    # the names mean the parameter's shape in torch.optim's optimizers only (others, e.g. a
+    # projected or quantised state, use them for what they like)
+    torch_optimizer = type(opt).__module__.startswith("torch.optim")
     ids = [pid for g in saved_groups for pid in g.get("params", ())]
     by_id = dict(zip(ids, params))
     wrong = []
@@ -213,7 +212,7 @@ def _check_optimizer_shapes(opt, saved_groups: list, entries, where: str) -> Non
             continue  # torch keeps state of ids outside the groups as it is
         live = opt.state.get(p, {}).get(key)
         want = tuple(live.shape) if isinstance(live, torch.Tensor) else \
-            tuple(p.shape) if key in _PARAM_SHAPED else None
+            tuple(p.shape) if key in _PARAM_SHAPED and torch_optimizer else None
         if want is not None and tuple(shape) != want:
             wrong.append(f"state of parameter {pid} [{key!r}]: saved {list(shape)}, expected {list(want)}")
     if wrong:
