@@ -34,6 +34,7 @@ def draw(seed: int, world: int | None = None) -> dict:
     c["dataset_extra"] = r.randint(0, c["batch_size"] * c["world"] - 1)  # a ragged last batch
     c["clip"] = r.choice(CLIPS)
     c["max_norm"] = r.choice((0.05, 0.5, 100.0))  # clips hard, sometimes, never
+    c["clip_subset"] = r.random() < 0.2  # clip part of the parameters (part of a flat buffer)
     c["unscale_first"] = r.random() < 0.3
     c["clip_twice"] = r.random() < 0.2
     c["comm_hook"] = r.choice(COMM_HOOKS) if c["world"] > 1 else "no"
@@ -88,7 +89,8 @@ def draw(seed: int, world: int | None = None) -> dict:
 def _case(seed: int, **overrides) -> dict:
     """A plain case (no axis switched on) with `overrides`."""
     c = {"seed": seed, "world": 1, "param_dtype": "fp32", "mp": "no", "ga": 1, "batch_size": 3, "batches": 5,
-         "dataset_extra": 0, "clip": "none", "max_norm": 0.05, "unscale_first": False, "clip_twice": False,
+         "dataset_extra": 0, "clip": "none", "max_norm": 0.05, "clip_subset": False, "unscale_first": False,
+         "clip_twice": False,
          "comm_hook": "no", "tiny_buckets": False, "unused": False, "frozen": False, "zero_grad": "opt_none",
          "assign_grad": False, "two_models": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
@@ -134,8 +136,8 @@ def describe(c: dict) -> str:
     """One line naming the axes that differ from the plain default."""
     keys = ("world", "param_dtype", "mp", "ga", "clip", "comm_hook", "sync_style", "zero_grad", "optimizer")
     parts = [f"{k}={c[k]}" for k in keys]
-    for flag in ("unscale_first", "clip_twice", "tiny_buckets", "unused", "frozen", "assign_grad", "two_models",
-                 "eval", "uneven"):
+    for flag in ("clip_subset", "unscale_first", "clip_twice", "tiny_buckets", "unused", "frozen", "assign_grad",
+                 "two_models", "eval", "uneven"):
         if c[flag]:
             parts.append(flag)
     if c["reentrant"]:

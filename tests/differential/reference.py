@@ -129,23 +129,17 @@ def _evaluate(case, model, amp):
 
 
 def _step(case, params, opt, scaler, world, sched, trace):
-    k = len(trace["steps"])
-    if case["nan_grad_step"] == k:
-        with torch.no_grad():
-            W.first_with_grad(params, reverse=True).grad.view(-1)[0] = float("nan")
-    if case["assign_grad"]:
-        p = W.first_with_grad(params)
-        p.grad = p.grad.detach().clone() * 0.5
+    W.touch_grads(case, params, len(trace["steps"]))
     if scaler is not None and (case["unscale_first"] or case["clip"] != "none"):
         scaler.unscale_(opt)
-    norm = None
+    norm, clipped = None, W.clipped(case, params)
     if case["clip"] == "value":
-        torch.nn.utils.clip_grad_value_(params, case["max_norm"])
+        torch.nn.utils.clip_grad_value_(clipped, case["max_norm"])
     elif case["clip"] != "none":
         norm_type = 2.0 if case["clip"] == "norm2" else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, case["max_norm"], norm_type=norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(clipped, case["max_norm"], norm_type=norm_type)
         if case["clip_twice"]:
-            norm = torch.nn.utils.clip_grad_norm_(params, case["max_norm"], norm_type=norm_type)
+            norm = torch.nn.utils.clip_grad_norm_(clipped, case["max_norm"], norm_type=norm_type)
         norm = float(norm)
     grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
     skipped = False

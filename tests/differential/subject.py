@@ -86,16 +86,10 @@ def _train(case, acc, models, params, opt, dl, sched, trace):
                 # accumulate(): accelerate decides; no_sync: the loop does (its Accelerator has ga=1)
                 sync = acc.sync_gradients if case["sync_style"] == "accumulate" else window_end
                 if sync:
-                    k = len(trace["steps"])
-                    if case["nan_grad_step"] == k:
-                        with torch.no_grad():
-                            W.first_with_grad(params, reverse=True).grad.view(-1)[0] = float("nan")
-                    if case["assign_grad"]:
-                        p = W.first_with_grad(params)
-                        p.grad = p.grad.detach().clone() * 0.5
+                    W.touch_grads(case, params, len(trace["steps"]))
                     if case["unscale_first"]:
                         acc.unscale_gradients()
-                    norm = _clip(acc, case, params)
+                    norm = _clip(acc, case, W.clipped(case, params))
                 if sync:  # what the optimizer is about to read (None kept apart from zeros)
                     grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
                 # under accumulate() the wrapped optimizer and scheduler skip non-sync steps

@@ -93,11 +93,26 @@ def bucket_cap_mb(case: dict) -> float:
     return 0.0004 if case["tiny_buckets"] else 25.0  # 0.0004 MiB: a few hundred bytes a bucket
 
 
-def first_with_grad(params, reverse=False):
-    """The first (or last) parameter that has a gradient: where the loop injects a NaN or
-    assigns a gradient."""
+def clipped(case, params):
+    """What the loop clips: every trainable parameter, or (clip_subset) the later half only, which
+    covers part of a flat buffer and so takes the Accelerator's generic path."""
+    return params[len(params) // 2:] if case["clip_subset"] else params
+
+
+def _first_with_grad(params, reverse=False):
     seq = reversed(params) if reverse else params
     return next(p for p in seq if p.grad is not None)
+
+
+def touch_grads(case, params, step: int):
+    """What the loop does to the gradients between backward and the step: a NaN in the last
+    one at step `nan_grad_step`, and (assign_grad) the first one replaced by a new tensor."""
+    if case["nan_grad_step"] == step:
+        with torch.no_grad():
+            _first_with_grad(params, reverse=True).grad.view(-1)[0] = float("nan")
+    if case["assign_grad"]:
+        p = _first_with_grad(params)
+        p.grad = p.grad.detach().clone() * 0.5
 
 
 def zero_grads(case, opt, models, params):
