@@ -201,3 +201,16 @@ def test_save_state_save_and_save_model_publish_every_file_durably(shim, tmp_pat
     assert any(f.endswith("pytorch_model-00001-of-00002.bin") for f in files), files
     assert_published_durably(events, tmp_path, files)
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]
+
+
+def test_publish_with_a_bad_path_closes_the_descriptor_and_removes_the_temporary(tmp_path):
+    """durable_publish owns the descriptor it is given: a path it cannot even convert (a NUL in
+    it) still closes the file and removes the temporary, as its contract says."""
+    from accelerate_c import _C
+
+    fd, tmp = _C.durable_open(str(tmp_path / "x.bin"))
+    with pytest.raises(ValueError):
+        _C.durable_publish(str(tmp_path / "x\0.bin"), tmp, fd)
+    assert not os.path.exists(tmp)
+    with pytest.raises(OSError):
+        os.fstat(fd)

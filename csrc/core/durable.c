@@ -90,6 +90,22 @@ ac_result_t ac_durable_publish(const char *path, char **tmp, int *fd) {
   return AC_OK;
 }
 
+int ac_write_all(int fd, const void *data, size_t n, uint64_t off) {
+  const char *p = data;
+  while (n) {
+    ssize_t k = pwrite(fd, p, n, (off_t)off);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (k == 0) return EIO;
+    p += k;
+    n -= (size_t)k;
+    off += (uint64_t)k;
+  }
+  return 0;
+}
+
 void ac_durable_discard(char **tmp, int *fd) {
   if (*fd >= 0) close(*fd);
   *fd = -1;
@@ -105,18 +121,11 @@ ac_result_t ac_durable_write(const char *path, const void *data, size_t n) {
   int fd = -1;
   ac_result_t r = ac_durable_open(path, 0, &tmp, &fd);
   if (r != AC_OK) return r;
-  const char *p = data;
-  while (n) {
-    ssize_t k = write(fd, p, n);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) {
-      int e = k < 0 ? errno : EIO;
-      r = AC_FAIL(AC_ERR_IO, "%s: writing %s failed: %s", path, tmp, strerror(e));
-      ac_durable_discard(&tmp, &fd);
-      return r;
-    }
-    p += k;
-    n -= (size_t)k;
+  int e = ac_write_all(fd, data, n, 0);
+  if (e) {
+    r = AC_FAIL(AC_ERR_IO, "%s: writing %s failed: %s", path, tmp, strerror(e));
+    ac_durable_discard(&tmp, &fd);
+    return r;
   }
   r = ac_durable_publish(path, &tmp, &fd);
   ac_durable_discard(&tmp, &fd);

@@ -609,21 +609,6 @@ static ac_result_t open_temp(const char *path, int extra, char **tmp_out, int *f
   return r;
 }
 
-static int write_all(int fd, const char *p, size_t n, uint64_t off) {
-  while (n) {
-    ssize_t k = pwrite(fd, p, n, (off_t)off);
-    if (k < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    if (k == 0) return EIO;
-    p += k;
-    n -= (size_t)k;
-    off += (uint64_t)k;
-  }
-  return 0;
-}
-
 /* The buffered path: header and data through the page cache, with pwritev jobs of <= 8 MiB.
  * Opens the temp file itself (*tmp, *fd: the caller closes and removes them on failure). */
 static ac_result_t save_buffered(const char *path, const dbuf *hdr, const wr_item *items, size_t n,
@@ -640,7 +625,7 @@ static ac_result_t save_buffered(const char *path, const dbuf *hdr, const wr_ite
   }
   AC_CHECK_GOTO(open_temp(path, 0, tmp, fd), r, done);
   last_write_mode = "buffered";
-  int e = write_all(*fd, hdr->p, hdr->len, 0);
+  int e = ac_write_all(*fd, hdr->p, hdr->len, 0);
   if (e) {
     r = AC_FAIL(AC_ERR_IO, "%s: writing the header to %s failed: %s", path, *tmp, strerror(e));
     goto done;
@@ -748,11 +733,7 @@ static ac_result_t save_chunked(const char *path, const dbuf *hdr, const wr_item
     if (forced) {
       r = direct_io_refused(path, *tmp, "writing", EINVAL);
     } else {
-      close(*fd);
-      *fd = -1;
-      unlink(*tmp);
-      free(*tmp);
-      *tmp = NULL;
+      ac_durable_discard(tmp, fd);
       *refused = 1;
       last_write_mode = "none";
     }
@@ -823,11 +804,7 @@ ac_result_t ac_st_save_after(const char *path, const ac_st_tensor_t *tensors, si
   r = ac_durable_publish(path, &tmp, &fd);
 
 done:
-  if (fd >= 0) close(fd);
-  if (tmp) {
-    unlink(tmp);
-    free(tmp);
-  }
+  ac_durable_discard(&tmp, &fd);
   free(hdr.p);
   free(items);
   return r;

@@ -31,6 +31,9 @@ static inline int pyac_nargs_ok(const char *fn, Py_ssize_t nargs, Py_ssize_t wan
   return 0;
 }
 
+/* A METH_FASTCALL entry of a module's method table. */
+#define PYAC_FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))(fn), METH_FASTCALL, doc}
+
 /* A CUDA stream handle given as an int (torch.cuda.Stream.cuda_stream); None means the default
  * stream (NULL) where `allow_none`. Returns 0, or -1 with a TypeError. */
 static inline int pyac_stream(PyObject *o, int allow_none, void **out) {

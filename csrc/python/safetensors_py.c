@@ -418,19 +418,17 @@ static PyObject *py_st_last_write_mode(PyObject *m, PyObject *unused) {
   return PyUnicode_FromString(ac_st_last_write_mode());
 }
 
-#define FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))(fn), METH_FASTCALL, doc}
-
 PyMethodDef pyac_safetensors_methods[] = {
-    FAST("st_save", py_st_save,
+    PYAC_FAST("st_save", py_st_save,
          "st_save(path, names, tensors, metadata, threads[, ready]): write a safetensors file (contiguous tensors or "
          "DLPack capsules, any dtype; CPU memory, or CUDA memory in a CUDA build, staged through pinned buffers: "
          "whose copies wait for ready[device], a cudaEvent_t handle recorded after the work that writes them; "
          "without ready, the caller must have finished that work) atomically and durably; metadata is a dict of "
          "str or None; threads 0 = choose."),
-    FAST("st_header", py_st_header,
+    PYAC_FAST("st_header", py_st_header,
          "st_header(path) -> {'tensors': [(name, dtype, shape, begin, end), ...] in offset order, "
          "'metadata': dict or None, 'data_start': int}; validates the whole header."),
-    FAST("st_load_into", py_st_load_into,
+    PYAC_FAST("st_load_into", py_st_load_into,
          "st_load_into(path, {name: tensor}, threads): read those tensors straight into the given contiguous, "
          "writable CPU tensors of the file's dtype and shape."),
     {"st_last_write_mode", py_st_last_write_mode, METH_NOARGS,

@@ -13,6 +13,7 @@
 #define AC_DURABLE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "ac/ac.h"
 
@@ -27,6 +28,10 @@ ac_result_t ac_durable_open(const char *path, int extra_flags, char **tmp_out, i
  * On failure the caller closes a remaining *fd and unlinks and frees a remaining *tmp
  * (ac_durable_discard). A failed directory fsync is reported with the file already in place. */
 ac_result_t ac_durable_publish(const char *path, char **tmp, int *fd);
+
+/* pwrite of all `n` bytes at `off` (retrying short writes and EINTR): 0, or the errno (EIO for
+ * a write that made no progress). */
+int ac_write_all(int fd, const void *data, size_t n, uint64_t off);
 
 /* Closes *fd if >= 0, unlinks and frees *tmp if set; both are reset. */
 void ac_durable_discard(char **tmp, int *fd);
