@@ -36,7 +36,7 @@ from .checkpoint_load import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, _CK
 from . import collectives
 from .model_io import find_aliases, save_model as _save_model
 from .durable import fsync_dir, write_durable
-from .safetensors_io import record_ready, save_file, wait_ready
+from .safetensors_io import after_ready, record_ready, save_file
 from .state_io import CheckpointError, PickleRequiredError, rng_state, write_json_durable, write_state
 
 __all__ = ["save_state", "load_state", "save", "save_model", "get_state_dict", "register_for_checkpointing",
@@ -241,16 +241,6 @@ def _pause_for_tests():
         time.sleep(600)
 
 
-def _after(ready: dict, write):
-    """`write`, run on a writer thread once its current streams waited for `ready` (torch's
-    current stream is per thread: the writer's own would not order its device->host copies
-    after the kernels the training thread queued on a side stream)."""
-    def run():
-        wait_ready(ready)
-        return write()
-    return run
-
-
 def _writer_jobs(acc, tmp: str, weights: list, safe: bool) -> list:
     """(label, write) pairs, one file (pair) each. Every state_dict() is taken here, on the
     calling thread, and so are the CUDA events the writes wait for (record_ready: the work
@@ -286,7 +276,7 @@ def _writer_jobs(acc, tmp: str, weights: list, safe: bool) -> list:
         add("custom", f"custom_checkpoint_{i}", obj.state_dict(), f"{type(obj).__qualname__}.state_dict()",
             f"custom_checkpoint_{i}.pkl")
     ready = record_ready(states)
-    return [(label, _after(ready, write)) for label, write in jobs]
+    return [(label, after_ready(ready, write)) for label, write in jobs]
 
 
 def _run_jobs(jobs: list) -> None:

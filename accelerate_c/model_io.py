@@ -9,6 +9,7 @@ shards are removed only after the new one is in place.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .durable import fsync_dir, reserve_temp, write_bytes_durable, write_durable
-from .safetensors_io import list_tensors, load_into, record_ready, save_file, wait_ready
+from .safetensors_io import after_ready, list_tensors, load_into, record_ready, save_file
 
 __all__ = ["save_model", "load_model_weights", "parse_size", "find_aliases", "plan_shards",
            "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
@@ -169,13 +170,12 @@ def save_model(model_or_state_dict, save_directory, max_shard_size: Union[int, s
     # durable writes' own temporary names) before any file of an earlier save is replaced
     temps: List[str] = []
 
-    # the shards may be written on other threads: their copies wait for the work queued so far
-    # on this thread's current streams (torch's current stream is per thread)
+    # the shards written on other threads wait for the work queued so far on this thread's
+    # current streams (torch's current stream is per thread); the serial path runs here
     ready = record_ready(tensors)
 
     def write_shard(i: int) -> None:
         part = {k: tensors[k] for k in shards[i]}
-        wait_ready(ready)
         if safe_serialization:
             save_file(part, temps[i], metadata={"format": "pt"})
         else:
@@ -191,7 +191,7 @@ def save_model(model_or_state_dict, save_directory, max_shard_size: Union[int, s
             # Shards go to different files, so their writes do run in parallel (writes to one
             # file are serialised by the kernel); the C engine releases the GIL while writing.
             with ThreadPoolExecutor(max_workers=min(n, _shard_writers())) as ex:
-                for fut in [ex.submit(write_shard, i) for i in range(n)]:
+                for fut in [ex.submit(after_ready(ready, functools.partial(write_shard, i))) for i in range(n)]:
                     fut.result()
         index_data = None
         if n > 1:

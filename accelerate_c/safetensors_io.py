@@ -8,14 +8,14 @@ Files are byte-compatible with the ``safetensors`` package both ways. Errors abo
 from __future__ import annotations
 
 import os
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import _C
 from .durable import fsync_dir, write_durable  # noqa: F401 - re-exported (the public names predate durable.py)
 
-__all__ = ["TensorInfo", "save_file", "record_ready", "wait_ready", "load_file", "load_into", "list_tensors", "read_metadata",
+__all__ = ["TensorInfo", "save_file", "record_ready", "wait_ready", "after_ready", "load_file", "load_into", "list_tensors", "read_metadata",
            "write_durable", "fsync_dir", "DTYPES"]
 
 # safetensors dtype names <-> torch dtypes (every byte-sized type the format and torch share)
@@ -89,19 +89,23 @@ def record_ready(*objs) -> Dict[int, "torch.cuda.Event"]:
     return ready
 
 
-def wait_ready(ready: Optional[Dict[int, "torch.cuda.Event"]], devices=None) -> None:
+def wait_ready(ready: Optional[Dict[int, "torch.cuda.Event"]]) -> None:
     """Makes this thread's current stream of each device wait (on the GPU; the host does not
     block) for the event ``record_ready`` took there, so what this thread queues next (copies
-    to the CPU, ``torch.save``) comes after the producer's work. ``devices``: the ones that must
-    have an event (a ValueError names a missing one)."""
-    if not ready and not devices:
-        return
-    ready = ready or {}
-    for d in sorted(devices or ()):
-        if d not in ready:
-            raise ValueError(f"ready has no event for cuda:{d}, where some of the tensors are")
-    for d, ev in ready.items():
+    to the CPU, ``torch.save``) comes after the producer's work."""
+    for d, ev in (ready or {}).items():
         torch.cuda.current_stream(d).wait_event(ev)
+
+
+def after_ready(ready: Optional[Dict[int, "torch.cuda.Event"]], write: Callable):
+    """`write`, to run on a writer thread: first that thread's current streams wait for `ready`
+    (record_ready on the producing thread; torch's current stream is per thread, so the
+    writer's own would not order its device->host copies after kernels the training thread
+    queued on a side stream)."""
+    def run():
+        wait_ready(ready)
+        return write()
+    return run
 
 
 def _export_cuda(t: torch.Tensor):
@@ -116,7 +120,7 @@ def _export_cuda(t: torch.Tensor):
 
 
 def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dict[str, str]] = None,
-              *, threads: int = 0, ready: Optional[Dict[int, "torch.cuda.Event"]] = None) -> None:
+              *, threads: int = 0) -> None:
     """Writes ``tensors`` to ``filename`` (like ``safetensors.torch.save_file``).
 
     CPU tensors are written from their own memory. CUDA tensors, when the extension was built
@@ -130,8 +134,9 @@ def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dic
 
     CUDA tensors are copied once the work queued so far on the calling thread's current stream
     of their device is done, as ``t.to("cpu")`` would wait for it (the host does not block on
-    it). A caller that hands the save to another thread passes ``ready=record_ready(...)``,
-    taken on the thread that produced the tensors, instead."""
+    it). A caller that hands the save to another thread runs it there through
+    ``after_ready(record_ready(...), ...)``, the events taken on the thread that produced the
+    tensors."""
     if not isinstance(tensors, dict):
         raise TypeError(f"tensors must be a dict of name -> tensor, got {type(tensors).__name__}")
     names = list(tensors)
@@ -145,10 +150,6 @@ def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dic
             if not isinstance(k, str) or not isinstance(v, str):
                 raise TypeError(f"metadata must map str to str; got {k!r}: {v!r}")
     cuda_ok = _cuda_staging()
-    if ready is not None:
-        # the producer's work first, then this thread's (the .contiguous() copies below): this
-        # thread's current streams wait for the events taken where the tensors were written
-        wait_ready(ready, _cuda_devices(list(tensors.values()), set()))
     values = [_contiguous(n, tensors[n], cuda_ok) for n in names]
     events = None
     if any(t.device.type == "cuda" for t in values):

@@ -309,7 +309,7 @@ def test_save_file_on_another_thread_waits_for_the_producers_stream(tmp_path):
     the producing thread: the file holds the kernel's values."""
     import threading
 
-    from accelerate_c.safetensors_io import load_file, record_ready, save_file
+    from accelerate_c.safetensors_io import after_ready, load_file, record_ready, save_file
     side = torch.cuda.Stream()
     x = torch.zeros(4 << 20, device="cuda")
     torch.cuda.synchronize()
@@ -318,7 +318,8 @@ def test_save_file_on_another_thread_waits_for_the_producers_stream(tmp_path):
         x.fill_(7.0)
         ready = record_ready(x)
     err = []
-    t = threading.Thread(target=lambda: _capture(err, save_file, {"x": x}, tmp_path / "x.safetensors", ready=ready))
+    write = after_ready(ready, lambda: save_file({"x": x}, tmp_path / "x.safetensors"))
+    t = threading.Thread(target=lambda: _capture(err, write))
     t.start()
     t.join()
     assert not err, err
