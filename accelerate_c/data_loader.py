@@ -89,9 +89,7 @@ class DataLoaderStateMixin:
         # A loader made by skip_first_batches over a map-style dataset reports no remainder
         # (-1), as accelerate's does: gather_for_metrics then keeps every gathered sample of
         # its last batch rather than cutting at a count that was worked out for the full pass.
-        bs = getattr(self, "sampler", None) if isinstance(getattr(self, "sampler", None), BatchSampler) \
-            else getattr(self, "batch_sampler", None)
-        if not self._drop_last and not isinstance(bs, SkipBatchSampler):
+        if not self._drop_last and not isinstance(_batch_sampler(self), SkipBatchSampler):
             try:
                 length = getattr(self.dataset, "total_length", None) or len(self.dataset)
                 self.remainder = length % self.total_batch_size
@@ -167,7 +165,7 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
 
     @property
     def total_batch_size(self):
-        bs = self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
+        bs = _batch_sampler(self)
         if isinstance(bs, SkipBatchSampler):  # skip_first_batches: the shard it wraps decides
             bs = bs.batch_sampler
         if bs is None:
@@ -191,8 +189,14 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         return get_sampler(self)
 
 
+def _batch_sampler(dataloader):
+    """The loader's batch sampler: its `sampler` when that is one (a loader built with
+    batch_size=None around a batch sampler), else its `batch_sampler`."""
+    return dataloader.sampler if isinstance(dataloader.sampler, BatchSampler) else dataloader.batch_sampler
+
+
 def get_sampler(dataloader):
-    bs = dataloader.sampler if isinstance(dataloader.sampler, BatchSampler) else dataloader.batch_sampler
+    bs = _batch_sampler(dataloader)
     return getattr(bs, "sampler", None) if bs is not None else None
 
 
