@@ -16,8 +16,7 @@ from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batche
 from .ddp import BucketComm, broadcast_model, register_forward_sync
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
-from .plugins import check_kind, kind_of, refuse_features
-from .plugins import dynamo_plugin as resolve_dynamo_plugin
+from .plugins import check_kind, kind_of, refuse_features, resolve_dynamo_plugin
 from .scaler import LossScaler
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState
@@ -31,7 +30,6 @@ from .utils.dataclasses import (
     InitProcessGroupKwargs,
     PrecisionType,
     ProjectConfiguration,
-    TorchDynamoPlugin,
     parse_choice_from_env,
     parse_flag_from_env,
 )
@@ -107,7 +105,7 @@ class Accelerator:
                 raise NotImplementedError(f"{env}=true: DeepSpeed/FSDP/Megatron-LM are not supported yet by "
                                           "accelerate_c")
         # a default TorchDynamoPlugin (transformers' Trainer always passes one) compiles nothing
-        dynamo = resolve_dynamo_plugin(dynamo_plugin, dynamo_backend, TorchDynamoPlugin)
+        dynamo = resolve_dynamo_plugin(dynamo_plugin, dynamo_backend)
         check_kind("project_config", project_config, ProjectConfiguration)
         check_kind("gradient_accumulation_plugin", gradient_accumulation_plugin, GradientAccumulationPlugin)
         check_kind("dataloader_config", dataloader_config, DataLoaderConfiguration)

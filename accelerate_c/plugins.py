@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .utils.dataclasses import TorchDynamoPlugin
+
 
 def _is_accelerates(obj, cls) -> bool:
     """Whether obj is an instance of accelerate's class of the same name as ours (accelerate
@@ -38,7 +40,10 @@ def check_kind(argument: str, obj, cls):
 
 
 def describe(obj) -> str:
-    """`Name(field=value, ...)` with only the fields that differ from the class's defaults."""
+    """`Name(field=value, ...)` with only the fields that differ from the class's defaults (a
+    kwargs handler says so itself: to_kwargs)."""
+    if callable(getattr(obj, "to_kwargs", None)):
+        return f"{type(obj).__name__}({', '.join(f'{k}={v!r}' for k, v in obj.to_kwargs().items())})"
     changed = []
     if dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
@@ -50,7 +55,7 @@ def describe(obj) -> str:
     return f"{type(obj).__name__}({', '.join(changed)})"
 
 
-def dynamo_plugin(plugin, backend, plugin_cls):
+def resolve_dynamo_plugin(plugin, backend):
     """The TorchDynamoPlugin in effect (accelerate's rules: dynamo_backend builds one; neither
     given: one from the ACCELERATE_DYNAMO_* variables). accelerate_c compiles nothing, so any
     backend but NO is refused."""
@@ -58,12 +63,12 @@ def dynamo_plugin(plugin, backend, plugin_cls):
         raise ValueError("You cannot pass in both `dynamo_plugin` and `dynamo_backend`, please only pass in one.")
     if backend is not None:
         argument = f"dynamo_backend={backend!r}"
-        plugin = plugin_cls(backend=backend)
+        plugin = TorchDynamoPlugin(backend=backend)
     elif plugin is not None:
-        check_kind("dynamo_plugin", plugin, plugin_cls)
+        check_kind("dynamo_plugin", plugin, TorchDynamoPlugin)
         argument = f"dynamo_plugin={describe(plugin)}"
     else:
-        plugin = plugin_cls()
+        plugin = TorchDynamoPlugin()
         argument = f"ACCELERATE_DYNAMO_BACKEND={str(getattr(plugin.backend, 'value', plugin.backend))!r}"
     name = str(getattr(plugin.backend, "value", plugin.backend)).upper()
     if name != "NO":
