@@ -230,3 +230,14 @@ def test_ddp_and_init_kwargs_of_either_package_configure_the_reducer_alike():
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         outs[source] = [line for line in res.stdout.splitlines() if line.startswith("result ")]
     assert outs["accelerate_c"] and outs["accelerate_c"] == outs["accelerate"]
+
+
+@pytest.mark.parametrize("word", ["1", "true", "t", "yes", "y", "on", "0", "false", "f", "no", "n", "off", "TRUE"])
+def test_flag_words_are_accelerates(monkeypatch, word):
+    """The ACCELERATE_* flags take the words accelerate's str_to_bool takes, with its meaning."""
+    from accelerate.utils.environment import parse_flag_from_env as theirs_flag
+
+    from accelerate_c.utils.dataclasses import parse_flag_from_env as ours_flag
+
+    monkeypatch.setenv("ACCELERATE_TEST_FLAG", word)
+    assert ours_flag("ACCELERATE_TEST_FLAG") == theirs_flag("ACCELERATE_TEST_FLAG")

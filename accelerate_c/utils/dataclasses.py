@@ -268,9 +268,10 @@ def parse_flag_from_env(key: str, default: bool = False) -> bool:
     if value is None or value == "":
         return default
     v = value.strip().lower()
-    if v in ("1", "true", "yes", "y", "on"):
+    # accelerate's str_to_bool's words (an empty value means unset here, where accelerate raises)
+    if v in ("1", "true", "t", "yes", "y", "on"):
         return True
-    if v in ("0", "false", "no", "n", "off"):
+    if v in ("0", "false", "f", "no", "n", "off"):
         return False
     raise ValueError(f"environment variable {key}={value!r} is not a boolean (use true/false or 1/0)")
 
