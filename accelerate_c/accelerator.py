@@ -562,6 +562,14 @@ class Accelerator:
         groups = self._grads.full_groups(trainable) if trainable else None
         if groups is not None and norm_type in (2.0, math.inf):
             inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
+            if inv is not None:
+                # as accelerate's clip, which unscales every optimizer's gradients first: those
+                # outside the clipped buffers now, the clipped ones fused with their norm pass
+                inside = {id(p) for g in groups for p in g.params}
+                rest = [p for opt in self._opt_list(None) for grp in opt.param_groups for p in grp["params"]
+                        if id(p) not in inside]
+                if rest:
+                    self._grads.ready(rest, inv)
             total = self._grads.clip_norm_fused(groups, max_norm, norm_type, inv)
             if total is not None:
                 return total

@@ -50,6 +50,12 @@ def draw(seed: int, world: int | None = None) -> dict:
     # amplified past any tolerance that still catches bugs; Adam is drawn with fp32 end to end
     exact = c["param_dtype"] == "fp32" and c["mp"] == "no" and c["comm_hook"] == "no"
     c["optimizer"] = r.choice(OPTIMIZERS) if exact else r.choice(OPTIMIZERS[:2])
+    # two optimizers over halves of the parameters, each covering part of a flat buffer. Not
+    # with fp16: accelerate updates the loss scale in every optimizer's step, and torch's
+    # GradScaler then unscales the second optimizer's gradients again (its per-optimizer state
+    # ends at update()); accelerate_c unscales each gradient once, so there is no torch loop
+    # that computes what it does
+    c["two_optimizers"] = c["mp"] != "fp16" and r.random() < 0.15
     c["skip_first"] = r.choice((0, 0, 1, 2))
     c["epochs"] = r.choice((1, 1, 2))
     # reentrant activation checkpointing: a weight used by two segments ("shared": torch DDP
@@ -92,7 +98,7 @@ def _case(seed: int, **overrides) -> dict:
          "dataset_extra": 0, "clip": "none", "max_norm": 0.05, "clip_subset": False, "unscale_first": False,
          "clip_twice": False,
          "comm_hook": "no", "tiny_buckets": False, "unused": False, "frozen": False, "zero_grad": "opt_none",
-         "assign_grad": False, "two_models": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
+         "assign_grad": False, "two_models": False, "two_optimizers": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
          "uneven": False}
     unknown = set(overrides) - set(c)
@@ -121,6 +127,8 @@ REGRESSIONS = {
     "one weight in two reentrant-checkpointed segments, one process":
         _case(REGRESSION_SEED + 7, reentrant="shared", ga=2),
     # found by the harness itself, or by reading it (review)
+    "fp16: clip_grad_norm_ over one of two models (the other model's gradients stayed scaled)":
+        _case(REGRESSION_SEED + 12, mp="fp16", clip="norm2", clip_subset=True, two_models=True),
     "reentrant checkpointing on 2 processes, the output layer in a segment (an end of backward too early)":
         _case(REGRESSION_SEED + 10, world=2, reentrant="separate", ga=2),
     "join_uneven_inputs, find_unused_parameters and a layer that never takes part, bf16 and fp32 layers":
@@ -137,7 +145,7 @@ def describe(c: dict) -> str:
     keys = ("world", "param_dtype", "mp", "ga", "clip", "comm_hook", "sync_style", "zero_grad", "optimizer")
     parts = [f"{k}={c[k]}" for k in keys]
     for flag in ("clip_subset", "unscale_first", "clip_twice", "tiny_buckets", "unused", "frozen", "assign_grad",
-                 "two_models", "eval", "uneven"):
+                 "two_models", "two_optimizers", "eval", "uneven"):
         if c[flag]:
             parts.append(flag)
     if c["reentrant"]:

@@ -73,21 +73,21 @@ def run(case: dict) -> dict:
     models = W.models(case)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     nets = _wrap(case, models, world)
-    opt = W.optimizer(case, params)
-    sched = W.schedule(opt)
+    opts = W.optimizers(case, params)
+    sched = W.schedule(opts[0])
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if case["mp"] == "fp16" else None
     amp = _AMP.get(case["mp"])
     batches = _batches(case, W.dataset(case), world, rank)
     trace = {"steps": []}
     with Join(nets) if case["uneven"] else contextlib.nullcontext():
-        _train(case, nets, models, params, opt, sched, scaler, amp, batches, world, rank, trace)
+        _train(case, nets, models, params, opts, sched, scaler, amp, batches, world, rank, trace)
     trace["final"] = [p.detach().float().clone() for p in params]
     if case["eval"]:
         trace["eval"] = _evaluate(case, models[0], amp)
     return trace
 
 
-def _train(case, nets, models, params, opt, sched, scaler, amp, batches, world, rank, trace):
+def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world, rank, trace):
     for epoch in range(case["epochs"]):
         epoch_batches = batches[case["skip_first"]:] if epoch == 0 else batches
         n = len(epoch_batches)
@@ -105,9 +105,9 @@ def _train(case, nets, models, params, opt, sched, scaler, amp, batches, world, 
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             if not window_end:
                 continue
-            norm = _step(case, params, opt, scaler, world, sched, trace)
+            norm = _step(case, params, opts, scaler, world, sched, trace)
             trace["steps"][-1]["norm"] = norm
-            W.zero_grads(case, opt, models, params)
+            W.zero_grads(case, opts, models, params)
 
 
 def _evaluate(case, model, amp):
@@ -128,9 +128,10 @@ def _evaluate(case, model, amp):
     return torch.cat(outs)
 
 
-def _step(case, params, opt, scaler, world, sched, trace):
+def _step(case, params, opts, scaler, world, sched, trace):
     W.touch_grads(case, params, len(trace["steps"]))
     if scaler is not None and (case["unscale_first"] or case["clip"] != "none"):
+        (opt,) = opts  # fp16 is drawn with one optimizer (cases.py)
         scaler.unscale_(opt)
     norm, clipped = None, W.clipped(case, params)
     if case["clip"] == "value":
@@ -145,11 +146,12 @@ def _step(case, params, opt, scaler, world, sched, trace):
     skipped = False
     if scaler is not None:
         before = scaler.get_scale()
-        scaler.step(opt)
+        scaler.step(opts[0])
         scaler.update()
         skipped = scaler.get_scale() < before
     else:
-        opt.step()
+        for opt in opts:
+            opt.step()
     if not skipped:
         for _ in range(world):
             sched.step()

@@ -39,15 +39,16 @@ def run(case: dict) -> dict:
                       dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]))
     models = W.models(case)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
-    opt = W.optimizer(case, params)
-    sched = W.schedule(opt)
+    opts = W.optimizers(case, params)
+    sched = W.schedule(opts[0])
     dl = W.loader(W.dataset(case), case)
-    prepared = acc.prepare(*models, opt, dl, sched)
-    models, (opt, dl, sched) = list(prepared[:len(models)]), prepared[len(models):]
+    prepared = acc.prepare(*models, *opts, dl, sched)
+    n, k = len(models), len(opts)
+    models, opts, (dl, sched) = list(prepared[:n]), list(prepared[n:n + k]), prepared[n + k:]
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     trace = {"steps": []}
     with acc.join_uneven_inputs(models) if case["uneven"] else contextlib.nullcontext():
-        _train(case, acc, models, params, opt, dl, sched, trace)
+        _train(case, acc, models, params, opts, dl, sched, trace)
     # after a join every rank holds the model of one that ran to the end
     trace["final"] = [p.detach().float().clone() for p in params]
     if case["eval"]:
@@ -62,7 +63,7 @@ def run(case: dict) -> dict:
     return trace
 
 
-def _train(case, acc, models, params, opt, dl, sched, trace):
+def _train(case, acc, models, params, opts, dl, sched, trace):
     rank = acc.process_index
     for epoch in range(case["epochs"]):
         loader = acc.skip_first_batches(dl, case["skip_first"]) if (epoch == 0 and case["skip_first"]) else dl
@@ -95,16 +96,17 @@ def _train(case, acc, models, params, opt, dl, sched, trace):
                 # under accumulate() the wrapped optimizer and scheduler skip non-sync steps
                 # themselves; with no_sync the loop only calls them at a window's end
                 if sync or case["sync_style"] == "accumulate":
-                    opt.step()
+                    for opt in opts:
+                        opt.step()
                     sched.step()
                 if sync:
                     trace["steps"].append({
                         "params": [p.detach().float().clone() for p in params],
                         "grads": grads,
                         "norm": norm,
-                        "skipped": bool(opt.step_was_skipped),
+                        "skipped": any(opt.step_was_skipped for opt in opts),
                         "lr": sched.get_last_lr()[0],
                         "scale": acc.scaler.get_scale() if acc.scaler is not None else None,
                     })
                 if sync or (case["zero_grad"].startswith("opt") and case["sync_style"] == "accumulate"):
-                    W.zero_grads(case, opt, models, params)
+                    W.zero_grads(case, opts, models, params)

@@ -72,7 +72,16 @@ def loader(ds, case: dict):
     return torch.utils.data.DataLoader(ds, batch_size=case["batch_size"], shuffle=False)
 
 
-def optimizer(case: dict, params):
+def optimizers(case: dict, params) -> list:
+    """One optimizer over every parameter, or (two_optimizers) one over the first half and one
+    over the rest: each then covers part of a flat buffer."""
+    if not case["two_optimizers"]:
+        return [_optimizer(case, params)]
+    half = len(params) // 2
+    return [_optimizer(case, params[:half]), _optimizer(case, params[half:])]
+
+
+def _optimizer(case: dict, params):
     kind = case["optimizer"]
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.2)
@@ -115,13 +124,15 @@ def touch_grads(case, params, step: int):
         p.grad = p.grad.detach().clone() * 0.5
 
 
-def zero_grads(case, opt, models, params):
+def zero_grads(case, opts, models, params):
     """The loop's zero_grad call, in the style the case asks for."""
     style = case["zero_grad"]
     if style == "opt_none":
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
     elif style == "opt_zeros":
-        opt.zero_grad(set_to_none=False)
+        for opt in opts:
+            opt.zero_grad(set_to_none=False)
     elif style == "model":
         for m in models:
             m.zero_grad()
