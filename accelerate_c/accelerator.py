@@ -13,7 +13,7 @@ import torch
 from . import _C, checkpointing
 from .autocast import AutocastForward, autocast_context
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
-from .ddp import BucketComm, broadcast_model, register_forward_sync
+from .ddp import DDPStrategy
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
 from .plugins import check_kind, kind_of, refuse_features, resolve_dynamo_plugin
@@ -351,14 +351,12 @@ class Accelerator:
         self._models.append(model)
         if device_placement and not getattr(model, "hf_device_map", None):
             model.to(self.device)
-        if self.use_distributed:
-            if self._grads.comm is None:
-                h = self.ddp_handler
-                self._grads.configure(BucketComm(self._grads, h), h.bucket_cap_mb if h is not None else None)
-            broadcast_model(model)  # every replica starts from rank 0's weights
-            # per forward: buffers from rank 0 (broadcast_buffers) and join_uneven_inputs' notices
-            register_forward_sync(model, self._grads,
-                                  self.ddp_handler is None or self.ddp_handler.broadcast_buffers)
+        if self.use_distributed and not self._grads.distributed:
+            h = self.ddp_handler
+            self._grads.configure(DDPStrategy(self._grads, h), h.bucket_cap_mb if h is not None else None)
+        # the strategy's part (DDP: rank 0's weights to every replica, the per-forward
+        # collectives), then flat gradient buffers for the trainable parameters
+        self._grads.prepare_model(model, trainable=not evaluation_mode)
         if self.native_amp and not hasattr(model, "_original_forward"):
             model._original_forward = model.forward
             kw = self.autocast_handler.to_kwargs() if self.autocast_handler is not None else None
@@ -369,8 +367,6 @@ class Accelerator:
             else:
                 model.forward = convert_outputs_to_fp32(
                     AutocastForward(fwd, self.mixed_precision, self.device.type, kw))
-        if not evaluation_mode:
-            self._grads.add_model(model)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
@@ -466,7 +462,7 @@ class Accelerator:
             else:
                 yield
         finally:
-            self._grads.joining.clear()
+            self._grads.end_join()
             for shard, value in saved:
                 shard.even_batches = value
 
@@ -682,7 +678,7 @@ class Accelerator:
                                         safe_serialization=safe_serialization)
 
     def get_state_dict(self, model, unwrap: bool = True):
-        return checkpointing.get_state_dict(self, model, unwrap=unwrap)
+        return checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap)
 
     def register_for_checkpointing(self, *objects):
         """Objects with state_dict/load_state_dict that save_state/load_state also keep."""

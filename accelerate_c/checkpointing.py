@@ -108,10 +108,12 @@ def _run_on_writer(acc, fn: Callable, doing: str):
 
 
 # ---- small API ---------------------------------------------------------------------------------------
-def get_state_dict(acc, model, unwrap: bool = True):
+def get_state_dict(acc, model, strategy, unwrap: bool = True):
+    """The model's full state dict, as the gradient strategy has it (one process, DDP: the
+    model's own; a sharding strategy gathers the shards)."""
     if unwrap:
         model = acc.unwrap_model(model)
-    return model.state_dict()
+    return strategy.model_state_dict(model)
 
 
 def register_for_checkpointing(acc, *objects):
@@ -181,7 +183,7 @@ def save_model(acc, model, save_directory, max_shard_size="10GB", safe_serializa
         raise ValueError(f"Provided path ({save_directory}) should be a directory, not a file")
     if any(p.device.type == "meta" for p in model.parameters()):
         raise RuntimeError("You can't save the model since some parameters are on the meta device.")
-    state_dict = get_state_dict(acc, model)
+    state_dict = acc.get_state_dict(model)
     _run_on_writer(acc, lambda: _save_model(state_dict, save_directory, max_shard_size=max_shard_size,
                                             safe_serialization=safe_serialization), "save the model")
 
@@ -376,7 +378,7 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
     try:
         if err is not None:
             raise err
-        weights = [get_state_dict(acc, m, unwrap=False) for m in acc._models]
+        weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
         for hook in list(acc.__dict__.get("_save_model_state_pre_hook", {}).values()):
             hook(acc._models, weights, tmp)
         jobs = _writer_jobs(acc, tmp, weights, safe_serialization) if writer else []

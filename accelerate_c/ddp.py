@@ -1,15 +1,15 @@
 """Gradient synchronisation across processes: the reducer's Python glue.
 
-Each flat gradient buffer (grads.GradGroup) is cut into buckets by the C bucket plan
+Each flat gradient buffer (grad_layout.GradLayout) is cut into buckets by the C bucket plan
 (_C.Reducer): contiguous ranges in the order gradients are expected to arrive in backward,
 the first one small (1 MiB) so communication starts early, the rest `bucket_cap_mb`. The
 parameters' post-accumulate-grad hooks are C callables; on a sync step they call
-`BucketComm.launch` as soon as a bucket is complete (always in bucket order, so every rank
+`DDPStrategy.buckets_ready` as soon as a bucket is complete (always in bucket order, so every rank
 issues the same collectives in the same sequence), which starts an asynchronous all-reduce
 while backward goes on; each gradient is divided by the world size as it becomes ready
 (folded into the copy-in, or in place in the C hook), so the sum is the average. At the end of
 backward (an autograd engine callback, so a raw `loss.backward()` works too)
-`BucketComm.finish` waits for the buckets in order; once clip_grad_norm_ has asked for a 2-norm
+`DDPStrategy.end_of_backward` waits for the buckets in order; once clip_grad_norm_ has asked for a 2-norm
 it also measures each bucket (sum of squares, non-finite) while it is in cache, and clip reuses
 that. After the first reduced backward the buffer
 is re-laid once in the order gradients actually arrived, the order taken from rank 0.
@@ -31,6 +31,7 @@ from torch.distributed.algorithms.join import Joinable
 
 from . import _C
 from . import collectives
+from .grad_strategy import GradStrategy
 
 _WIRE: dict = {}  # (backend, dtype) -> the dtype that backend all-reduces it in
 
@@ -100,14 +101,31 @@ def _comm_hook_dtype(handler):
     return {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}[hook]
 
 
-class BucketComm:
-    """Launches and completes the all-reduce of the buckets of every gradient group."""
+class BucketState:
+    """What DDPStrategy keeps per gradient buffer (GradGroup.strategy_state)."""
+
+    def __init__(self):
+        self.nccl = False  # its buckets are launched by the C reducer over NCCL (DDPStrategy.attach)
+        self.works = []  # buckets in flight: (bucket, work, range, wire tensor or None)
+        # (buffer version, sumsq, nonfinite) measured bucket by bucket as the all-reduces
+        # finished (only once clip_grad_norm_ has asked for a 2-norm: want_stats); clip reuses it
+        # instead of reading the buffer again
+        self.stats = None
+        self.want_stats = False
+        self.relaid = False  # the layout follows the order gradients arrived in (after step 1)
+        self.wire_bufs = None  # per bucket: its wire-dtype buffer or None (DDPStrategy.wire_bufs)
+
+
+class DDPStrategy(GradStrategy):
+    """torch DDP's semantics on the flat buffers: launches and completes the all-reduce of the
+    buckets of every gradient group while backward runs."""
 
     def __init__(self, manager, handler=None):
         self.manager = manager
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         self.find_unused = bool(handler.find_unused_parameters) if handler is not None else False
+        self.broadcast_buffers = handler is None or bool(handler.broadcast_buffers)
         self.hook_dtype = _comm_hook_dtype(handler)
         # gradients are divided by the world size before the sum; the 16-bit hooks divide their
         # wire copy instead (as torch's compress hooks do)
@@ -116,16 +134,29 @@ class BucketComm:
         self.comm_stream = None
         # id(model) -> its groups in the order they finished in the latest reduced backward
         self.finish_order: dict = {}
+        self.joining: dict = {}  # id(model) -> ModelJoinable inside join_uneven_inputs()
         self._zeros: dict = {}  # shadow_zeros' buffers
 
-    def attach(self, g):
-        """Called for every group (and again after a re-layout): on the NCCL backend, CUDA
-        groups hand their buffer and a comm stream to the C reducer, which then launches
-        complete buckets itself. 16-bit comm hooks keep the Python path (their cast lives there).
-        On that path the wire dtype is settled here, at prepare, where every rank attaches the
-        same groups in the same order: its one-time probe is a collective, and made in the first
-        backward it would be that backward's first collective (a timeout there would then name
-        the probe rather than the bucket that waited)."""
+    def prepare_model(self, model, manager):
+        broadcast_model(model)  # every replica starts from rank 0's weights
+        # per forward: buffers from rank 0 (broadcast_buffers) and join_uneven_inputs' notices
+        register_forward_sync(model, manager, self)
+
+    def attach(self, g, previous=None):
+        g.strategy_state = BucketState()
+        self._bind(g)
+
+    def _bind(self, g):
+        """For every group, and again after a re-layout: on the NCCL backend, CUDA groups hand
+        their buffer and a comm stream to the C reducer, which then launches complete buckets
+        itself. 16-bit comm hooks keep the Python path (their cast lives there). On that path
+        the wire dtype is settled here, at prepare, where every rank attaches the same groups in
+        the same order: its one-time probe is a collective, and made in the first backward it
+        would be that backward's first collective (a timeout there would then name the probe
+        rather than the bucket that waited)."""
+        st = g.strategy_state
+        st.wire_bufs = None
+        st.stats = None
         if not (g.is_cuda and dist.get_backend() == "nccl" and self.hook_dtype is None):
             if self.hook_dtype is None or self.hook_dtype == g.dtype:
                 _wire_dtype(torch.empty(0, dtype=g.dtype, device=g.device))
@@ -137,21 +168,50 @@ class BucketComm:
             self.nccl = nccl.make_comm(_get_default_store(), self.rank, self.world)
             self.comm_stream = torch.cuda.Stream(device=g.device)
         g.reducer.attach_nccl(self.nccl, g.buf, self.comm_stream.cuda_stream)
-        g.nccl = True
+        st.nccl = True
 
-    def start(self, g):
-        """Start of a reduced backward for group g (its first gradient): the C launches wait for
-        the stream backward runs on. Records the order in which the model's groups start, and,
-        inside join_uneven_inputs, defers the launches of a model with several groups (see
-        finish)."""
-        if g.nccl:
+    def begin_backward(self, g, sync):
+        """Start of a backward for group g (its first gradient); on a sync step, the C launches
+        wait for the stream backward runs on, and inside join_uneven_inputs the launches of a
+        model with several groups are deferred (see end_of_backward)."""
+        st = g.strategy_state
+        st.stats = None
+        if not sync:
+            return False
+        if st.nccl:
             g.reducer.set_compute_stream(torch.cuda.current_stream(g.device).cuda_stream)
         # The buckets of two groups (two dtypes) launch in the order their gradients complete,
         # interleaved; a process that ran out of data cannot know that interleaving, so under
         # join each group's buckets are reduced at the end of backward, group after group, in
         # the order the groups started (which it saw in its own backwards: _ShadowHook)
-        g.reducer.defer = (self.manager.joining.get(g.model_key) is not None
-                           and sum(1 for o in self.manager.groups if o.model_key == g.model_key) > 1)
+        g.reducer.defer = (self.joining.get(g.model_key) is not None
+                           and len(self.manager.groups_of(g.model_key)) > 1)
+        return True
+
+    def abort_backward(self, g):
+        g.strategy_state.works = []
+
+    def start_join(self, model, manager):
+        j = ModelJoinable(manager, self, model)
+        self.joining[id(model)] = j
+        return j
+
+    def end_join(self):
+        self.joining.clear()
+
+    def want_sumsq(self, g):
+        g.strategy_state.want_stats = True
+
+    def cached_sumsq(self, g):
+        """(sumsq, nonfinite) of the buffer if nothing wrote to it since the averaging pass
+        measured it (any in-place change through a view bumps the version)."""
+        stats = g.strategy_state.stats
+        if stats is not None and stats[0] == g.flat._version:
+            return stats[1:]
+        return None
+
+    def sync_missed(self, groups, unbuffered):
+        sync_gradients(groups, unbuffered)
 
     def shadow_zeros(self, count, dtype, device):
         """Zeros for a joined process's share of a bucket's all-reduce: one buffer per size and
@@ -166,19 +226,21 @@ class BucketComm:
     def wire_bufs(self, g):
         """Per bucket of g: None when it is all-reduced in place, else the buffer it travels in
         (a 16-bit comm_hook's dtype, or fp32 where the backend does not take the gradients'
-        dtype). Made once per layout (GradGroup._build resets it), not at every launch."""
-        if g.wire_bufs is None:
+        dtype). Made once per layout (_bind resets it), not at every launch."""
+        st = g.strategy_state
+        if st.wire_bufs is None:
             bufs = []
             for t in g.buckets:
                 hook = self.hook_dtype is not None and self.hook_dtype != t.dtype
                 dt = self.hook_dtype if hook else _wire_dtype(t)
                 bufs.append(None if dt == t.dtype else torch.empty(t.numel(), dtype=dt, device=t.device))
-            g.wire_bufs = bufs
-        return g.wire_bufs
+            st.wire_bufs = bufs
+        return st.wire_bufs
 
-    def launch(self, g, first: int, last: int):
+    def buckets_ready(self, g, first: int, last: int):
         """Starts the all-reduce of buckets [first, last) of group g (called from a hook)."""
         wires = self.wire_bufs(g)
+        works = g.strategy_state.works
         for b in range(first, last):
             t, wire = g.buckets[b], wires[b]
             count = t.numel()
@@ -199,7 +261,7 @@ class BucketComm:
                 work = collectives.all_reduce(t if wire is None else wire, async_op=True)
             except RuntimeError as e:
                 raise RuntimeError(self._where(g, b, count) + f" could not start: {e}") from e
-            g.works.append((b, work, t, wire))
+            works.append((b, work, t, wire))
 
     @staticmethod
     def _cast(dst, src, is_cuda):
@@ -217,9 +279,10 @@ class BucketComm:
                 f"elements: {shown})")
 
     @torch.no_grad()
-    def finish(self, g):
+    def end_of_backward(self, g):
         """End of a sync backward for group g: launch what is left, wait for every bucket in
         order, average and measure the buffer, re-lay it once in arrival order."""
+        st = g.strategy_state
         order = self.finish_order.setdefault(g.model_key, [])
         if g in order:  # a new backward of that model
             order.clear()
@@ -250,34 +313,34 @@ class BucketComm:
                 first, last = g.reducer.mark_ready(i)
                 if g.reducer.defer:
                     continue  # launched below
-                if g.nccl:
+                if st.nccl:
                     g.reducer.nccl_launch(first, last)
                 else:
-                    self.launch(g, first, last)
+                    self.buckets_ready(g, first, last)
         if g.reducer.defer:  # join_uneven_inputs on a model with several groups: all buckets now, in order
             g.reducer.defer = False
-            if g.nccl:
+            if st.nccl:
                 g.reducer.nccl_launch(0, len(g.buckets))
             else:
-                self.launch(g, 0, len(g.buckets))
-        if g.nccl:
+                self.buckets_ready(g, 0, len(g.buckets))
+        if st.nccl:
             g.reducer.nccl_wait()  # the compute stream waits for the comm stream; the host does not
         sumsq, nonfinite = self._wait(g)
-        g.stats = None if sumsq is None else (g.flat._version, sumsq, nonfinite)
+        st.stats = None if sumsq is None else (g.flat._version, sumsq, nonfinite)
         if self.find_unused:
             self._agree_used(g, used if pending else [True] * len(g.params))
-        g.pending_sync = False
-        if not g.relaid:
+        if not st.relaid:
             self._relayout(g)
 
     def _wait(self, g):
         """Waits for g's buckets in order. Once clip_grad_norm_ has asked for a 2-norm
-        (g.want_stats), each CPU bucket is also measured (sum of squares, non-finite flag) as
+        (want_stats), each CPU bucket is also measured (sum of squares, non-finite flag) as
         soon as its all-reduce is done, while it is in cache and the later buckets are still on
         the wire; returns the totals, or (None, None) when nothing was measured."""
-        measure = g.want_stats and not g.is_cuda
+        st = g.strategy_state
+        measure = st.want_stats and not g.is_cuda
         sumsq, nonfinite = 0.0, False
-        for b, work, t, wire in g.works:
+        for b, work, t, wire in st.works:
             try:
                 work.wait()
             except RuntimeError as e:
@@ -290,7 +353,7 @@ class BucketComm:
                 s, nf = _C.sumsq(g.bucket_bufs[b])
                 sumsq += s
                 nonfinite = nonfinite or nf
-        g.works = []
+        st.works = []
         return (sumsq, nonfinite) if measure else (None, None)
 
     def _agree_used(self, g, used):
@@ -310,7 +373,8 @@ class BucketComm:
         order = order.tolist()
         if order != g.order:
             g.relayout(order)
-        g.relaid = True
+            self._bind(g)
+        g.strategy_state.relaid = True
 
     def relayout_shadow(self, g):
         """A process that ran out of data takes part in the re-layout broadcast (with its
@@ -318,12 +382,13 @@ class BucketComm:
         self._relayout(g, order=g.order)
 
 
-def sync_gradients(manager, groups, extras) -> None:
-    """All-reduces whole buffers (and float64 params) that missed the bucketed reduction, with
-    one collective each; all ranks call this at the same point with the same groups."""
-    world = dist.get_world_size()  # prepare_step has resynced the groups' assignments
+def sync_gradients(groups, unbuffered) -> None:
+    """All-reduces whole buffers (and parameters without one, float64) that missed the bucketed
+    reduction, with one collective each; all ranks call this at the same point with the same
+    groups (prepare_step has resynced the groups' assignments)."""
+    world = dist.get_world_size()
     flags = [p.grad is v for g in groups for p, v in zip(g.params, g.views)]
-    flags += [p.grad is not None for p in extras]
+    flags += [p.grad is not None for p in unbuffered]
     used = torch.tensor(flags, dtype=torch.int32, device=_collective_device(groups))
     collectives.all_reduce(used)
     used = used.tolist()
@@ -331,19 +396,17 @@ def sync_gradients(manager, groups, extras) -> None:
     for g in groups:
         _allreduce_(g.flat)
         g.scale_(1.0 / world)
-        g.stats = None
+        g.strategy_state.stats = None
         for p, v in zip(g.params, g.views):
             if used[k] and p.grad is None:  # used on another rank: its (reduced) gradient
                 p.grad = v
             k += 1
-        g.pending_sync = False
-    for p in extras:  # parameters without a buffer (float64): one all-reduce each
+    for p in unbuffered:  # one all-reduce each
         if used[k]:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             collectives.all_reduce(grad)
             p.grad = grad.div_(world)
         k += 1
-    manager.extra_pending = False
 
 
 def broadcast_model(model: torch.nn.Module, src: int = 0) -> None:
@@ -381,14 +444,14 @@ def _broadcast_buffers(module, src: int):
             offset += n
 
 
-def register_forward_sync(model: torch.nn.Module, manager, broadcast_buffers: bool):
+def register_forward_sync(model: torch.nn.Module, manager, strategy):
     """The collectives that precede a forward of a prepared model on several processes:
     - DistributedDataParallelKwargs(broadcast_buffers=True), torch DDP's default: every rank
       takes rank 0's buffers (e.g. BatchNorm running statistics) before a forward that follows
       a forward run with grad enabled outside no_sync() (and before the first one);
     - inside join_uneven_inputs(): telling the processes that ran out of data that this one has
       not, and what they must shadow (the reducer's ModelJoinable)."""
-    has_buffers = broadcast_buffers and any(True for _ in model.buffers())
+    has_buffers = strategy.broadcast_buffers and any(True for _ in model.buffers())
     key = id(model)
     state = {"sync": True}
 
@@ -397,7 +460,7 @@ def register_forward_sync(model: torch.nn.Module, manager, broadcast_buffers: bo
         will_reduce = torch.is_grad_enabled() and manager.sync_now(key)
         state["sync"] = will_reduce
         src = 0
-        joinable = manager.joining.get(key)
+        joinable = strategy.joining.get(key)
         if joinable is not None:
             from torch.distributed.algorithms.join import Join
 
@@ -433,17 +496,18 @@ class _ShadowHook:
                 _broadcast_buffers(m, src)
         if not will_reduce:
             return
-        comm = j.manager.comm
+        comm = j.strategy
         # the order the others reduce the groups in: as they finished in this process's own
         # latest backward (the same graph), then any group not seen there
         seen = [g for g in comm.finish_order.get(id(m), []) if g in groups]
         for g in seen + [g for g in groups if g not in seen]:
             # the buckets the others reduce, in their order, with zeros (this rank adds nothing;
             # the others divide by the full world size, torch DDP's default under Join)
-            wires = None if g.nccl else comm.wire_bufs(g)
+            nccl = g.strategy_state.nccl
+            wires = None if nccl else comm.wire_bufs(g)
             for b, t in enumerate(g.buckets):
                 count = t.numel()
-                if g.nccl:
+                if nccl:
                     zeros = torch.zeros(count, dtype=g.dtype, device=g.device)
                     comm.nccl.all_reduce(zeros, stream=torch.cuda.current_stream(g.device).cuda_stream)
                     continue
@@ -453,7 +517,7 @@ class _ShadowHook:
             if comm.find_unused:
                 # _agree_used's flags, from the same device rule
                 collectives.all_reduce(torch.zeros(len(g.params), dtype=torch.int32, device=_collective_device([g])))
-            if not g.relaid:
+            if not g.strategy_state.relaid:
                 comm.relayout_shadow(g)
 
     def post_hook(self, is_last_joiner: bool):
@@ -473,13 +537,14 @@ class ModelJoinable(Joinable):
     """torch's Joinable for one prepared model: join_uneven_inputs() hands it to torch's Join,
     whose loop runs _ShadowHook on the processes that ran out of data."""
 
-    def __init__(self, manager, model):
+    def __init__(self, manager, strategy, model):
         super().__init__()
         self.manager = manager
+        self.strategy = strategy
         self.model = model
 
     def groups(self):
-        return [g for g in self.manager.groups if g.model_key == id(self.model)]
+        return self.manager.groups_of(id(self.model))
 
     def join_hook(self, **kwargs):
         return _ShadowHook(self)

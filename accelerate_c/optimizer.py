@@ -99,7 +99,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             found_inf = self._grads.ready(self._params(), inv)
         self._is_overflow = found_inf
         if not found_inf:
-            self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            if self._grads is not None:
+                self._grads.strategy.optimizer_step(self.optimizer, closure)
+            else:
+                self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(found_inf)
             if self._grads is not None:

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
 from accelerate_c import _C, nccl
-from accelerate_c.ddp import BucketComm
+from accelerate_c.ddp import DDPStrategy
+from accelerate_c.grad_strategy import GradStrategy
 from accelerate_c.grads import GradManager
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -39,18 +40,18 @@ print("NcclComm collectives OK (fp32/fp16/bf16)")
 model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).cuda()
 plain = copy.deepcopy(model)
 mgr = GradManager()
-mgr.configure(None, bucket_cap_mb=0.25)  # small buckets: several launches per backward
+mgr.configure(GradStrategy(), bucket_cap_mb=0.25)  # small buckets: several launches per backward
 mgr.add_model(model)
-mgr.configure(BucketComm(mgr, None))
+mgr.configure(DDPStrategy(mgr, None))
 g = mgr.groups[0]
-assert g.nccl, "the CUDA group was not attached to the C NCCL launch"
+assert g.strategy_state.nccl, "the CUDA group was not attached to the C NCCL launch"
 x = torch.randn(64, 256, device="cuda")
 for step in range(3):
     model(x).square().mean().backward()
     plain(x).square().mean().backward()
     for (n, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), (step, n)
-    assert g.relaid
+    assert g.strategy_state.relaid
     for p in list(model.parameters()) + list(plain.parameters()):
         p.grad = None
 print(f"Reducer C launch over NCCL OK ({g.reducer.count()} buckets, re-laid in arrival order)")

@@ -67,6 +67,6 @@ def test_bucket_plan_is_torchs(seed):
     esize = r.choice((2, 4))
     cap = r.choice((64, 400, 4000, 40000, 400000))
     caps = (cap, cap) if r.random() < 0.5 else (r.choice((64, 1024, 16384)), cap)
-    # align: the gradient buffers start each range on 32 elements (grads._ALIGN); padding must
+    # align: the gradient buffers start each range on 32 elements (grad_layout.ALIGN); padding must
     # not move a bucket boundary
     assert _our_buckets(numel, esize, caps, align=r.choice((1, 32))) == _torch_buckets(numel, esize, caps)

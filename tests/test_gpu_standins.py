@@ -57,22 +57,17 @@ def fake_nccl(monkeypatch):
     return fake
 
 
-class _Manager:
-    extra_pending = True
-
-
 def test_sync_gradients_with_no_pending_bucket_puts_its_flags_on_the_gpu(fake_nccl):
     """Only float64 params (no flat buffer) got gradients on this sync step: no group is
     pending, and the used-flags all-reduce must still go to NCCL on a CUDA device."""
     used, unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64)), torch.nn.Parameter(torch.ones(2))
     used.grad = fake_nccl.mark(torch.full((3,), 4.0, dtype=torch.float64))
-    manager = _Manager()
-    ddp.sync_gradients(manager, [], [used, unused])
+    ddp.sync_gradients([], [used, unused])
     flags = [c for c in fake_nccl.calls if c[2] == 2]
     assert flags and flags[0][1].type == "cuda", fake_nccl.calls
     # the reference: torch DDP's average over 2 ranks of the same gradient is that gradient
     assert torch.equal(used.grad, torch.full((3,), 4.0, dtype=torch.float64))
-    assert unused.grad is None and manager.extra_pending is False
+    assert unused.grad is None
 
 
 class _CpuGroup:
@@ -95,9 +90,10 @@ def test_collective_device_is_cuda_on_nccl_whatever_the_groups(fake_nccl):
 
 def test_join_device_is_cuda_on_nccl_without_groups(fake_nccl):
     class _Mgr:
-        groups = []
+        def groups_of(self, model_key):
+            return []
 
-    j = ddp.ModelJoinable(_Mgr(), torch.nn.Linear(1, 1))
+    j = ddp.ModelJoinable(_Mgr(), None, torch.nn.Linear(1, 1))
     assert j.join_device == torch.device("cuda", 0)
 
 

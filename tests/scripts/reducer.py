@@ -122,7 +122,7 @@ def inspect(acc, model, i):
     for p, o in zip(g.params, g.offsets):
         b = next(k for k, (s, n) in enumerate(spans) if s <= o < s + n)
         sizes[b] = sizes.get(b, 0) + p.numel() * 4
-    seen[i] = (g.relaid, list(g.order), spans, sizes)
+    seen[i] = (g.strategy_state.relaid, list(g.order), spans, sizes)
 
 
 launched_in_backward = []
@@ -130,8 +130,8 @@ model_b = copy.deepcopy(base)
 acc_b = fresh(bucket_cap_mb=cap_mb)
 opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1, momentum=0.9)
 model_b, opt_b = acc_b.prepare(model_b, opt_b)
-comm = acc_b._grads.comm
-orig_launch = comm.launch
+comm = acc_b._grads.strategy
+orig_launch = comm.buckets_ready
 
 
 def spy(g, first, last):
@@ -139,7 +139,7 @@ def spy(g, first, last):
     orig_launch(g, first, last)
 
 
-comm.launch = spy
+comm.buckets_ready = spy
 for i, (x, y) in enumerate(data):
     acc_b.backward(nn.functional.mse_loss(model_b(x), y))
     inspect(acc_b, model_b, i)

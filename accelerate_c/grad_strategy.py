@@ -1,0 +1,89 @@
+"""The seam between the flat gradient buffers and what a training strategy does with them.
+
+GradManager (grads.py) owns the buffers and the local work on them (copy-in, unscale, norm,
+clip). At each phase of a step it asks its strategy what else to do (docs/architecture.md, "One
+training step"). This base class is the single-process strategy: nothing is communicated, the
+gradients a process computes are the ones its optimizer reads, and the optimizer's state and the
+model's parameters are whole on every process. ddp.DDPStrategy reduces buckets while backward
+runs; a sharding strategy overrides the norm, found_inf, step and state-dict phases too.
+
+A strategy keeps what it needs per buffer in `group.strategy_state` (set by attach) and never
+writes the buffer's other fields; the buffers never read that state.
+"""
+from __future__ import annotations
+
+
+class GradStrategy:
+    """Single process: every phase is local."""
+
+    world = 1
+    # the factor each gradient is multiplied by as it lands in its range on a backward that
+    # reduces (1/world for a sum that averages)
+    prescale = 1.0
+
+    # ---- prepare ------------------------------------------------------------------------
+    def prepare_model(self, model, manager) -> None:
+        """Accelerator.prepare_model, before the model's buffers are built."""
+
+    def attach(self, group, previous=None) -> None:
+        """A buffer was built, rebuilt (`previous`: the strategy state of the buffer it
+        replaces) or re-laid: (re)make what depends on its layout."""
+        group.strategy_state = None
+
+    # ---- backward -----------------------------------------------------------------------
+    def begin_backward(self, group, sync: bool) -> bool:
+        """The first gradient of a backward in `group`. `sync`: the model is not in no_sync().
+        Returns whether this backward's buckets are handed to buckets_ready as they fill."""
+        return False
+
+    def buckets_ready(self, group, first: int, last: int) -> None:
+        """Buckets [first, last) of `group` are complete (only on backwards begin_backward
+        said are reduced)."""
+        raise RuntimeError("a single-process backward does not reduce buckets")
+
+    def end_of_backward(self, group) -> None:
+        """A backward that begin_backward said is reduced delivered its last gradient."""
+
+    def abort_backward(self, group) -> None:
+        """A backward raised: forget what it started."""
+
+    def start_join(self, model, manager):
+        """join_uneven_inputs(): torch's Joinable for `model`, or None when nothing is shadowed."""
+        return None
+
+    def end_join(self) -> None:
+        """join_uneven_inputs() is over."""
+
+    # ---- before the gradients are read (GradManager.prepare_step) -----------------------
+    def sync_missed(self, groups, unbuffered) -> None:
+        """Reduces what the bucketed path could not: whole `groups` (rebuilt mid-step) and the
+        `unbuffered` parameters of prepared models (float64) that got a gradient."""
+
+    # ---- norm, found_inf, step, state dict -----------------------------------------------
+    def cached_sumsq(self, group):
+        """(sum of squares, non-finite) of `group`'s buffer as it is now, when the strategy
+        measured it on the way (else None: the caller reads the buffer)."""
+        return None
+
+    def want_sumsq(self, group) -> None:
+        """clip_grad_norm_ asked for a 2-norm of `group`: measure it on the way from now on."""
+
+    def total_sumsq(self, sumsq: float) -> float:
+        """The sum of squares over every process's part of the gradients, from this process's
+        part. Replicated gradients: this process's is the whole."""
+        return sumsq
+
+    def total_maxabs(self, maxabs: float) -> float:
+        return maxabs
+
+    def any_found_inf(self, found: bool) -> bool:
+        """Whether any process's part of the gradients overflowed, from this process's."""
+        return found
+
+    def optimizer_step(self, optimizer, closure=None):
+        """The optimizer's update of the parameters it owns."""
+        return optimizer.step(closure) if closure is not None else optimizer.step()
+
+    def model_state_dict(self, model) -> dict:
+        """The full state dict of `model` (as a single-process model's)."""
+        return model.state_dict()
