@@ -1,11 +1,11 @@
 """accelerate_c: Hugging Face accelerate's Accelerator, with a C core."""
 from . import _C
 from ._C import CoreError
-from .accelerator import Accelerator
+from .accelerator import Accelerator, create_accelerator
 from .data_loader import skip_first_batches
 from .state import AcceleratorState, GradientState, PartialState
 from .trainer import Trainer, TrainerCallback, TrainerControl, TrainerState
-from .training_args import TrainingArguments, create_accelerator
+from .training_args import TrainingArguments
 from .utils import (
     AutocastKwargs,
     DataLoaderConfiguration,

@@ -13,13 +13,14 @@ import torch
 from . import _C, checkpointing
 from .autocast import AutocastForward, autocast_context
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
-from .ddp import DDPStrategy
+from .strategies.ddp import DDPStrategy
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
 from .plugins import check_kind, kind_of, refuse_features, resolve_dynamo_plugin
 from .scaler import LossScaler
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState
+from .training_args import accelerator_kwargs, load_training_args
 from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -217,8 +218,6 @@ class Accelerator:
         accelerate_c.TrainingArguments, a dict of its fields, or a .json/.yaml file), mapped as
         transformers' Trainer maps them; `overrides` replace single constructor arguments.
         See docs/trainer.md for the table."""
-        from .training_args import accelerator_kwargs, load_training_args
-
         kwargs = accelerator_kwargs(load_training_args(args))
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -728,3 +727,9 @@ class Accelerator:
         return (f"Accelerator(device={self.device}, mixed_precision={self.mixed_precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}, "
                 f"num_processes={self.num_processes})")
+
+
+def create_accelerator(args) -> Accelerator:
+    """An Accelerator configured from TrainingArguments (or a dict / JSON / YAML path of its
+    fields), as transformers' Trainer builds its own."""
+    return Accelerator.from_training_args(args)

@@ -7,7 +7,7 @@ order gradients are expected to arrive, cut into buckets), the buffer, its views
 gaps kept at zero, the parameters' post-accumulate-grad hooks, and the `.grad` bookkeeping
 (assignments made outside backward brought in, a parameter cast or moved after prepare()
 detected). What runs when a hook fires or a backward ends (unscaling, reduction, sharding) is
-the subclass's and the gradient strategy's (grads.GradGroup, grad_strategy.py).
+the subclass's and the gradient strategy's (grads.GradGroup, strategies/).
 
 `.grad` behaves as in torch: None until a backward gives the parameter a gradient, None again
 after zero_grad() (set_to_none). Whether a parameter has a gradient is never stored apart:

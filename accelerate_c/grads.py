@@ -3,7 +3,7 @@
 The C core unscales, checks for overflow, measures and clips all gradients in one or two passes
 per buffer instead of one small kernel per tensor. GradGroup adds to a buffer's layout the
 unscale state of the current step and what its hooks do; GradManager holds every buffer of one
-Accelerator and runs the step's phases on them, asking its strategy (grad_strategy.py: one
+Accelerator and runs the step's phases on them, asking its strategy (strategies/: one
 process, ddp.DDPStrategy, later sharding) what else each phase does. If the parameters are moved
 or cast after prepare() (model.to(...)), the buffers are rebuilt at the next step.
 """
@@ -16,7 +16,7 @@ import torch
 
 from . import _C
 from .grad_layout import GradLayout
-from .grad_strategy import GradStrategy
+from .strategies import GradStrategy
 
 _FINITE_MAX = {torch.float32: torch.finfo(torch.float32).max, torch.float16: torch.finfo(torch.float16).max,
                torch.bfloat16: torch.finfo(torch.bfloat16).max}
@@ -34,7 +34,7 @@ class GradGroup(GradLayout):
         # a backward on a sync step whose buckets were not reduced yet (the strategy's fallback,
         # sync_missed, does it before the gradients are read)
         self.pending_sync = False
-        self.strategy_state = None  # the strategy's own per-buffer state (grad_strategy.py)
+        self.strategy_state = None  # the strategy's own per-buffer state (strategies/base.py)
         super().__init__(params, dtype, device, manager.bucket_caps, order)
 
     def build(self, order):

@@ -180,7 +180,7 @@ def read_metadata(filename) -> Optional[Dict[str, str]]:
     return _header(filename)["metadata"]
 
 
-def _torch_dtype(filename, name: str, dt: str) -> torch.dtype:
+def torch_dtype_of(filename, name: str, dt: str) -> torch.dtype:
     try:
         return DTYPES[dt]
     except KeyError:
@@ -193,7 +193,7 @@ def load_file(filename, device="cpu", *, threads: int = 0) -> Dict[str, torch.Te
     file straight into them, then moves them to ``device`` if it is not the CPU."""
     out = {}
     for name, dt, shape, _b, _e in _header(filename)["tensors"]:
-        out[name] = torch.empty(tuple(shape), dtype=_torch_dtype(filename, name, dt))
+        out[name] = torch.empty(tuple(shape), dtype=torch_dtype_of(filename, name, dt))
     _C.st_load_into(os.fspath(filename), out, int(threads))
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if dev.type != "cpu":
@@ -224,7 +224,7 @@ def load_into(filename, tensors: Dict[str, torch.Tensor], *, threads: int = 0) -
         if tuple(t.shape) != info.shape:
             raise ValueError(f"{os.fspath(filename)}: tensor {name!r} has shape {list(info.shape)} in the file "
                              f"but {list(t.shape)} in the destination")
-        dtype = _torch_dtype(filename, name, info.dtype)
+        dtype = torch_dtype_of(filename, name, info.dtype)
         if _writable_direct(t, dtype):
             direct[name] = t.detach()
         else:

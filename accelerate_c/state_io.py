@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .durable import write_bytes_durable
-from .safetensors_io import _torch_dtype, list_tensors, load_into, save_file
+from .safetensors_io import torch_dtype_of, list_tensors, load_into, save_file
 
 try:  # numpy is optional
     import numpy as np
@@ -266,7 +266,7 @@ class StateFile:
             raise CheckpointError(f"{self.json_path}: refers to tensor(s) {', '.join(map(repr, absent[:5]))} "
                                   f"that {where} does not hold")
         for name, info in self.infos.items():
-            _torch_dtype(self.tensor_path, name, info.dtype)
+            torch_dtype_of(self.tensor_path, name, info.dtype)
 
     def skeleton(self):
         """The decoded state with None in place of every tensor (nothing read): for checks."""
@@ -279,7 +279,7 @@ class StateFile:
         tensors = {}
         if self.tensor_path is not None:
             for name, info in self.infos.items():
-                dt = _torch_dtype(self.tensor_path, name, info.dtype)
+                dt = torch_dtype_of(self.tensor_path, name, info.dtype)
                 t = reuse.get(name) if reuse else None
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == dt and \
                         tuple(t.shape) == tuple(info.shape) and t.is_contiguous() and not t.requires_grad:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -28,97 +27,26 @@ from .training_args import (  # noqa: F401  (re-exported: transformers has them 
     get_scheduler,
     load_training_args,
 )
+from .trainer_utils import (  # noqa: F401  (get_last_checkpoint, default_data_collator: transformers' names)
+    PREFIX_CHECKPOINT_DIR,
+    TRAINER_STATE_NAME,
+    RemoveColumnsCollator,
+    batch_size_of,
+    concat_nested,
+    default_data_collator,
+    detach_cpu,
+    get_last_checkpoint,
+    output_field,
+    pad_tokens,
+    sorted_checkpoints,
+    to_numpy,
+)
 from .utils.random import set_seed
 
-PREFIX_CHECKPOINT_DIR = "checkpoint"
-TRAINER_STATE_NAME = "trainer_state.json"
 SCHEDULER_NAME = "scheduler.pt"
 TRAINING_ARGS_NAME = "training_args.bin"
-_CHECKPOINT_RE = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
 
 TrainOutput = namedtuple("TrainOutput", ["global_step", "training_loss", "metrics"])
-
-
-def get_last_checkpoint(folder: str) -> str | None:
-    """The `checkpoint-N` folder in `folder` with the largest N among complete ones (those
-    holding trainer_state.json, which is written last), or None."""
-    if not os.path.isdir(folder):
-        return None
-    found = []
-    for name in os.listdir(folder):
-        m = _CHECKPOINT_RE.match(name)
-        path = os.path.join(folder, name)
-        if m and os.path.isdir(path) and os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
-            found.append((int(m.group(1)), path))
-    return max(found)[1] if found else None
-
-
-def _sorted_checkpoints(folder: str) -> list:
-    out = []
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        m = _CHECKPOINT_RE.match(name)
-        if m and os.path.isdir(os.path.join(folder, name)):
-            out.append((int(m.group(1)), os.path.join(folder, name)))
-    return [p for _, p in sorted(out)]
-
-
-# ---------------------------------------------------------------------- batches
-
-
-def default_data_collator(features):
-    """Stacks a list of samples: dicts become a dict of tensors ("label"/"label_ids" become
-    "labels"), anything else goes through torch's default_collate."""
-    from torch.utils.data import default_collate
-
-    if not features or not isinstance(features[0], dict):
-        return default_collate(features)
-    first = features[0]
-    batch = {}
-    for src, dst in (("label", "labels"), ("label_ids", "labels")):
-        if src in first and first[src] is not None:
-            batch[dst] = torch.as_tensor([f[src] for f in features]) if not torch.is_tensor(first[src]) \
-                else torch.stack([f[src] for f in features])
-    for k, v in first.items():
-        if k in ("label", "label_ids") or v is None or isinstance(v, str):
-            continue
-        if torch.is_tensor(v):
-            batch[k] = torch.stack([f[k] for f in features])
-        else:
-            batch[k] = torch.as_tensor([f[k] for f in features])
-    return batch
-
-
-class _RemoveColumnsCollator:
-    """Drops the keys of dict samples that the model's forward does not take."""
-
-    def __init__(self, collator, keep):
-        self.collator, self.keep = collator, keep
-
-    def __call__(self, features):
-        if features and isinstance(features[0], dict):
-            features = [{k: v for k, v in f.items() if k in self.keep} for f in features]
-        return self.collator(features)
-
-
-def _cat(tensors):
-    """Concatenates along dim 0, padding dim 1 with -100 when lengths differ (token outputs)."""
-    if len({t.shape[1:] for t in tensors}) > 1:
-        width = max(t.shape[1] for t in tensors)
-        tensors = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=-100)
-                   for t in tensors]
-    return torch.cat(tensors, dim=0)
-
-
-def _to_numpy(x):
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to_numpy(t) for t in x)
-    return x.float().numpy() if x.dtype in (torch.bfloat16, torch.float16) else x.numpy()
-
-
-def _get(outputs, key):
-    if isinstance(outputs, dict):
-        return outputs.get(key)
-    return getattr(outputs, key, None)
 
 
 class Trainer:
@@ -245,7 +173,7 @@ class Trainer:
                 params = inspect.signature(self.accelerator.unwrap_model(self.model).forward).parameters
                 if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
                     keep = set(params) | {"label", "label_ids", "labels"} | set(self.args.label_names or [])
-                    collator = _RemoveColumnsCollator(collator, keep)
+                    collator = RemoveColumnsCollator(collator, keep)
         return collator
 
     def _loader(self, dataset, batch_size, sampler, drop_last):
@@ -359,7 +287,7 @@ class Trainer:
                 takes_n = False
             loss = fn(outputs, labels, num_items_in_batch=num_items_in_batch) if takes_n else fn(outputs, labels)
         else:
-            loss = _get(outputs, "loss")
+            loss = output_field(outputs, "loss")
             if loss is None and isinstance(outputs, (tuple, list)) and isinstance(inputs, dict) and \
                     "labels" in inputs:
                 loss = outputs[0]
@@ -662,26 +590,26 @@ class Trainer:
         for inputs in dl:
             loss, logits, lab = self.prediction_step(model, inputs, prediction_loss_only=not want_preds,
                                                      ignore_keys=ignore_keys)
-            bs = _batch_size(inputs)
+            bs = batch_size_of(inputs)
             if loss is not None:
                 losses.append(acc.gather_for_metrics(loss.reshape(1).repeat(bs)).float().cpu())
             if want_preds:
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, lab)
                 if acc.num_processes > 1:
-                    logits = _pad_tokens(acc, logits)
-                    lab = _pad_tokens(acc, lab) if lab is not None else None
-                preds.append(_detach_cpu(acc.gather_for_metrics(logits)))
+                    logits = pad_tokens(acc, logits)
+                    lab = pad_tokens(acc, lab) if lab is not None else None
+                preds.append(detach_cpu(acc.gather_for_metrics(logits)))
                 if lab is not None:
-                    labels.append(_detach_cpu(acc.gather_for_metrics(lab)))
+                    labels.append(detach_cpu(acc.gather_for_metrics(lab)))
             n += bs
         if was_training:
             model.train()
         metrics = {}
         if want_preds and preds:
-            p = _concat_nested(preds)
-            l_ = _concat_nested(labels) if labels else None
-            metrics = dict(self.compute_metrics(EvalPrediction(_to_numpy(p), None if l_ is None else _to_numpy(l_))))
+            p = concat_nested(preds)
+            l_ = concat_nested(labels) if labels else None
+            metrics = dict(self.compute_metrics(EvalPrediction(to_numpy(p), None if l_ is None else to_numpy(l_))))
         if losses:
             metrics["loss"] = torch.cat(losses).mean().item()
         runtime = time.time() - start
@@ -731,7 +659,7 @@ class Trainer:
         """Removes the oldest checkpoints (by step) beyond `limit`. The one just written is
         always kept (even when an earlier run left higher-numbered ones), and so is the best
         one under load_best_model_at_end."""
-        ckpts = _sorted_checkpoints(self.args.output_dir)
+        ckpts = sorted_checkpoints(self.args.output_dir)
         keep = {os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")}
         if self.state.best_model_checkpoint is not None and self.args.load_best_model_at_end:
             keep.add(self.state.best_model_checkpoint)
@@ -786,31 +714,3 @@ def _rng_neutral_start(it):
         torch.random.set_rng_state(state)
     yield first
     yield from it
-
-
-def _batch_size(inputs) -> int:
-    if isinstance(inputs, dict):
-        inputs = next(v for v in inputs.values() if torch.is_tensor(v))
-    elif isinstance(inputs, (list, tuple)):
-        inputs = inputs[0]
-    return int(inputs.shape[0]) if torch.is_tensor(inputs) and inputs.dim() > 0 else 1
-
-
-def _detach_cpu(x):
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detach_cpu(t) for t in x)
-    return x.detach().cpu()
-
-
-def _pad_tokens(acc, x):
-    if isinstance(x, (tuple, list)):
-        return type(x)(_pad_tokens(acc, t) for t in x)
-    if torch.is_tensor(x) and x.dim() >= 2:
-        return acc.pad_across_processes(x, dim=1, pad_index=-100)
-    return x
-
-
-def _concat_nested(chunks):
-    if isinstance(chunks[0], (tuple, list)):
-        return type(chunks[0])(_concat_nested([c[i] for c in chunks]) for i in range(len(chunks[0])))
-    return _cat(chunks) if chunks[0].dim() > 0 else torch.stack(chunks)

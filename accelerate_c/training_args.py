@@ -1,6 +1,6 @@
 """TrainingArguments: transformers' field names and defaults for what accelerate_c's Trainer does,
 validated up front, loadable from a dict, a JSON file or a YAML file, and mapped onto an
-Accelerator the way transformers' Trainer builds its own (`create_accelerator`). Also the
+Accelerator the way transformers' Trainer builds its own (`accelerator_kwargs`). Also the
 Trainer's configuration-side pieces: its state (trainer_state.json), control flags, callback
 base class, learning-rate schedules and weight-decay grouping (the loop is in trainer.py)."""
 from __future__ import annotations
@@ -643,10 +643,3 @@ def accelerator_kwargs(args: TrainingArguments) -> dict:
     if args.deepspeed is not None:
         kwargs["deepspeed_plugin"] = {"deepspeed": args.deepspeed}
     return kwargs
-
-
-def create_accelerator(args):
-    """An Accelerator configured from TrainingArguments (or a dict / JSON / YAML path of its fields)."""
-    from .accelerator import Accelerator
-
-    return Accelerator.from_training_args(args)

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
 from accelerate_c import _C, nccl
-from accelerate_c.ddp import DDPStrategy
-from accelerate_c.grad_strategy import GradStrategy
+from accelerate_c.strategies.ddp import DDPStrategy
+from accelerate_c.strategies import GradStrategy
 from accelerate_c.grads import GradManager
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

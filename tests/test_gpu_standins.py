@@ -4,7 +4,8 @@ tensors). What only a GPU can show runs in benchmarks/gpu_check.sh (docs/gpu.md)
 import pytest
 import torch
 
-from accelerate_c import collectives, ddp
+from accelerate_c import collectives
+from accelerate_c.strategies import ddp
 
 
 class FakeNcclDist:

@@ -1,11 +1,11 @@
-"""The reducer's wire-dtype probe (accelerate_c.ddp._wire_dtype): only the backend's refusal of a
+"""The reducer's wire-dtype probe (accelerate_c.strategies.ddp._wire_dtype): only the backend's refusal of a
 dtype means "all-reduce in fp32"; a timeout or a dead peer is raised, naming the probe, and
 nothing is cached. Run on a real one-process gloo group; gloo itself supplies the refusal."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from accelerate_c import ddp
+from accelerate_c.strategies import ddp
 
 
 @pytest.fixture

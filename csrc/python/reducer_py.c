@@ -5,8 +5,9 @@
  * never runs Python bytecode: one attribute read, one C call that marks the gradient ready,
  * and, when buckets became launchable on a sync step, one call of the launch function the
  * Python glue registered. Rare cases (a new gradient tensor to copy in, a model cast after
- * prepare) go to the glue's `slow` function. The core itself never calls Python (DESIGN §1);
- * the calls back into Python are made here, in the extension layer. */
+ * prepare) go to the glue's copy-in function. The core itself never calls Python
+ * (docs/architecture.md, "Layers"); the calls back into Python are made here, in the extension
+ * layer. */
 #include "pyac.h"
 
 #include "ac/bucket.h"

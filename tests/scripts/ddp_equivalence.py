@@ -115,7 +115,7 @@ for mp, accum, clip, opt_name in itertools.product(["no", "bf16", "fp16"], [1, 2
     if not bool((w == w[0]).all()):
         fails.append(f"{mp} accum={accum} clip={clip} {opt_name}: ranks disagree")
 # bf16 parameters: the gradient buffer itself is bf16 and is all-reduced in bf16 (or in fp32
-# on a backend that lacks it: accelerate_c/ddp.py picks the wire dtype)
+# on a backend that lacks it: accelerate_c/strategies/ddp.py picks the wire dtype)
 torch.manual_seed(0)
 base = Net(with_unused=False).to(torch.bfloat16)
 g = torch.Generator().manual_seed(2)

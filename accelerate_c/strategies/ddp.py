@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 from torch.distributed.algorithms.join import Joinable
 
-from . import _C
-from . import collectives
-from .grad_strategy import GradStrategy
+from .. import _C
+from .. import collectives
+from .base import GradStrategy
 
 _WIRE: dict = {}  # (backend, dtype) -> the dtype that backend all-reduces it in
 
@@ -162,7 +162,7 @@ class DDPStrategy(GradStrategy):
                 _wire_dtype(torch.empty(0, dtype=g.dtype, device=g.device))
             return
         if self.nccl is None:
-            from . import nccl
+            from .. import nccl
             from torch.distributed.distributed_c10d import _get_default_store
 
             self.nccl = nccl.make_comm(_get_default_store(), self.rank, self.world)

@@ -1,0 +1,122 @@
+"""The Trainer's helpers that need no Trainer: where its checkpoints are, how samples become
+batches, and how evaluation outputs are gathered into arrays (trainer.py is the loop)."""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+PREFIX_CHECKPOINT_DIR = "checkpoint"
+TRAINER_STATE_NAME = "trainer_state.json"
+CHECKPOINT_RE = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
+
+
+def get_last_checkpoint(folder: str) -> str | None:
+    """The `checkpoint-N` folder in `folder` with the largest N among complete ones (those
+    holding trainer_state.json, which is written last), or None."""
+    if not os.path.isdir(folder):
+        return None
+    found = []
+    for name in os.listdir(folder):
+        m = CHECKPOINT_RE.match(name)
+        path = os.path.join(folder, name)
+        if m and os.path.isdir(path) and os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
+            found.append((int(m.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def sorted_checkpoints(folder: str) -> list:
+    out = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        m = CHECKPOINT_RE.match(name)
+        if m and os.path.isdir(os.path.join(folder, name)):
+            out.append((int(m.group(1)), os.path.join(folder, name)))
+    return [p for _, p in sorted(out)]
+
+
+# ---------------------------------------------------------------------- batches
+
+
+def default_data_collator(features):
+    """Stacks a list of samples: dicts become a dict of tensors ("label"/"label_ids" become
+    "labels"), anything else goes through torch's default_collate."""
+    from torch.utils.data import default_collate
+
+    if not features or not isinstance(features[0], dict):
+        return default_collate(features)
+    first = features[0]
+    batch = {}
+    for src, dst in (("label", "labels"), ("label_ids", "labels")):
+        if src in first and first[src] is not None:
+            batch[dst] = torch.as_tensor([f[src] for f in features]) if not torch.is_tensor(first[src]) \
+                else torch.stack([f[src] for f in features])
+    for k, v in first.items():
+        if k in ("label", "label_ids") or v is None or isinstance(v, str):
+            continue
+        if torch.is_tensor(v):
+            batch[k] = torch.stack([f[k] for f in features])
+        else:
+            batch[k] = torch.as_tensor([f[k] for f in features])
+    return batch
+
+
+class RemoveColumnsCollator:
+    """Drops the keys of dict samples that the model's forward does not take."""
+
+    def __init__(self, collator, keep):
+        self.collator, self.keep = collator, keep
+
+    def __call__(self, features):
+        if features and isinstance(features[0], dict):
+            features = [{k: v for k, v in f.items() if k in self.keep} for f in features]
+        return self.collator(features)
+
+
+def cat_padded(tensors):
+    """Concatenates along dim 0, padding dim 1 with -100 when lengths differ (token outputs)."""
+    if len({t.shape[1:] for t in tensors}) > 1:
+        width = max(t.shape[1] for t in tensors)
+        tensors = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=-100)
+                   for t in tensors]
+    return torch.cat(tensors, dim=0)
+
+
+def to_numpy(x):
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_numpy(t) for t in x)
+    return x.float().numpy() if x.dtype in (torch.bfloat16, torch.float16) else x.numpy()
+
+
+def output_field(outputs, key):
+    if isinstance(outputs, dict):
+        return outputs.get(key)
+    return getattr(outputs, key, None)
+
+
+def batch_size_of(inputs) -> int:
+    if isinstance(inputs, dict):
+        inputs = next(v for v in inputs.values() if torch.is_tensor(v))
+    elif isinstance(inputs, (list, tuple)):
+        inputs = inputs[0]
+    return int(inputs.shape[0]) if torch.is_tensor(inputs) and inputs.dim() > 0 else 1
+
+
+def detach_cpu(x):
+    if isinstance(x, (tuple, list)):
+        return type(x)(detach_cpu(t) for t in x)
+    return x.detach().cpu()
+
+
+def pad_tokens(acc, x):
+    if isinstance(x, (tuple, list)):
+        return type(x)(pad_tokens(acc, t) for t in x)
+    if torch.is_tensor(x) and x.dim() >= 2:
+        return acc.pad_across_processes(x, dim=1, pad_index=-100)
+    return x
+
+
+def concat_nested(chunks):
+    if isinstance(chunks[0], (tuple, list)):
+        return type(chunks[0])(concat_nested([c[i] for c in chunks]) for i in range(len(chunks[0])))
+    return cat_padded(chunks) if chunks[0].dim() > 0 else torch.stack(chunks)
