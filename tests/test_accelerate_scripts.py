@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 from run import run_script  # noqa: E402
 from specs import functions  # noqa: E402
+from timeouts import wait_s
 
 _GA = "test_gradient_accumulation[split_batches={},dispatch_batches={},sync_each_batch={}]"
 _GAS = "test_gradient_accumulation_with_opt_and_scheduler[split_batches={},dispatch_batches={},sync_each_batch={}]"
@@ -87,7 +88,7 @@ def test_every_function_is_accounted_for(script):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_wheel_script_passes_on_two_ranks(script):
-    results = run_script(script, nproc=2, only=PASS[script], timeout=240, collective_timeout=60)
+    results = run_script(script, nproc=2, only=PASS[script], timeout=wait_s(240), collective_timeout=wait_s(60))
     failed = {name: r for name, r in results.items() if r["status"] != "pass"}
     report = "\n".join(f"{name}: {r['status']} {r['errors']}\n{next(iter(r['tracebacks'].values()), '')}"
                        for name, r in failed.items())

@@ -11,6 +11,7 @@ import pytest
 
 import accelerate_c
 from accelerate_c import _C
+from timeouts import wait_s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +46,7 @@ def test_cpu_only_wheel_builds_with_a_c_compiler_only(tmp_path):
     env = dict(os.environ, ACCELERATE_C_NO_CUDA="1", PATH="/usr/bin:/bin")  # no nvcc on PATH either
     env.pop("CUDA_HOME", None)
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", str(tmp_path), ROOT]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=wait_s(600))
     assert res.returncode == 0, res.stdout + res.stderr
     wheels = glob.glob(str(tmp_path / "accelerate_c-*.whl"))
     assert len(wheels) == 1
@@ -59,7 +60,7 @@ def test_cpu_only_wheel_builds_with_a_c_compiler_only(tmp_path):
     probe = ("import sys; sys.path.insert(0, %r); import importlib.util as u; "
              "s = u.spec_from_file_location('accelerate_c._C', %r); m = u.module_from_spec(s); "
              "s.loader.exec_module(m); print(m.has_cuda, m.cuda_device_count())") % (str(tmp_path), so)
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=wait_s(60))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "0"]
 
@@ -67,9 +68,9 @@ def test_cpu_only_wheel_builds_with_a_c_compiler_only(tmp_path):
 def test_console_script_help_and_env():
     exe = shutil.which("accelerate-c", path=os.path.dirname(sys.executable))
     assert exe, "accelerate-c console script not installed"
-    res = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=wait_s(60))
     assert res.returncode == 0 and "env" in res.stdout
-    res = subprocess.run([exe, "env"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([exe, "env"], capture_output=True, text=True, timeout=wait_s(120))
     assert res.returncode == 0
     assert f"accelerate_c version: {accelerate_c.__version__}" in res.stdout
     assert "C core built with CUDA" in res.stdout

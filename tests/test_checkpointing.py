@@ -28,6 +28,7 @@ from accelerate_c.safetensors_io import list_tensors, load_file
 
 from helpers import fresh_state, make_loader, make_model, reset_all_states  # noqa: F401
 from test_launch import launch
+from timeouts import wait_s
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "checkpoint_resume.py")
@@ -36,7 +37,7 @@ ENV = dict(os.environ, PYTHONPATH=os.path.dirname(HERE) + os.pathsep + os.enviro
 PRECISIONS = "no,bf16,fp16"
 
 
-def run_py(args, timeout=300, env=None):
+def run_py(args, timeout=wait_s(300), env=None):
     return subprocess.run([PY, *args], capture_output=True, text=True, timeout=timeout, env=env or ENV)
 
 
@@ -108,7 +109,7 @@ def test_resume_is_bitwise_exact_in_a_new_process(tmp_path):
 def test_resume_is_bitwise_exact_on_two_processes(tmp_path):
     for phase in ("full", "resume"):
         res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0", SCRIPT, phase, str(tmp_path),
-                      PRECISIONS], env={"PYTHONPATH": ENV["PYTHONPATH"]}, timeout=300)
+                      PRECISIONS], env={"PYTHONPATH": ENV["PYTHONPATH"]}, timeout=wait_s(300))
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         assert f"checkpoint_resume {phase} OK on 2 processes" in res.stdout
     _compare_runs(tmp_path, 2)
@@ -120,7 +121,7 @@ def test_resume_is_bitwise_exact_on_two_processes(tmp_path):
 
 def test_a_save_failing_on_one_rank_raises_on_every_rank(tmp_path):
     res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0", SCRIPT, "fail", str(tmp_path)],
-                 env={"PYTHONPATH": ENV["PYTHONPATH"]}, timeout=300)
+                 env={"PYTHONPATH": ENV["PYTHONPATH"]}, timeout=wait_s(300))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"fail_{r}.json").read_text()) for r in (0, 1))
     assert r0["raised"][0] == "TypeError" and "cannot be saved without pickle" in r0["raised"][1]
@@ -136,7 +137,7 @@ def test_kill_9_during_save_keeps_the_previous_checkpoint(tmp_path):
     proc = subprocess.Popen([PY, SCRIPT, "crash", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=ENV, start_new_session=True)
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + wait_s(240)
         while not paused.exists():
             assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
             assert time.time() < deadline, "the save never paused"
@@ -145,7 +146,7 @@ def test_kill_9_during_save_keeps_the_previous_checkpoint(tmp_path):
         # mid-save: the oldest checkpoint is still there (accelerate would have deleted it first)
         assert [i for i, _ in complete_checkpoints(str(base))] == [1, 2]
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.wait(timeout=wait_s(30))
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
@@ -623,7 +624,7 @@ def test_save_on_each_node_two_nodes_one_shared_directory(tmp_path):
     procs = [subprocess.Popen([exe, "launch", *common, "--machine_rank", str(m), script, str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for m in (0, 1)]
     try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
+        outs = [p.communicate(timeout=wait_s(240))[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from accelerate_c.commands.main import main
+from timeouts import wait_s
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -36,7 +37,7 @@ def test_env_reports_cuda_and_nccl(capsys):
         assert nccl.startswith("no (") and "NCCL" in nccl  # the loader's error text
 
 
-def _cli(args, env=None, cwd=None, timeout=180):
+def _cli(args, env=None, cwd=None, timeout=wait_s(180)):
     full = dict(os.environ, **(env or {}))
     full.pop("WORLD_SIZE", None)
     return subprocess.run([sys.executable, "-m", "accelerate_c.commands.main", *args], capture_output=True,

@@ -18,6 +18,7 @@ from accelerate_c.utils.config import (
     load_config_from_file,
     write_config_file,
 )
+from timeouts import wait_s
 
 VENV_BIN = os.path.dirname(sys.executable)
 
@@ -258,14 +259,14 @@ def test_file_written_by_accelerate_is_read(tmp_path, hf_home):
     env = dict(os.environ, HF_HOME=str(hf_home))
     target = tmp_path / "acc.yaml"
     res = subprocess.run([os.path.join(VENV_BIN, "accelerate"), "config", "default", "--config_file", str(target),
-                          "--mixed_precision", "bf16"], capture_output=True, text=True, env=env, timeout=120)
+                          "--mixed_precision", "bf16"], capture_output=True, text=True, env=env, timeout=wait_s(120))
     assert res.returncode == 0, res.stderr
     c = load_config_from_file(str(target))
     assert c.mixed_precision == "bf16" and c.distributed_type in ("NO", "MULTI_GPU") and c.unsupported() == []
     assert json.loads(target.read_text()) == c.raw  # accelerate writes JSON into the .yaml file
     # at accelerate's default location too
     res = subprocess.run([os.path.join(VENV_BIN, "accelerate"), "config", "default"], capture_output=True,
-                         text=True, env=env, timeout=120)
+                         text=True, env=env, timeout=wait_s(120))
     assert res.returncode == 0, res.stderr
     assert os.path.isfile(default_config_file())
     v = load_config_from_file().values
@@ -350,7 +351,7 @@ def test_fsdp_docs_file_loads_and_launch_refuses_it(tmp_path):
     c = load_config_from_file(str(path))
     assert c.fsdp_config["fsdp_version"] == 2 and c.num_processes == 4
     res = subprocess.run([os.path.join(VENV_BIN, "accelerate-c"), "launch", "--config_file", str(path), "x.py"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=wait_s(120))
     assert res.returncode != 0
     assert "FSDP is not supported yet" in res.stderr and str(path) in res.stderr, res.stderr
 
@@ -436,7 +437,7 @@ def _child_env(tmp_path, argv, env=None):
     script.write_text(SHOW_ENV)
     full = dict(os.environ, **(env or {}))
     res = subprocess.run([os.path.join(VENV_BIN, "accelerate-c"), "launch", *argv, str(script)],
-                         capture_output=True, text=True, timeout=120, env=full)
+                         capture_output=True, text=True, timeout=wait_s(120), env=full)
     assert res.returncode == 0, res.stderr
     line = next(line for line in res.stdout.splitlines() if line.startswith("ENV="))
     return json.loads(line[4:])
@@ -478,7 +479,7 @@ def test_use_cpu_config_with_several_processes_runs_that_many_gloo_processes(tmp
                       "os.write(1, f'WS {a.num_processes} {a.process_index} {a.device} {a.state.backend}\\n'.encode())\n"
                       "a.wait_for_everyone()\n")
     res = subprocess.run([os.path.join(VENV_BIN, "accelerate-c"), "launch", "--config_file", str(path), str(script)],
-                         capture_output=True, text=True, timeout=180)
+                         capture_output=True, text=True, timeout=wait_s(180))
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(line for line in res.stdout.splitlines() if line.startswith("WS")) == \
         ["WS 2 0 cpu gloo", "WS 2 1 cpu gloo"]
@@ -499,7 +500,7 @@ def test_default_location(monkeypatch, tmp_path):
     for env in ({"HF_HOME": str(tmp_path / "h")}, {"XDG_CACHE_HOME": str(tmp_path / "x")}, {}):
         full = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "XDG_CACHE_HOME")}
         full.update(env)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=wait_s(120))
         monkeypatch.delenv("HF_HOME", raising=False)
         monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
         for k, v in env.items():

@@ -4,26 +4,27 @@ import os
 import pytest
 
 from test_launch import SCRIPTS, launch
+from timeouts import wait_s
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_n_ranks_match_one_process_with_n_times_the_batch(n):
     res = launch(["--num_processes", str(n), "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "ddp_equivalence.py")], timeout=600)
+                  os.path.join(SCRIPTS, "ddp_equivalence.py")], timeout=wait_s(600))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert f"ddp equivalence OK on {n} processes" in res.stdout
 
 
 def test_a_rank_that_raises_mid_step_ends_the_job_with_an_error():
     res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "faults.py"), "raise"], timeout=120)
+                  os.path.join(SCRIPTS, "faults.py"), "raise"], timeout=wait_s(120))
     assert res.returncode != 0
     assert "rank failure injected by the test" in res.stderr
 
 
 def test_collective_timeout_raises_instead_of_hanging():
     res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "faults.py"), "timeout"], timeout=120)
+                  os.path.join(SCRIPTS, "faults.py"), "timeout"], timeout=wait_s(120))
     assert "rank 0 timed out as expected" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
     # the error names the rank and the bucket (and its parameters)
     assert "rank 0/2: the all-reduce of gradient bucket 0" in res.stdout, res.stdout[-2000:]
@@ -37,6 +38,6 @@ def test_bucketed_reducer_matches_torch_ddp(n):
     order, identical on all ranks, launched during backward), raw loss.backward(), no_sync, two
     backwards in a step, unused parameters, 16-bit comm hooks, broadcast_buffers, PowerSGD."""
     res = launch(["--num_processes", str(n), "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "reducer.py")], timeout=600)
+                  os.path.join(SCRIPTS, "reducer.py")], timeout=wait_s(600))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert f"reducer OK on {n} processes" in res.stdout

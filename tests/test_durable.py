@@ -20,6 +20,7 @@ import threading
 import pytest
 
 from accelerate_c import safetensors_io
+from timeouts import wait_s
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIM_SRC = os.path.join(HERE, "shim", "fsync_log.c")
@@ -110,7 +111,7 @@ def run_logged(shim, tmp_path, code):
     log = tmp_path / "fsync.log"
     env = dict(ENV, LD_PRELOAD=shim, FSYNC_LOG=str(log))
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                         cwd=str(tmp_path), timeout=300)
+                         cwd=str(tmp_path), timeout=wait_s(300))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert log.exists(), "the shim logged nothing: LD_PRELOAD did not take effect"
     return [line.split("\t") for line in log.read_text().splitlines()]

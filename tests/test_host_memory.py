@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from accelerate_c import Accelerator
+from timeouts import wait_s
 
 PAGES_PER_ROUND = 4 * 30 * (1 << 20) // 4096  # 4 blocks of 30 MiB, like one step's activations
 
@@ -29,7 +30,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
 
 def faults_with(value: str) -> int:
     env = dict(os.environ, ACCELERATE_C_MALLOC_TUNING=value)
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=wait_s(120))
     assert res.returncode == 0, res.stderr[-2000:]
     return int(res.stdout.split()[-1])
 

@@ -31,6 +31,7 @@ from conftest import (
     ref_stats,
     wide_data,
 )
+from timeouts import wait_s
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread", "restore_core_state")
 
@@ -850,7 +851,7 @@ def test_isa_environment_variable_forces_scalar():
 
     code = "from accelerate_c import _C; print(_C.kernel_isa())"
     env = dict(os.environ, AC_KERNELS_ISA="scalar")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=wait_s(120))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "scalar"
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from timeouts import wait_s
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
@@ -16,7 +17,7 @@ def launcher():
     return exe
 
 
-def launch(args, env=None, timeout=180):
+def launch(args, env=None, timeout=wait_s(180)):
     full_env = dict(os.environ, **(env or {}))
     full_env.pop("WORLD_SIZE", None)
     return subprocess.run([launcher(), "launch", *args], capture_output=True, text=True, timeout=timeout,
@@ -58,7 +59,7 @@ def test_module_launch(tmp_path):
 
 def test_a_dying_rank_stops_the_job_with_an_error():
     res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "fail_rank.py")], timeout=120)
+                  os.path.join(SCRIPTS, "fail_rank.py")], timeout=wait_s(120))
     assert res.returncode != 0
 
 
@@ -76,7 +77,7 @@ def test_bad_launch_arguments(args, msg):
 def test_world_size_env_is_validated(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("from accelerate_c import Accelerator\nAccelerator()\n")
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=wait_s(60),
                          env=dict(os.environ, WORLD_SIZE="two"))
     assert res.returncode != 0 and "WORLD_SIZE='two' is not an integer" in res.stderr
 

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from timeouts import wait_s
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "multinode_check.py")
@@ -28,7 +29,7 @@ def launch_two(tmp_path, per_machine_args):
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=90)[0])
+            outs.append(p.communicate(timeout=wait_s(90))[0])
     finally:
         for p in procs:
             if p.poll() is None:

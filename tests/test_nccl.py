@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from timeouts import wait_s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +35,7 @@ def expect(exc, text, fn):
 
 
 def run(code, **env):
-    res = subprocess.run([sys.executable, "-c", EXPECT + textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+    res = subprocess.run([sys.executable, "-c", EXPECT + textwrap.dedent(code)], capture_output=True, text=True, timeout=wait_s(120),
                          env={**os.environ, **env})
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout

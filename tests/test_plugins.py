@@ -14,6 +14,7 @@ import accelerate_c.utils as ours
 from accelerate_c import Accelerator
 from helpers import fresh_state, loss_function, make_loader, make_model, reset_all_states  # noqa: F401
 from test_launch import SCRIPTS, launch
+from timeouts import wait_s
 
 theirs = pytest.importorskip("accelerate.utils")
 
@@ -226,7 +227,7 @@ def test_ddp_and_init_kwargs_of_either_package_configure_the_reducer_alike():
     outs = {}
     for source in ("accelerate_c", "accelerate"):
         res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
-                      os.path.join(SCRIPTS, "plugin_handlers.py"), source], timeout=300)
+                      os.path.join(SCRIPTS, "plugin_handlers.py"), source], timeout=wait_s(300))
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         outs[source] = [line for line in res.stdout.splitlines() if line.startswith("result ")]
     assert outs["accelerate_c"] and outs["accelerate_c"] == outs["accelerate"]

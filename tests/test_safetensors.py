@@ -24,6 +24,7 @@ from accelerate_c import CoreError, _C
 from accelerate_c import model_io
 from accelerate_c.model_io import load_model_weights, parse_size, save_model
 from accelerate_c.safetensors_io import DTYPES, list_tensors, load_file, load_into, read_metadata, save_file
+from timeouts import wait_s
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -347,7 +348,7 @@ def test_failed_write_midway_leaves_old_file_and_no_temp(tmp_path, direct_io, mo
         print("MODE", _C.st_last_write_mode())
     """)
     env = dict(os.environ, ACCELERATE_C_DIRECT_IO=direct_io)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=wait_s(120), env=env)
     assert "ERR AC_ERR_IO" in out.stdout, out.stdout + out.stderr
     assert "writing tensor 'big'" in out.stdout and "File too large" in out.stdout
     assert f"MODE {mode}" in out.stdout, out.stdout

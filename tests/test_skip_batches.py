@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from test_launch import SCRIPTS, launch
+from timeouts import wait_s
 
 SCRIPT = os.path.join(SCRIPTS, "skip_batches.py")
 
@@ -19,7 +20,7 @@ def _run_accelerate(n, out_dir):
     env = dict(os.environ, ACCELERATE_USE_CPU="1")
     env.pop("WORLD_SIZE", None)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-                           SCRIPT, "accelerate", str(out_dir)], capture_output=True, text=True, timeout=600, env=env)
+                           SCRIPT, "accelerate", str(out_dir)], capture_output=True, text=True, timeout=wait_s(600), env=env)
 
 
 def _records(out_dir, n):
@@ -35,7 +36,7 @@ def test_skip_first_batches_matches_accelerate_step_by_step(n, tmp_path):
     res = _run_accelerate(n, ref_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     res = launch(["--num_processes", str(n), "--cpu", "--main_process_port", "0", SCRIPT, "accelerate_c",
-                  str(our_dir)], timeout=600)
+                  str(our_dir)], timeout=wait_s(600))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     theirs, ours = _records(ref_dir, n), _records(our_dir, n)
     for rank in range(n):

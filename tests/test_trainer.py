@@ -23,6 +23,7 @@ SCRIPTS = os.path.join(HERE, "scripts")
 sys.path.insert(0, SCRIPTS)
 
 import trainer_common as tc  # noqa: E402
+from timeouts import wait_s
 
 RTOL, ATOL = 1e-6, 1e-7  # fp32: the fused clip computes the norm in double (last-bit differences)
 
@@ -131,14 +132,14 @@ def test_evaluate_and_compute_metrics(tmp_path):
     assert "eval_runtime" in m and trainer.state.log_history[-1]["eval_loss"] == m["eval_loss"]
 
 
-def _run(args, env=None, timeout=120):
+def _run(args, env=None, timeout=wait_s(120)):
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     full_env.pop("WORLD_SIZE", None)
     return subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "trainer_common.py"), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
 
 
-def _wait(proc, timeout=150):
+def _wait(proc, timeout=wait_s(150)):
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
     return out
@@ -233,7 +234,7 @@ def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
     env.pop("WORLD_SIZE", None)
     res = subprocess.run([exe, "launch", "--num_processes", "2", "--cpu", "--main_process_port", "0",
                           os.path.join(SCRIPTS, "trainer_common.py"), str(tmp_path / "ddp"), str(tmp_path / "ddp.pt"),
-                          "--batch", "4", "--samples", "48"], capture_output=True, text=True, timeout=180, env=env)
+                          "--batch", "4", "--samples", "48"], capture_output=True, text=True, timeout=wait_s(180), env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = torch.load(tmp_path / "ddp.pt")
     assert got["num_processes"] == 2

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from test_launch import SCRIPTS, launch
+from timeouts import wait_s
 
 
 def test_distributed_type_has_every_member_of_accelerate():
@@ -62,7 +63,7 @@ def test_join_uneven_inputs_is_a_plain_block_on_one_process():
 @pytest.mark.parametrize("n", [2, 3])
 def test_collective_gaps_on_n_processes(n):
     res = launch(["--num_processes", str(n), "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "wheel_ops.py")], timeout=180)
+                  os.path.join(SCRIPTS, "wheel_ops.py")], timeout=wait_s(180))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"wheel ops OK on {n} processes" in res.stdout
 
