@@ -379,7 +379,7 @@ def test_missing_directory(tmp_path):
 # ---- the O_DIRECT write path (ACCELERATE_C_DIRECT_IO) -------------------------------------------
 
 DIRECT_ENV = "ACCELERATE_C_DIRECT_IO"
-DIRECT_MIN = 4 << 20  # ST_DIRECT_MIN_BYTES in csrc/core/safetensors.c: "auto" goes direct from here
+DIRECT_MIN = 4 << 20  # ST_DIRECT_MIN_BYTES in csrc/core/st_write.c: "auto" goes direct from here
 
 
 def _need_o_direct(directory):

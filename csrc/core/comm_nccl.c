@@ -8,8 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ac/cuda.h"
-
 /* NCCL's C ABI, declared from its published API (nccl.h): results, types, ops, the id. */
 typedef int nccl_result_t; /* ncclSuccess = 0, ..., ncclInProgress = 7 */
 typedef void *nccl_comm_t;
@@ -229,25 +227,4 @@ ac_result_t ac_comm_reduce_scatter(ac_comm_t *c, const void *send, void *recv, s
   if (count && (!send || !recv)) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_reduce_scatter: NULL buffer");
   nccl_result_t rc = api.reduce_scatter(send, recv, count, t, (int)op, c->comm, stream);
   return rc ? nccl_fail(c, rc, "ncclReduceScatter") : AC_OK;
-}
-
-ac_result_t ac_comm_launch_buckets(ac_comm_t *c, const ac_bucket_plan_t *plan, void *base, ac_dtype_t dt,
-                                   size_t from, size_t to, void *compute_stream, void *comm_stream, void *event) {
-  COMM_ARGS(c, "ac_comm_launch_buckets");
-  if (!plan || !base) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_launch_buckets: NULL plan or buffer");
-  if (from > to || to > ac_bucket_count(plan))
-    return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_launch_buckets: buckets [%zu, %zu) of %zu", from, to,
-                   ac_bucket_count(plan));
-  if (from == to) return AC_OK;
-  /* one wait covers every bucket of this call: their gradients were all final when the hooks
-   * that completed them ran, i.e. before this point on the compute stream */
-  if (event) AC_CHECK(ac_cuda_stream_wait(comm_stream, compute_stream, event));
-  size_t esize = ac_dtype_size(dt);
-  for (size_t b = from; b < to; b++) {
-    size_t first, count;
-    AC_CHECK(ac_bucket_range(plan, b, &first, &count));
-    char *p = (char *)base + first * esize;
-    AC_CHECK(ac_comm_all_reduce(c, p, p, count, dt, AC_RED_SUM, comm_stream));
-  }
-  return AC_OK;
 }

@@ -2,7 +2,7 @@
  * aligned chunks, each copied into a worker's aligned staging buffer and written with one pwrite.
  * It writes O_DIRECT files, and every file that holds GPU tensors (O_DIRECT or not): those are
  * staged through pinned buffers, a chunk's device pieces copied on the worker's own CUDA stream.
- * The file handling around it (temp file, fallback, fsync, rename) is in safetensors.c. */
+ * The file handling around it (temp file, fallback, fsync, rename) is in st_write.c. */
 #define _GNU_SOURCE /* must precede every system header */
 #include "st_direct.h"
 

@@ -13,6 +13,7 @@
 #include "ac/bucket.h"
 #include "ac/comm.h"
 #include "ac/cuda.h"
+#include "ac/reducer.h"
 
 typedef struct {
   PyObject_HEAD

@@ -1,12 +1,14 @@
-/* test_comm.c — the NCCL loader and communicator (csrc/core/comm_nccl.c) against a missing
- * library, a library without NCCL's symbols, and tests/c/fake_nccl.c (one rank, host memory),
- * whose path run.sh passes in AC_FAKE_NCCL. Tests run in table order: the first good load wins
- * for the process, so the failing loads come first. */
+/* test_comm.c — the NCCL loader and communicator (csrc/core/comm_nccl.c), and the reducer's
+ * bucket launch over it (csrc/core/reducer.c), against a missing library, a library without
+ * NCCL's symbols, and tests/c/fake_nccl.c (one rank, host memory), whose path run.sh passes in
+ * AC_FAKE_NCCL. Tests run in table order: the first good load wins for the process, so the
+ * failing loads come first. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdlib.h>
 
 #include "ac/comm.h"
+#include "ac/reducer.h"
 #include "test_util.h"
 
 static const char *fake_path(void) { return getenv("AC_FAKE_NCCL"); }

@@ -12,7 +12,6 @@
 #ifndef AC_COMM_H
 #define AC_COMM_H
 
-#include "ac/bucket.h"
 #include "ac/kernels.h"
 
 #ifdef __cplusplus
@@ -53,13 +52,6 @@ ac_result_t ac_comm_all_gather(ac_comm_t *c, const void *send, void *recv, size_
 /* recv (count elements) = this rank's slice of op over ranks of send (nranks * count). */
 ac_result_t ac_comm_reduce_scatter(ac_comm_t *c, const void *send, void *recv, size_t count, ac_dtype_t dt,
                                    ac_redop_t op, void *stream);
-
-/* The reducer's launch: sums buckets [from, to) of `plan`, laid over the device buffer `base`
- * of dtype `dt`, in place, on comm_stream. When `event` is not NULL, comm_stream first waits
- * (through `event`, a cudaEvent_t) for the work queued so far on compute_stream, so the
- * all-reduce reads finished gradients while backward goes on. Collective, in bucket order. */
-ac_result_t ac_comm_launch_buckets(ac_comm_t *c, const ac_bucket_plan_t *plan, void *base, ac_dtype_t dt,
-                                   size_t from, size_t to, void *compute_stream, void *comm_stream, void *event);
 
 #ifdef __cplusplus
 }
