@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from accelerate_c import _C
 from differential import run as harness
-from differential.cases import REGRESSIONS
+from differential import compare
+from differential.cases import REGRESSIONS, _case, draw
 
 CASES = int(os.environ.get("AC_DIFF_CASES", "500"))
 
@@ -70,3 +71,33 @@ def test_bucket_plan_is_torchs(seed):
     # align: the gradient buffers start each range on 32 elements (grad_layout.ALIGN); padding must
     # not move a bucket boundary
     assert _our_buckets(numel, esize, caps, align=r.choice((1, 32))) == _torch_buckets(numel, esize, caps)
+
+
+def test_replay_with_the_printed_world_is_the_same_case():
+    """A failure prints `--replay SEED --world W` with the world size the case drew: drawing
+    for that world must give the same case (the world size is always drawn, then overridden)."""
+    for seed in range(2000):
+        c = draw(seed)
+        assert draw(seed, c["world"]) == c
+        assert draw(seed, 1 + c["world"] % 3)["world"] == 1 + c["world"] % 3
+
+
+def _trace(grads):
+    """A trace whose parameters agree everywhere (ones), with these gradients step by step."""
+    steps = [{"params": [torch.ones(12)], "grads": [g], "norm": None, "lr": 0.1, "skipped": False, "scale": None}
+             for g in grads]
+    return {"steps": steps, "final": [torch.ones(12)]}
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_chaotic_gradients_against_their_largest_magnitude(world):
+    """bf16 autocast with an fp16 hook on three processes (compare.chaotic): a gradient that shrank
+    from 1 to 0.1 may be 0.008 off (bf16 noise of its terms, 8% of the 0.1), not 2x; elsewhere
+    the usual 8x tolerance on its own magnitude applies."""
+    case = _case(1, world=world, mp="bf16", comm_hook="fp16")
+    ref = _trace([torch.ones(12), torch.full((12,), 0.1)])
+    noisy = _trace([torch.ones(12), torch.full((12,), 0.1) + 0.008])
+    doubled = _trace([torch.ones(12), torch.full((12,), 0.2)])
+    assert compare.chaotic(case) == (world == 3)
+    assert bool(compare.compare(case, noisy, ref)) == (world == 2)
+    assert any("gradient 0" in e for e in compare.compare(case, doubled, ref))

@@ -21,10 +21,15 @@ OPTIMIZERS = ("sgd", "sgd_momentum", "adamw")
 
 
 def draw(seed: int, world: int | None = None) -> dict:
-    """The case of `seed` (for `world` processes when given, else drawn too)."""
+    """The case of `seed` (for `world` processes when given, else drawn too).
+
+    The world size is always drawn, then overridden: the draws after it do not depend on whether
+    `world` was given, so `--replay SEED --world W` (the command a failure prints) is the case
+    the soak ran whenever W is the world size it drew."""
     r = random.Random(seed)
     c: dict = {"seed": seed}
-    c["world"] = world if world is not None else r.choice(WORLD_SIZES)
+    drawn = r.choice(WORLD_SIZES)
+    c["world"] = world if world is not None else drawn
     c["param_dtype"] = r.choice(PARAM_DTYPES)
     c["mp"] = r.choice(MIXED_PRECISIONS)
     c["ga"] = r.randint(1, 4)

@@ -20,7 +20,32 @@ def tolerance(case: dict) -> float:
     return 1e-4
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> str | None:
+def chaotic(case: dict) -> bool:
+    """bf16 autocast on fp32 parameters with an fp16 comm hook on three or more processes. Three
+    ranks' fp16 sums taken in another order (another bucket layout, which gloo chunks differently)
+    are an fp16 ulp apart from the first step; the bf16 forward turns parameters that far apart
+    into differences of bf16 roundings of the forward's terms, which do not shrink when the
+    gradient they sum to does (a bias near its optimum). On two processes a sum of two has no
+    order and the runs agree bit for bit; without the hook or without autocast the differences
+    stay at 1e-7 and 1e-3. Measured: docs/differential.md, tolerances."""
+    return (case["mp"] == "bf16" and case["comm_hook"] == "fp16" and case["world"] > 2
+            and case["param_dtype"] == "fp32")
+
+
+# In a chaotic case, from the second step on: the gradients' tolerance (16x tolerance()), and the
+# least scale a gradient is measured against, as a fraction of the largest magnitude that
+# gradient had in the reference so far. A doubled, halved or unaveraged gradient is still off by
+# 1 (relative) unless it has shrunk below 1/8 of its largest, and off by more than the tolerance
+# unless it has shrunk below 1% of it.
+CHAOTIC_GRAD_RTOL = 0.08
+CHAOTIC_PEAK_FRACTION = 1 / 8
+# ... and the inf-norm clip returns, from the second step on: one gradient element, as noisy as
+# the gradients (2-norms average the noise out and keep tolerance())
+CHAOTIC_INF_NORM_RTOL = 2e-2
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, floor: float = 1e-3) -> str | None:
+    """None when a is within rtol of b, relative to b's largest magnitude (at least `floor`)."""
     if a.shape != b.shape:
         return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
     na, nb = torch.isnan(a), torch.isnan(b)
@@ -36,7 +61,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> str | None:
     if a.numel() == 0:
         return None
     err = (a - b).abs().max().item()
-    scale = max(b.abs().max().item(), 1e-3)
+    scale = max(b.abs().max().item(), floor)
     return None if err <= rtol * scale else f"max error {err:.3g} (relative {err / scale:.3g} > {rtol:g})"
 
 
@@ -57,10 +82,12 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
     ns, nr = len(sub["steps"]), len(ref["steps"])
     if ns != nr:
         errors.append(f"{ns} optimizer steps, the reference took {nr}")
+    peak: dict[int, float] = {}  # chaotic cases: each reference gradient's largest magnitude so far
     for k, (s, r) in enumerate(zip(sub["steps"], ref["steps"])):
         if s["skipped"] != r["skipped"]:
             errors.append(f"step {k}: skipped={s['skipped']}, the reference skipped={r['skipped']}")
-        if not _num_close(s["norm"], r["norm"], rtol):
+        ntol = CHAOTIC_INF_NORM_RTOL if k > 0 and chaotic(case) and case["clip"] == "norminf" else rtol
+        if not _num_close(s["norm"], r["norm"], ntol):
             errors.append(f"step {k}: clip returned {s['norm']}, torch returned {r['norm']}")
         if not _num_close(s["lr"], r["lr"], 1e-9):
             errors.append(f"step {k}: learning rate {s['lr']}, the reference {r['lr']}")
@@ -70,14 +97,22 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
         # coefficient or a doubled sum shows here in full, however small the update it makes.
         # From the second step on they come from parameters already a rounding apart, which a
         # small gradient (a bias near its optimum) magnifies: 8x the tolerance there (a doubled
-        # or unclipped gradient is still off by far more)
-        grtol = rtol if k == 0 else 8 * rtol
+        # or unclipped gradient is still off by far more); in a chaotic case, CHAOTIC_GRAD_RTOL
+        # and never against less than CHAOTIC_PEAK_FRACTION of the gradient's largest so far
+        grtol = rtol if k == 0 else CHAOTIC_GRAD_RTOL if chaotic(case) else 8 * rtol
         for j, (a, b) in enumerate(zip(s["grads"], r["grads"])):
             if (a is None) != (b is None):
                 errors.append(f"step {k}: gradient {j} is {'None' if a is None else 'set'}, torch's is "
                               f"{'None' if b is None else 'set'}")
             elif a is not None:
-                why = _close(a, b, grtol)
+                floor = 1e-3
+                if chaotic(case):
+                    finite = b[torch.isfinite(b)]
+                    if finite.numel():
+                        peak[j] = max(peak.get(j, 0.0), finite.abs().max().item())
+                    if k > 0:
+                        floor = max(floor, CHAOTIC_PEAK_FRACTION * peak.get(j, 0.0))
+                why = _close(a, b, grtol, floor)
                 if why:
                     errors.append(f"step {k}: gradient {j} {tuple(b.shape)}: {why}")
         for j, (a, b) in enumerate(zip(s["params"], r["params"])):
