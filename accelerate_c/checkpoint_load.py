@@ -84,14 +84,22 @@ def _sampler(dl):
 
 
 def _loader_state(dl) -> dict:
-    """Where a data loader stands: the epochs it has completed (its `iteration`, what
-    set_epoch() is called with at the next epoch), its seedable sampler's epoch and seed, and
-    the state of a sampler's own generator. The batches already consumed in the current epoch
-    are skipped by the user with skip_first_batches, as in accelerate."""
-    st = {"iteration": int(getattr(dl, "iteration", 0))}
-    for attr in ("batches_seen", "_batches_seen"):
-        if isinstance(getattr(dl, attr, None), int):
-            st["batches_seen"] = getattr(dl, attr)
+    """Where a data loader stands: the epoch under way or next (its `iteration`, what set_epoch()
+    is called with at an epoch's start), the batches of that epoch already handed out and whether
+    one is under way (`mid_epoch`; a prepared loader's resume_position()), its seedable sampler's
+    epoch and seed, and the state of a sampler's own generator. The batches already consumed in
+    the current epoch are skipped by the user with skip_first_batches, as in accelerate. (The
+    RNG states as they were at that epoch's start differ by process: they go to each process's
+    random_states file.)"""
+    position = getattr(dl, "resume_position", None)
+    if callable(position):
+        pos = position()
+        st = {"iteration": pos["iteration"], "batches_seen": pos["batches_seen"], "mid_epoch": pos["mid_epoch"]}
+    else:
+        st = {"iteration": int(getattr(dl, "iteration", 0))}
+        for attr in ("batches_seen", "_batches_seen"):
+            if isinstance(getattr(dl, attr, None), int):
+                st["batches_seen"] = getattr(dl, attr)
     sampler = _sampler(dl)
     if sampler is not None:
         st["sampler"] = type(sampler).__name__
@@ -113,12 +121,38 @@ def _check_loader_state(st, where: str) -> None:
     for key in ("iteration", "batches_seen", "sampler_epoch", "sampler_initial_seed"):
         if key in st and (not isinstance(st[key], int) or isinstance(st[key], bool)):
             raise CheckpointError(f"{where}: {key} must be an integer, got {st[key]!r}")
+    if "mid_epoch" in st and not isinstance(st["mid_epoch"], bool):
+        raise CheckpointError(f"{where}: mid_epoch must be true or false, got {st['mid_epoch']!r}")
     for key in ("sampler_generator", "synchronized_generator"):
         if key in st:
-            try:
-                torch.Generator().set_state(st[key])
-            except (TypeError, RuntimeError) as e:
-                raise CheckpointError(f"{where}: {key} is not a generator state ({e})") from None
+            _check_generator_state(st[key], f"{where}: {key}")
+
+
+def _check_generator_state(state, what: str) -> None:
+    try:
+        torch.Generator().set_state(state)
+    except (TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{what} is not a generator state ({e})") from None
+
+
+def _check_epoch_starts(starts, where: str) -> None:
+    """``dataloader_epoch_start`` of a random_states file: per data loader, None or the RNG
+    states at the start of its epoch under way, {"rng": <rng_state()>, "generators": {role:
+    state}} (data_loader.epoch_rng_states)."""
+    if not isinstance(starts, (list, tuple)):
+        raise CheckpointError(f"{where}: dataloader_epoch_start must be a list, got {type(starts).__name__}")
+    for i, rec in enumerate(starts):
+        key = f"dataloader_epoch_start[{i}]"
+        if rec is None:
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("rng"), dict) or \
+                not isinstance(rec.get("generators"), dict):
+            raise CheckpointError(f"{where}: {key} must be null or an object with 'rng' and 'generators' objects")
+        check_rng_state(rec["rng"], f"{where}: {key}['rng']")
+        for role, state in rec["generators"].items():
+            if not isinstance(role, str):
+                raise CheckpointError(f"{where}: {key}['generators'] has a key {role!r} that is not a string")
+            _check_generator_state(state, f"{where}: {key}['generators'][{role!r}]")
 
 
 def _apply_loader_state(dl, st: dict, where: str) -> None:
@@ -358,12 +392,15 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             raise CheckpointError(f"{where}: a scheduler state must be a dict, got {type(sd).__name__}")
         plan.applies.append(lambda s=sched, sd=sd: s.load_state_dict(sd))
     saved_loaders = reader.marker.get("dataloaders") if reader.marker is not None else None
+    resumed = {}  # data loader index -> (loader, its saved position): positions that record mid_epoch
     for i, dl in enumerate(acc._dataloaders):
         if reader.has(f"dataloader_{i}.json"):
             st = reader.state(f"dataloader_{i}", f"position of data loader {i}")
             _check_loader_state(st, os.path.join(d, f"dataloader_{i}.json"))
             plan.applies.append(lambda dl=dl, st=st, w=os.path.join(d, f"dataloader_{i}.json"):
                                 _apply_loader_state(dl, st, w))
+            if "mid_epoch" in st and callable(getattr(dl, "resume_from", None)):
+                resumed[i] = (dl, st)
         elif saved_loaders is not None:
             warnings.warn(f"{d}: holds the positions of {saved_loaders} data loaders, this Accelerator has "
                           f"{len(acc._dataloaders)}; data loader {i} keeps its current position")
@@ -385,6 +422,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
         else:
             raise FileNotFoundError(f"{os.path.join(d, 'scaler.json')}: missing from the checkpoint (loss scaler state)")
     rank = acc.process_index
+    epoch_starts = []
     rng_json, rng_pkl = f"random_states_{rank}.json", f"random_states_{rank}.pkl"
     if reader.has(rng_json) or reader.has(rng_pkl):
         st, where = reader.either(f"random_states_{rank}", rng_pkl, f"random states of process {rank}")
@@ -393,6 +431,9 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             if not isinstance(st["step"], int):
                 raise CheckpointError(f"{where}: step must be an integer, got {st['step']!r}")
             plan.step = int(st["step"])
+        if "dataloader_epoch_start" in st:
+            _check_epoch_starts(st["dataloader_epoch_start"], where)
+            epoch_starts = list(st["dataloader_epoch_start"])
         plan.applies.append(lambda st=st, w=where: set_rng_state(st, w))
     else:
         saved_n = reader.marker.get("num_processes") if reader.marker is not None else None
@@ -402,6 +443,14 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
                                     f"checkpoint (random states of process {rank})")
         warnings.warn(f"{d}: no random states for process {rank} (saved by another number of processes); its "
                       "random number generators keep their current state")
+    # Positions saved with `mid_epoch` (not those of older checkpoints, which resume as before):
+    # the next epoch of each such loader is the resumed one; mid-epoch, it re-creates its
+    # iterator under this process's record of the epoch's start (none when this process has no
+    # random states here: saved by another number of processes, warned above).
+    for i, (dl, pos) in resumed.items():
+        rec = epoch_starts[i] if pos["mid_epoch"] and i < len(epoch_starts) else None
+        plan.applies.append(lambda dl=dl, rec=rec, pos=pos:
+                            dl.resume_from(rec, pos["mid_epoch"], pos.get("batches_seen", 0)))
     if reader.marker is not None:
         saved = reader.marker.get("custom_objects", 0)
     else:

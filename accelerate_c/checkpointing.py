@@ -383,6 +383,11 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
             hook(acc._models, weights, tmp)
         jobs = _writer_jobs(acc, tmp, weights, safe_serialization) if writer else []
         states = rng_state(acc.step)
+        # per process, per data loader: the RNG states its epoch under way began with (None when
+        # none is), which a resume replays to re-create that epoch's iterator (data_loader.py)
+        states["dataloader_epoch_start"] = [
+            dl.resume_position()["epoch_start"] if callable(getattr(dl, "resume_position", None)) else None
+            for dl in acc._dataloaders]
         if safe_serialization:
             jobs.append(("rng", lambda: write_state(tmp, f"random_states_{rank}", states, "random states")))
         else:

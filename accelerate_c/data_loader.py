@@ -9,6 +9,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from .sharding_data import BatchSamplerShard, IterableDatasetShard, check_split_batches
 from .state import GradientState, PartialState
+from .state_io import rng_state, set_rng_state
 from .utils.operations import send_to_device
 from .utils.random import synchronize_rng_states
 
@@ -118,20 +119,58 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         self._non_blocking = _non_blocking
         self.iteration = iteration
         self.batches_seen = 0
+        # Exact resume (docs/checkpoints.md, "Resuming mid-epoch"):
+        # _epoch_start: the RNG states as they were when the iterator of the epoch under way was
+        #   created (epoch_rng_states), None when no epoch is under way; save_state records it.
+        # _resume: set by load_state (resume_from): the next epoch is the resumed one; holds the
+        #   checkpoint's record of its start to replay (when taken mid-epoch) and its position.
+        # _parent / _stand_in / _skipped: a loader skip_first_batches made from one with a
+        #   pending resume iterates the rest of that loader's epoch for it (see there).
+        self._epoch_start = None
+        self._resume = None
+        self._parent = None
+        self._stand_in = None
+        self._skipped = 0
         self.reset()
 
     def __iter__(self):
-        if self.rng_types:
+        resume, self._resume = self._resume, None
+        replay = resume.get("epoch_start") if resume is not None else None
+        # the process-wide RNG states load_state restored: taken before the broadcast below,
+        # which would give every rank rank 0's torch state when rng_types holds "torch"
+        now = rng_state(cuda=False) if replay is not None else None
+        if self.rng_types:  # a collective: every rank calls it at every epoch start, replay or not
             synchronize_rng_states(self.rng_types, self.synchronized_generator)
         self.begin()
         self.set_epoch(self.iteration)
         self.batches_seen = 0  # batches handed out this epoch: save_state records it for resume
-        it = super().__iter__()
+        self._stand_in = None  # this loader's own epoch: no other loader iterates it for it now
+        if self._parent is not None:
+            self._parent._stand_in = self
         try:
+            if replay is not None:
+                # Resumed mid-epoch: creating the iterator draws from the RNGs (the base seed of
+                # torch's iterator, and a RandomSampler without a generator of its own seeds its
+                # order from the global RNG; one with a generator draws from that). Re-creating it
+                # under the states the interrupted epoch's iterator was created with gives that
+                # epoch's order again and leaves the generators where the uninterrupted run had
+                # them; the process-wide RNGs are then put back to the checkpoint's (finally, below),
+                # so dropout and the rest of the loop draw exactly what they drew before.
+                set_epoch_rng_states(self, replay)
+                self._epoch_start = replay
+            else:
+                self._epoch_start = epoch_rng_states(self)
+            it = super().__iter__()
+            # the first batch too: a sampler draws its order when first asked for an index
+            # (with workers already while the iterator is created)
             current = next(it)
         except StopIteration:
+            self._epoch_over(completed=False)
             self.end()
             return
+        finally:
+            if now is not None:
+                set_rng_state(now, "the random states load_state restored")
         index = 0
         while True:
             if self.device is not None:
@@ -150,7 +189,45 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
             index += 1
             current = nxt
         self.iteration += 1
+        self._epoch_over(completed=True)
         self.end()
+
+    def _epoch_over(self, completed: bool):
+        self._epoch_start = None
+        parent = self._parent
+        if parent is not None:
+            if completed:  # the parent's epoch is done: its next one is the next epoch
+                parent.iteration = self.iteration
+            if parent._stand_in is self:
+                parent._stand_in = None
+
+    def resume_position(self) -> dict:
+        """Where this loader stands, for save_state: ``iteration`` (the epoch under way, or the
+        next one when none is), ``batches_seen`` (that epoch's batches already handed out),
+        ``mid_epoch``, and ``epoch_start`` (this process's RNG states as they were when that
+        epoch's iterator was created; None unless mid-epoch). While a loader made from this one
+        by skip_first_batches after load_state iterates the rest of the epoch, its position is
+        this loader's. Once the last batch of an epoch is out, a checkpoint is at the start of
+        the next epoch: nothing is left to replay, and the next epoch's iterator is then created
+        from the RNG states saved, exactly as in the uninterrupted run."""
+        src = self._stand_in if self._stand_in is not None else self
+        if src._resume is not None:  # loaded, the resumed epoch not begun: the checkpoint's position
+            return dict(src._resume["position"], iteration=int(src.iteration))
+        if src._epoch_start is None:
+            return {"iteration": int(self.iteration), "batches_seen": 0, "mid_epoch": False, "epoch_start": None}
+        if src.end_of_dataloader:
+            return {"iteration": int(src.iteration) + 1, "batches_seen": 0, "mid_epoch": False, "epoch_start": None}
+        return {"iteration": int(src.iteration), "batches_seen": src._skipped + src.batches_seen, "mid_epoch": True,
+                "epoch_start": src._epoch_start}
+
+    def resume_from(self, epoch_start, mid_epoch: bool = False, batches_seen: int = 0):
+        """load_state: the next epoch of this loader (or of the loader skip_first_batches makes
+        from it) is the resumed one; when ``epoch_start`` is a record (resume_position's, this
+        process's), that epoch's iterator is re-created under it. Until that epoch begins,
+        resume_position says what the checkpoint said (a save right after a load loses nothing)."""
+        self._resume = {"epoch_start": epoch_start,
+                        "position": {"batches_seen": int(batches_seen), "mid_epoch": bool(mid_epoch),
+                                     "epoch_start": epoch_start}}
 
     def set_epoch(self, epoch: int):
         if self.iteration != epoch:
@@ -187,6 +264,31 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
 
     def get_sampler(self):
         return get_sampler(self)
+
+
+def _epoch_generators(loader) -> dict:
+    """The generators of its own that creating a loader's iterator may draw from, by role (one
+    object may hold several): its sampler's, the DataLoader's `generator=` (the base seed, and
+    torch's own RandomSampler for shuffle=True), the one kept in step across processes. CPU
+    generators only."""
+    found = {"sampler": getattr(get_sampler(loader), "generator", None), "loader": getattr(loader, "generator", None),
+             "synchronized": getattr(loader, "synchronized_generator", None)}
+    return {role: g for role, g in found.items() if isinstance(g, torch.Generator) and g.device.type == "cpu"}
+
+
+def epoch_rng_states(loader) -> dict:
+    """What creating `loader`'s iterator may draw from, as it is now: the process-wide RNGs
+    (python, numpy, torch's CPU generator; in rng_state's format) and the loader's generators."""
+    return {"rng": rng_state(cuda=False),
+            "generators": {role: g.get_state() for role, g in _epoch_generators(loader).items()}}
+
+
+def set_epoch_rng_states(loader, record: dict) -> None:
+    """Puts back what epoch_rng_states recorded (into the loader's generators that exist)."""
+    set_rng_state(record["rng"], "a data loader's epoch-start random states")
+    for role, g in _epoch_generators(loader).items():
+        if role in record["generators"]:
+            g.set_state(record["generators"][role])
 
 
 def _batch_sampler(dataloader):
@@ -290,10 +392,20 @@ def skip_first_batches(dataloader, num_batches: int = 0):
         # _drop_last stays False, as in accelerate's skipped loader: over an iterable shard with
         # drop_last the remainder is then worked out, and is 0 (the shard holds whole batches
         # only); over a map-style dataset it is -1 anyway (DataLoaderStateMixin.begin)
-        return DataLoaderShard(dataset, device=dataloader.device, rng_types=dataloader.rng_types,
-                               synchronized_generator=dataloader.synchronized_generator,
-                               _drop_last=False, _non_blocking=dataloader._non_blocking,
-                               iteration=dataloader.iteration, **extra, **kwargs)
+        new = DataLoaderShard(dataset, device=dataloader.device, rng_types=dataloader.rng_types,
+                              synchronized_generator=dataloader.synchronized_generator,
+                              _drop_last=False, _non_blocking=dataloader._non_blocking,
+                              iteration=dataloader.iteration, **extra, **kwargs)
+        new._skipped = num_batches
+        if dataloader._resume is not None:
+            # After load_state: the new loader is the rest of the resumed epoch. It replays the
+            # epoch's start in the parent's place, stands in for it in save_state while it runs,
+            # and hands the epoch count back when it is done (so the parent's next epoch is the
+            # next one, as in the uninterrupted run, where one loader ran every epoch). Without a
+            # pending resume it stays independent, as accelerate's.
+            new._resume, dataloader._resume = dataloader._resume, None
+            new._parent, dataloader._stand_in = dataloader, new
+        return new
     if new_bs is None:
         return SkipDataLoader(dataset, skip_batches=num_batches, batch_size=dataloader.batch_size,
                               drop_last=dataloader.drop_last, **kwargs)

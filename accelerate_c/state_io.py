@@ -303,12 +303,16 @@ def _collect_refs(v, out):
 
 
 # ---- RNG states ----------------------------------------------------------------------------------
-def rng_state(step: int) -> dict:
-    """Every RNG a loop touches, under accelerate's key names: python, numpy, torch CPU, CUDA."""
-    states = {"step": int(step), "random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()}
+def rng_state(step: Optional[int] = None, cuda: bool = True) -> dict:
+    """Every RNG a loop touches, under accelerate's key names: python, numpy, torch CPU, and CUDA
+    unless ``cuda`` is False (the data loaders' epoch-start records: creating an iterator draws
+    on the CPU only, and reading CUDA's states would initialise CUDA). ``step`` is stored too
+    when given."""
+    states = {} if step is None else {"step": int(step)}
+    states.update(random_state=random.getstate(), torch_manual_seed=torch.get_rng_state())
     if np is not None:
         states["numpy_random_seed"] = np.random.get_state()
-    if torch.cuda.is_available():
+    if cuda and torch.cuda.is_available():
         states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
     return states
 

@@ -1,6 +1,7 @@
 """Resume exactness, run as one process (python) or several (accelerate-c launch).
 
     checkpoint_resume.py full   WORKDIR PRECISIONS   train K micro-batches, save_state, train M more
+                                                     (one loop: the save does not interrupt it)
     checkpoint_resume.py resume WORKDIR PRECISIONS   (new process) load_state(), train the same M
     checkpoint_resume.py crash  WORKDIR              save checkpoints 0..2 (total_limit=2), then pause
                                                      inside the 4th save for the test to kill -9
@@ -174,15 +175,21 @@ def main():
         nb = len(dl)
         k = nb + nb // 3 + (nb // 3) % 2  # mid-epoch, on an accumulation boundary
         m = nb + 2
-        if phase == "full":
-            train(acc, model, opt, sched, dl, counter, 0, k)
-            path = acc.save_state()
-            after = counters(acc, opt, sched, dl, counter)
+        if phase == "full":  # uninterrupted: the save happens inside the loop, which goes on
+            saved = {}
+
+            def on_batch(i):
+                if i == k:
+                    saved["path"] = acc.save_state()
+                    saved["after"] = counters(acc, opt, sched, dl, counter)
+
+            losses = train(acc, model, opt, sched, dl, counter, 0, k + m, on_batch=on_batch)[k:]
+            path, after = saved["path"], saved["after"]
         else:
             acc.load_state()
             after = counters(acc, opt, sched, dl, counter)
             path = None
-        losses = train(acc, model, opt, sched, dl, counter, k, k + m)
+            losses = train(acc, model, opt, sched, dl, counter, k, k + m)
         out[precision] = {"losses": losses, "params": params_hash(model), "after_save_or_load": after,
                           "path": str(path) if path else None, "k": k, "m": m}
     with open(os.path.join(workdir, f"{phase}_{acc.process_index}.json"), "w") as f:
