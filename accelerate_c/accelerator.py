@@ -12,6 +12,7 @@ import torch
 
 from . import _C, checkpointing
 from .autocast import AutocastForward, autocast_context
+from .batch_sharding import BatchSamplerShard
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
 from .strategies.ddp import DDPStrategy
 from .grads import GradManager
@@ -45,8 +46,6 @@ _HANDLERS = (AutocastKwargs, GradScalerKwargs, DistributedDataParallelKwargs, In
 def _batch_sampler_shard(dataloader):
     """The BatchSamplerShard that shards a prepared map-style data loader, or None (iterable
     datasets, one process)."""
-    from .sharding_data import BatchSamplerShard
-
     for candidate in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "sampler", None)):
         if isinstance(candidate, BatchSamplerShard):
             return candidate

@@ -1,9 +1,6 @@
 """load_state: checks every file of a checkpoint (ours or accelerate's) before changing any state, then
 reads the tensor data, then sets the rest (docs/checkpoints.md says what an I/O error leaves).
-
-Also the directory conventions shared with the writer (checkpointing.py): the completion marker
-``checkpoint.json``, which ``checkpoint_<n>`` directories count as complete, and the data loader
-position. See docs/checkpoints.md.
+The directory conventions it shares with the writer are in checkpoint_layout.py.
 """
 from __future__ import annotations
 
@@ -14,106 +11,10 @@ from typing import Callable, List, Optional
 
 import torch
 
+from .checkpoint_layout import AUTO_NAME_RE, MARKER, complete_checkpoints, has_our_files, read_marker, sampler_of, suffix
 from .model_io import find_aliases
 from .safetensors_io import DTYPES, list_tensors, load_into
-from .state_io import CheckpointError, StateFile, check_rng_state, read_json, set_rng_state, torch_load
-
-MARKER = "checkpoint.json"
-CHECKPOINT_FORMAT = "accelerate_c.checkpoint"
-CHECKPOINT_VERSION = 1
-_CKPT_RE = re.compile(r"^checkpoint_(\d+)$")
-_OURS_RE = re.compile(r"^(optimizer(_\d+)?|scheduler(_\d+)?|scaler|random_states_\d+|dataloader_\d+|"
-                      r"custom_checkpoint_\d+)\.json$")
-
-
-def _sfx(i: int) -> str:
-    return "" if i == 0 else f"_{i}"
-
-
-# ---- finding checkpoints ----------------------------------------------------------------------------------
-def _has_our_files(directory: str) -> bool:
-    try:
-        return any(_OURS_RE.match(e) for e in os.listdir(directory))
-    except OSError:
-        return False
-
-
-def _read_marker(directory: str) -> dict:
-    path = os.path.join(directory, MARKER)
-    doc = read_json(path, "the completion marker")
-    if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT or not isinstance(doc.get("files"), dict):
-        raise CheckpointError(f"{path}: not an accelerate_c checkpoint marker")
-    if not isinstance(doc.get("version"), int) or doc["version"] > CHECKPOINT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format version {doc.get('version')!r} is newer than this "
-                              f"accelerate_c reads ({CHECKPOINT_VERSION})")
-    return doc
-
-
-def _is_complete(directory: str) -> bool:
-    if os.path.isfile(os.path.join(directory, MARKER)):
-        try:
-            _read_marker(directory)
-            return True
-        except (CheckpointError, OSError):
-            return False
-    # accelerate's own checkpoint: it writes random_states_0.pkl after everything but custom objects
-    return os.path.isfile(os.path.join(directory, "random_states_0.pkl")) and not _has_our_files(directory)
-
-
-def complete_checkpoints(base: str) -> List[tuple]:
-    """[(i, path)] of the complete ``checkpoint_{i}`` directories under ``base``, oldest first."""
-    out = []
-    if not os.path.isdir(base):
-        return out
-    for entry in os.listdir(base):
-        m = _CKPT_RE.match(entry)
-        path = os.path.join(base, entry)
-        if m and os.path.isdir(path) and _is_complete(path):
-            out.append((int(m.group(1)), path))
-    out.sort()
-    return out
-
-
-def _sampler(dl):
-    getter = getattr(dl, "get_sampler", None)
-    if callable(getter):
-        return getter()
-    from .data_loader import get_sampler
-
-    return get_sampler(dl)
-
-
-def _loader_state(dl) -> dict:
-    """Where a data loader stands: the epoch under way or next (its `iteration`, what set_epoch()
-    is called with at an epoch's start), the batches of that epoch already handed out and whether
-    one is under way (`mid_epoch`; a prepared loader's resume_position()), its seedable sampler's
-    epoch and seed, and the state of a sampler's own generator. The batches already consumed in
-    the current epoch are skipped by the user with skip_first_batches, as in accelerate. (The
-    RNG states as they were at that epoch's start differ by process: they go to each process's
-    random_states file.)"""
-    position = getattr(dl, "resume_position", None)
-    if callable(position):
-        pos = position()
-        st = {"iteration": pos["iteration"], "batches_seen": pos["batches_seen"], "mid_epoch": pos["mid_epoch"]}
-    else:
-        st = {"iteration": int(getattr(dl, "iteration", 0))}
-        for attr in ("batches_seen", "_batches_seen"):
-            if isinstance(getattr(dl, attr, None), int):
-                st["batches_seen"] = getattr(dl, attr)
-    sampler = _sampler(dl)
-    if sampler is not None:
-        st["sampler"] = type(sampler).__name__
-        for attr in ("epoch", "initial_seed"):
-            if isinstance(getattr(sampler, attr, None), int):
-                st[f"sampler_{attr}"] = int(getattr(sampler, attr))
-        g = getattr(sampler, "generator", None)
-        if isinstance(g, torch.Generator) and g.device.type == "cpu":
-            st["sampler_generator"] = g.get_state()
-    sg = getattr(dl, "synchronized_generator", None)
-    if isinstance(sg, torch.Generator) and sg.device.type == "cpu" and sg is not getattr(sampler, "generator", None):
-        st["synchronized_generator"] = sg.get_state()
-    return st
-
+from .state_io import CheckpointError, StateFile, check_rng_state, set_rng_state, torch_load
 
 def _check_loader_state(st, where: str) -> None:
     if not isinstance(st, dict):
@@ -158,7 +59,7 @@ def _check_epoch_starts(starts, where: str) -> None:
 def _apply_loader_state(dl, st: dict, where: str) -> None:
     if "iteration" in st and hasattr(dl, "iteration"):
         dl.iteration = int(st["iteration"])
-    sampler = _sampler(dl)
+    sampler = sampler_of(dl)
     if sampler is not None:
         for attr in ("epoch", "initial_seed"):
             if f"sampler_{attr}" in st and hasattr(sampler, attr):
@@ -291,8 +192,8 @@ class _Reader:
         self.load_kwargs = {k: v for k, v in load_kwargs.items() if k not in ("map_location", "weights_only")}
         self.marker = None
         if os.path.isfile(os.path.join(directory, MARKER)):
-            self.marker = _read_marker(directory)
-        elif _has_our_files(directory):
+            self.marker = read_marker(directory)
+        elif has_our_files(directory):
             raise CheckpointError(f"{directory}: incomplete checkpoint (no {MARKER}, which save_state writes last): "
                                   "a save was interrupted; load an earlier checkpoint")
 
@@ -352,7 +253,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
     plan = _Plan()
     d = reader.dir
     for i, model in enumerate(models):
-        safe_name, bin_name = f"model{_sfx(i)}.safetensors", f"pytorch_model{_sfx(i)}.bin"
+        safe_name, bin_name = f"model{suffix(i)}.safetensors", f"pytorch_model{suffix(i)}.bin"
         if reader.has(safe_name):
             path = reader.path(safe_name, f"weights of model {i}")
             targets = _model_targets(model, path, strict)
@@ -366,7 +267,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             _check_pickled_model(model, sd, path, strict)  # torch's load_state_dict copies until a mismatch
             plan.applies.append(lambda m=model, sd=sd: m.load_state_dict(sd, strict=strict))
     for i, opt in enumerate(acc._optimizers):
-        stem, what = f"optimizer{_sfx(i)}", f"state of optimizer {i}"
+        stem, what = f"optimizer{suffix(i)}", f"state of optimizer {i}"
         if reader.has(f"{stem}.json"):
             sf = reader.open(stem, what)
             skeleton = sf.skeleton()
@@ -387,7 +288,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
                 for k, v in e.items() if isinstance(v, torch.Tensor)], where)
             plan.applies.append(lambda o=opt, sd=sd: o.load_state_dict(sd))
     for i, sched in enumerate(acc._schedulers):
-        sd, where = reader.either(f"scheduler{_sfx(i)}", f"scheduler{_sfx(i)}.bin", f"state of scheduler {i}")
+        sd, where = reader.either(f"scheduler{suffix(i)}", f"scheduler{suffix(i)}.bin", f"state of scheduler {i}")
         if not isinstance(sd, dict):
             raise CheckpointError(f"{where}: a scheduler state must be a dict, got {type(sd).__name__}")
         plan.applies.append(lambda s=sched, sd=sd: s.load_state_dict(sd))
@@ -404,7 +305,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
         elif saved_loaders is not None:
             warnings.warn(f"{d}: holds the positions of {saved_loaders} data loaders, this Accelerator has "
                           f"{len(acc._dataloaders)}; data loader {i} keeps its current position")
-        sampler_name = f"sampler{_sfx(i)}.bin"  # accelerate pickles a whole sampler (and its dataset)
+        sampler_name = f"sampler{suffix(i)}.bin"  # accelerate pickles a whole sampler (and its dataset)
         if reader.marker is None and reader.has(sampler_name):
             sampler = reader.pickled(sampler_name, f"sampler of data loader {i}")
             plan.applies.append(lambda dl=dl, s=sampler: _apply_pickled_sampler(dl, s))
@@ -489,7 +390,7 @@ def _optimizer_reuse(opt, doc) -> dict:
 
 
 def _apply_pickled_sampler(dl, loaded):
-    ours = _sampler(dl)
+    ours = sampler_of(dl)
     if ours is not None and all(hasattr(loaded, a) for a in ("epoch", "initial_seed")) and \
             all(hasattr(ours, a) for a in ("epoch", "initial_seed")):
         ours.epoch, ours.initial_seed = loaded.epoch, loaded.initial_seed
@@ -544,6 +445,6 @@ def load_state(acc, input_dir=None, load_kwargs: Optional[dict] = None, allow_pi
     if plan.iteration is not None:
         cfg.iteration = int(plan.iteration)
     elif cfg.automatic_checkpoint_naming:
-        m = _CKPT_RE.match(os.path.basename(os.path.normpath(input_dir)))
+        m = AUTO_NAME_RE.match(os.path.basename(os.path.normpath(input_dir)))
         if m:  # accelerate's checkpoint_<n>: the next save is n + 1
             cfg.iteration = int(m.group(1)) + 1

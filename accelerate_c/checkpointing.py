@@ -31,8 +31,9 @@ from typing import Callable, Optional
 import torch
 from torch.utils import hooks
 
-from .checkpoint_load import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, _CKPT_RE, _loader_state, _sfx,
-                              complete_checkpoints, load_state)
+from .checkpoint_layout import (AUTO_NAME_RE, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, complete_checkpoints,
+                                loader_state, suffix)
+from .checkpoint_load import load_state
 from . import collectives
 from .model_io import find_aliases, save_model as _save_model
 from .durable import fsync_dir, write_durable
@@ -146,7 +147,7 @@ def register_load_state_pre_hook(acc, hook) -> hooks.RemovableHandle:
     return handle
 
 
-def _torch_save_durable(obj, path: str) -> None:
+def torch_save_durable(obj, path: str) -> None:
     write_durable(path, lambda f: torch.save(obj, f))
 
 
@@ -170,7 +171,7 @@ def save(acc, obj, f, safe_serialization: bool = False):
         tensors = _safe_tensors(obj, "Accelerator.save", isinstance(obj, collections.OrderedDict))
         save_file(tensors, f, metadata={"format": "pt"})
     elif isinstance(f, (str, os.PathLike)):
-        _torch_save_durable(obj, os.fspath(f))
+        torch_save_durable(obj, os.fspath(f))
     else:
         torch.save(obj, f)
 
@@ -194,7 +195,7 @@ def _remove_leftovers(base: str, name: str, token: str, auto: bool) -> None:
         m = _LEFTOVER_RE.match(entry)
         if not m or m.group("token") == token:
             continue
-        if m.group("name") == name or (auto and _CKPT_RE.match(m.group("name"))):
+        if m.group("name") == name or (auto and AUTO_NAME_RE.match(m.group("name"))):
             shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
 
 
@@ -256,21 +257,21 @@ def _writer_jobs(acc, tmp: str, weights: list, safe: bool) -> list:
         if safe:
             jobs.append((label, lambda: write_state(tmp, stem, state, what)))
         else:
-            jobs.append((label, lambda: _torch_save_durable(state, os.path.join(tmp, pkl_name))))
+            jobs.append((label, lambda: torch_save_durable(state, os.path.join(tmp, pkl_name))))
 
     for i, sd in enumerate(weights):
         if safe:
-            name = f"model{_sfx(i)}.safetensors"
+            name = f"model{suffix(i)}.safetensors"
             jobs.append((name, lambda sd=sd, name=name: save_file(
                 _safe_tensors(sd, "model weights", True), os.path.join(tmp, name), metadata={"format": "pt"})))
         else:
-            name = f"pytorch_model{_sfx(i)}.bin"
-            jobs.append((name, lambda sd=sd, name=name: _torch_save_durable(sd, os.path.join(tmp, name))))
+            name = f"pytorch_model{suffix(i)}.bin"
+            jobs.append((name, lambda sd=sd, name=name: torch_save_durable(sd, os.path.join(tmp, name))))
     for kind, objs in (("optimizer", acc._optimizers), ("scheduler", acc._schedulers)):
         for i, obj in enumerate(objs):
-            add(kind, f"{kind}{_sfx(i)}", obj.state_dict(), f"{kind}.state_dict()", f"{kind}{_sfx(i)}.bin")
+            add(kind, f"{kind}{suffix(i)}", obj.state_dict(), f"{kind}.state_dict()", f"{kind}{suffix(i)}.bin")
     for i, dl in enumerate(acc._dataloaders):
-        st = _loader_state(dl)
+        st = loader_state(dl)
         jobs.append(("dataloader", lambda st=st, i=i: write_state(tmp, f"dataloader_{i}", st, f"dataloader {i}")))
     if acc.scaler is not None:
         add("scaler", "scaler", acc.scaler.state_dict(), "scaler", "scaler.pt")
@@ -391,7 +392,7 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
         if safe_serialization:
             jobs.append(("rng", lambda: write_state(tmp, f"random_states_{rank}", states, "random states")))
         else:
-            jobs.append(("rng", lambda: _torch_save_durable(states, os.path.join(tmp, f"random_states_{rank}.pkl"))))
+            jobs.append(("rng", lambda: torch_save_durable(states, os.path.join(tmp, f"random_states_{rank}.pkl"))))
         _run_jobs(jobs)
         err = None
     except Exception as e:  # noqa: BLE001

@@ -7,7 +7,7 @@ import inspect
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
-from .sharding_data import BatchSamplerShard, IterableDatasetShard, check_split_batches
+from .batch_sharding import BatchSamplerShard, IterableDatasetShard, check_split_batches
 from .state import GradientState, PartialState
 from .state_io import rng_state, set_rng_state
 from .utils.operations import send_to_device

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from .accelerator import Accelerator
-from .checkpointing import _torch_save_durable
+from .checkpointing import torch_save_durable
 from .training_args import (  # noqa: F401  (re-exported: transformers has them in its trainer modules)
     EvalPrediction,
     TrainerCallback,
@@ -646,7 +646,7 @@ class Trainer:
             os.makedirs(ckpt, exist_ok=True)
             if not args.save_only_model:
                 # durable before trainer_state.json, the marker that says the checkpoint is complete
-                _torch_save_durable(self.lr_scheduler.state_dict(), os.path.join(ckpt, SCHEDULER_NAME))
+                torch_save_durable(self.lr_scheduler.state_dict(), os.path.join(ckpt, SCHEDULER_NAME))
             if hasattr(self.processing_class, "save_pretrained"):
                 self.processing_class.save_pretrained(ckpt)
             s.save_to_json(os.path.join(ckpt, TRAINER_STATE_NAME))

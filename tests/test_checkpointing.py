@@ -554,7 +554,7 @@ def test_checkpoint_written_by_accelerate_loads(tmp_path):
     os.replace(ckpt.parent / "sampler.bin", ckpt / "sampler.bin")
     with pytest.raises(PickleRequiredError, match=r"sampler\.bin: .*full unpickling.*allow_pickle=True"):
         acc.load_state(ckpt)
-    from accelerate_c.checkpoint_load import _sampler
+    from accelerate_c.checkpoint_layout import sampler_of as _sampler
 
     def position():
         s = _sampler(dl)

@@ -5,7 +5,7 @@ import itertools
 import pytest
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from accelerate_c.sharding_data import BatchSamplerShard, IterableDatasetShard
+from accelerate_c.batch_sharding import BatchSamplerShard, IterableDatasetShard
 
 
 def shards(n_samples, bs, n, drop=False, split=False, even=True):
