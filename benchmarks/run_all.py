@@ -33,8 +33,8 @@ from summary import STATUS_SUFFIX, summarize  # noqa: E402
 # benchmark -> its arguments under `make bench` (None: its own defaults)
 MAKE_BENCH = {
     "bench_kernels": ["--repeats", "5"],
-    "bench_safetensors": ["--repeats", "3", "--mb", "200"],
-    "bench_checkpoint": ["--repeats", "3", "--layers", "3"],
+    "bench_safetensors": ["--repeats", "3"],
+    "bench_checkpoint": [],
     "bench_step": ["--repeats", "3", "--steps", "6", "--fp16-repeats", "9"],
     "bench_ddp": ["--repeats", "3", "--steps", "4"],
 }
