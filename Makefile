@@ -1,6 +1,7 @@
 # make test  — set up .venv (pinned torch, tools), build the package, run the C and Python tests
 # make demo  — set up, then train the small example model (the main job)
-# make bench — set up, then run the benchmarks
+# make bench — set up, run every benchmark (~10 min on 2 cores), then one table of all targets
+#              (benchmarks/run_all.py; BENCH_ARGS=--full for each benchmark's own defaults)
 # make soak SECONDS=N — set up, then run the differential harness on new seeds for N seconds
 VENV    ?= .venv
 PYTHON  ?= python3
@@ -8,6 +9,7 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: all venv install test test-c test-py demo bench fuzz soak clean
 
@@ -37,7 +39,7 @@ demo: install
 	$(PY) examples/train_gpt.py
 
 bench: install
-	$(PY) benchmarks/bench_kernels.py
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 # the differential harness (tests/differential) on new random cases for as long as asked;
 # every failure prints the command that replays it

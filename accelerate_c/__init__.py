@@ -13,6 +13,7 @@ from .utils import (
     DistributedType,
     GradientAccumulationPlugin,
     GradScalerKwargs,
+    HostMallocKwargs,
     InitProcessGroupKwargs,
     ProjectConfiguration,
 )
@@ -22,7 +23,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Accelerator", "AcceleratorState", "AutocastKwargs", "CoreError", "DataLoaderConfiguration",
     "DistributedDataParallelKwargs", "DistributedType", "GradientAccumulationPlugin", "GradientState",
-    "GradScalerKwargs", "InitProcessGroupKwargs", "PartialState", "ProjectConfiguration", "skip_first_batches",
+    "GradScalerKwargs", "HostMallocKwargs", "InitProcessGroupKwargs", "PartialState", "ProjectConfiguration",
+    "skip_first_batches",
     "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "TrainingArguments", "create_accelerator",
     "__version__",
 ]

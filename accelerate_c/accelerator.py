@@ -10,7 +10,7 @@ from types import MethodType
 
 import torch
 
-from . import _C, checkpointing
+from . import _C, checkpointing, host_malloc
 from .autocast import AutocastForward, autocast_context
 from .batch_sharding import BatchSamplerShard
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
@@ -29,6 +29,7 @@ from .utils.dataclasses import (
     DistributedType,
     GradientAccumulationPlugin,
     GradScalerKwargs,
+    HostMallocKwargs,
     InitProcessGroupKwargs,
     PrecisionType,
     ProjectConfiguration,
@@ -40,7 +41,8 @@ from .utils.operations import convert_outputs_to_fp32, recursively_apply
 
 _split_batches = object()  # sentinel: tells "not passed" from False, as accelerate does
 
-_HANDLERS = (AutocastKwargs, GradScalerKwargs, DistributedDataParallelKwargs, InitProcessGroupKwargs)
+_HANDLERS = (AutocastKwargs, GradScalerKwargs, DistributedDataParallelKwargs, InitProcessGroupKwargs,
+             HostMallocKwargs)
 
 
 def _batch_sampler_shard(dataloader):
@@ -53,17 +55,6 @@ def _batch_sampler_shard(dataloader):
         if isinstance(inner, BatchSamplerShard):
             return inner
     return None
-
-
-def _tune_host_malloc():
-    """glibc keeps the memory of freed tensors for the next step instead of faulting it in
-    again (see _C.tune_host_malloc; ~1% of a CPU step here). Process-wide, so it can be
-    turned off: ACCELERATE_C_MALLOC_TUNING=0."""
-    value = os.environ.get("ACCELERATE_C_MALLOC_TUNING", "").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"ACCELERATE_C_MALLOC_TUNING={value!r}: expected 1 (default) or 0")
-    if value == "1":
-        _C.tune_host_malloc()
 
 
 class Accelerator:
@@ -130,6 +121,7 @@ class Accelerator:
         self.scaler_handler = None
         self.ddp_handler = None
         self.init_handler = None
+        self.host_malloc_handler = None  # accelerate_c's own (host_malloc.py)
         seen = set()
         for handler in kwargs_handlers or []:
             kind = kind_of(handler, _HANDLERS)  # ours, or accelerate's class of the same name
@@ -145,6 +137,8 @@ class Accelerator:
                 self.scaler_handler = handler
             elif kind is DistributedDataParallelKwargs:
                 self.ddp_handler = handler
+            elif kind is HostMallocKwargs:
+                self.host_malloc_handler = handler
             else:
                 self.init_handler = handler
 
@@ -206,7 +200,8 @@ class Accelerator:
         # the C kernels use as many threads as torch's intra-op pool (the launcher sets
         # OMP_NUM_THREADS per process): never more threads than the cores the process was given
         _C.set_num_threads(max(1, torch.get_num_threads()))
-        _tune_host_malloc()
+        # opt-in only: process-wide (HostMallocKwargs / ACCELERATE_C_MALLOC_TUNING=1)
+        host_malloc.apply(self.host_malloc_handler)
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._custom_objects = []
         self.flag_tensor = None

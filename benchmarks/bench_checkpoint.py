@@ -42,6 +42,11 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (Contender, Summary, bytes_table, cpu_model, fsync_path, load_sample, logical_cpus,  # noqa: E402
                      other_load_between, run_interleaved, verdict)
+import _targets  # noqa: E402
+
+# (vs accelerate, share of the limit) for the save and for both loads
+SAVE_TARGETS = (1.5, 0.6)
+LOAD_TARGETS = (1.3, 0.5)
 
 
 def dir_bytes(directory):
@@ -255,27 +260,36 @@ def main():
     def table(title, times, ours_name, limit_name, acc_name):
         s = bytes_table(title, times, ours_name, nbytes, args.repeats)
         mine = s[ours_name].median
-        return s[acc_name].median / mine, s[limit_name].median / mine
+        return s[acc_name].median / mine, s[limit_name].median / mine, nbytes / s[limit_name].median / 1e9
 
-    sv_acc, sv_lim = table("save_state, durable", t_save, "accelerate_c save_state",
-                           "write + fsync, one buffer (limit)", "accelerate save_state + fsync")
-    ld_acc, ld_lim = table("load_state to resume: a fresh optimizer, its state allocated by the load (files in "
-                           "the page cache)", t_resume, "accelerate_c load_state", "parallel read, new memory (limit)",
-                           "accelerate load_state")
-    lv_acc, lv_lim = table("load_state into a running state: model and optimizer state exist (files in the page "
-                           "cache)", t_live, "accelerate_c load_state", "parallel read, touched memory (limit)",
-                           "accelerate load_state")
+    sv_acc, sv_lim, sv_gbps = table("save_state, durable", t_save, "accelerate_c save_state",
+                                    "write + fsync, one buffer (limit)", "accelerate save_state + fsync")
+    ld_acc, ld_lim, ld_gbps = table("load_state to resume: a fresh optimizer, its state allocated by the load "
+                                    "(files in the page cache)", t_resume, "accelerate_c load_state",
+                                    "parallel read, new memory (limit)", "accelerate load_state")
+    lv_acc, lv_lim, lv_gbps = table("load_state into a running state: model and optimizer state exist (files in "
+                                    "the page cache)", t_live, "accelerate_c load_state",
+                                    "parallel read, touched memory (limit)", "accelerate load_state")
     print()
     direct_note = ""
     if have_direct:
         dl = Summary.of(t_save["write + fsync, O_DIRECT one buffer"]).median
         direct_note = f"; {dl / Summary.of(t_save['accelerate_c save_state']).median * 100:.0f}% of O_DIRECT write+fsync"
-    print(f"save: {sv_acc:.2f}x accelerate (target >= 1.5x: {verdict(sv_acc >= 1.5)}), "
-          f"{sv_lim * 100:.0f}% of write+fsync (target >= 60%: {verdict(sv_lim >= 0.6)}){direct_note}")
-    print(f"load (resume): {ld_acc:.2f}x accelerate (target >= 1.3x: {verdict(ld_acc >= 1.3)}), "
-          f"{ld_lim * 100:.0f}% of the page-cache read into new memory (target >= 50%: {verdict(ld_lim >= 0.5)})")
-    print(f"load (running): {lv_acc:.2f}x accelerate (target >= 1.3x: {verdict(lv_acc >= 1.3)}), "
-          f"{lv_lim * 100:.0f}% of the page-cache read into touched memory (target >= 50%: {verdict(lv_lim >= 0.5)})")
+    (sa, sl), (la, ll) = SAVE_TARGETS, LOAD_TARGETS
+    print(f"save: {sv_acc:.2f}x accelerate (target >= {sa}x: {verdict(sv_acc >= sa)}), "
+          f"{sv_lim * 100:.0f}% of write+fsync (target >= {sl:.0%}: {verdict(sv_lim >= sl)}){direct_note}")
+    print(f"load (resume): {ld_acc:.2f}x accelerate (target >= {la}x: {verdict(ld_acc >= la)}), "
+          f"{ld_lim * 100:.0f}% of the page-cache read into new memory (target >= {ll:.0%}: {verdict(ld_lim >= ll)})")
+    print(f"load (running): {lv_acc:.2f}x accelerate (target >= {la}x: {verdict(lv_acc >= la)}), "
+          f"{lv_lim * 100:.0f}% of the page-cache read into touched memory (target >= {ll:.0%}: "
+          f"{verdict(lv_lim >= ll)})")
+    for what, vs_acc, vs_lim, limit in (
+            ("save_state (durable)", sv_acc, sv_lim, f"write+fsync {sv_gbps:.2f} GB/s"),
+            ("load_state, resume (fresh optimizer)", ld_acc, ld_lim, f"page-cache read, new memory {ld_gbps:.2f} GB/s"),
+            ("load_state into a running state", lv_acc, lv_lim, f"page-cache read, touched memory {lv_gbps:.2f} GB/s")):
+        goal_acc, goal_lim = SAVE_TARGETS if what.startswith("save") else LOAD_TARGETS
+        _targets.target("bench_checkpoint", f"{what} vs accelerate", vs_acc, goal_acc, limit=limit)
+        _targets.target("bench_checkpoint", f"{what}, share of the limit", vs_lim, goal_lim, unit="%", limit=limit)
     other = other_load_between(a, b)
     if other is not None and other > 0.3:
         print(f"warning: other processes used {other:.1f} CPUs on average during the run")

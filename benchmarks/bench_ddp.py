@@ -94,6 +94,7 @@ from _common import (  # noqa: E402
     quantile,
     verdict,
 )
+import _targets  # noqa: E402
 
 NAMES = ["torch_ddp", "accelerate", "accelerate_c"]  # the first one is the correctness reference
 TARGET_VS_ACCELERATE = 1.00
@@ -460,11 +461,12 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         say()
 
         ours = S["accelerate_c"]
-        ratio_rows = []
+        ratio_rows, to_record = [], []
         if "accelerate" in names:
             r_med = ours.median / S["accelerate"].median
             ok = r_med >= TARGET_VS_ACCELERATE
             results.append((key, "accelerate", ok))
+            to_record.append(("accelerate", r_med, TARGET_VS_ACCELERATE))
             ratio_rows.append(["accelerate_c / accelerate", f"{r_med:.3f}x",
                                f"{ours.q1 / S['accelerate'].median:.3f}x",
                                f"{ours.q3 / S['accelerate'].median:.3f}x",
@@ -472,6 +474,7 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         r_med = ours.median / S["torch_ddp"].median
         ok = r_med >= TARGET_VS_TORCH_DDP
         results.append((key, "torch_ddp", ok))
+        to_record.append(("torch_ddp", r_med, TARGET_VS_TORCH_DDP))
         ratio_rows.append(["accelerate_c / torch_ddp", f"{r_med:.3f}x", f"{ours.q1 / S['torch_ddp'].median:.3f}x",
                            f"{ours.q3 / S['torch_ddp'].median:.3f}x", f">= {TARGET_VS_TORCH_DDP:.2f}x", verdict(ok)])
         say("ratios of steps/s (median: median/median; q1, q3: our quartile / their median):")
@@ -501,6 +504,10 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         say("(implied = 2(n-1)/n x bytes / step time, as if the whole step were communication: a lower bound on "
             "the bandwidth the reducer achieved, since the all-reduce overlaps backward; comm share = the "
             "bucketed loopback all-reduce time / step time)")
+        limit = (f"gloo loopback {bus * nb / b_med / 1e9:.2f} GB/s bus; all-reduce alone "
+                 f"{100 * b_med * S['accelerate_c'].median:.0f}% of our step")
+        for other, ratio, goal in to_record if main else ():
+            _targets.target("bench_ddp", f"{key}: steps/s vs {other}, {world} processes", ratio, goal, limit=limit)
         if load is not None and load > 0.25:
             say(f"warning: other processes kept ~{load:.1f} CPUs busy while timing {key}; the numbers are noisy")
         say(f"({key} took {time.perf_counter() - t_model:.0f} s)")

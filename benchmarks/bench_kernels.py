@@ -62,6 +62,7 @@ from _common import (  # noqa: E402
     run_interleaved,
     verdict,
 )
+import _targets  # noqa: E402
 
 TARGET_SPEEDUP = 1.4
 TARGET_FRACTION = 0.70
@@ -309,7 +310,8 @@ def bench_dtype(name: str, dtype: torch.dtype, n: int, repeats: int, flush=None)
           f"(target >= {100 * TARGET_FRACTION:.0f}%)  {verdict(frac >= TARGET_FRACTION)}")
     del case
     return {"name": name, "failed": False, "speedup": speedup, "fraction": frac,
-            "ours_ms": s[OB].median * 1e3, "torch_ms": s[T].median * 1e3, "limit": limit}
+            "ours_ms": s[OB].median * 1e3, "torch_ms": s[T].median * 1e3, "limit": limit,
+            "limit_name": limit_name.removeprefix("limit: ")}
 
 
 def main(argv=None) -> int:
@@ -373,13 +375,17 @@ def main(argv=None) -> int:
     rows = []
     for r in results:
         if r["failed"]:
-            rows.append([r["name"], "-", "-", "-", "-", "EQUALITY CHECK FAILED", "-"])
+            rows.append([r["name"], "-", "-", "-", "-", "EQUALITY CHECK FAILED", "-", "-"])
             continue
+        limit = f"{r['limit']:.1f} GB/s read+write ({r['limit_name']})"
+        ok_speed = _targets.target("bench_kernels", f"{r['name']} fused unscale+check+norm+clip vs torch",
+                                   r["speedup"], TARGET_SPEEDUP, limit=limit)
+        ok_frac = _targets.target("bench_kernels", f"{r['name']} fused path's bandwidth, share of the limit",
+                                  r["fraction"], TARGET_FRACTION, unit="%", limit=limit)
         rows.append([r["name"], f"{r['torch_ms']:.2f}", f"{r['ours_ms']:.2f}", f"{r['speedup']:.2f}x",
-                     verdict(r["speedup"] >= TARGET_SPEEDUP), f"{100 * r['fraction']:.0f}%",
-                     verdict(r["fraction"] >= TARGET_FRACTION)])
+                     verdict(ok_speed), f"{100 * r['fraction']:.0f}%", verdict(ok_frac), limit])
     print_table(["dtype", "torch ms", "ours ms", "speedup", f">={TARGET_SPEEDUP}x",
-                 "% of limit", f">={100 * TARGET_FRACTION:.0f}%"], rows)
+                 "% of limit", f">={100 * TARGET_FRACTION:.0f}%", "limit"], rows)
     busy = other_load_between(run_start, load_sample())
     if busy is not None:
         note = "  WARNING: the machine was shared, numbers are suspect" if busy > 0.2 else ""

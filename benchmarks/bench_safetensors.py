@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Contender, bytes_table, cpu_model, fsync_path, logical_cpus, run_interleaved  # noqa: E402
+import _targets  # noqa: E402
 
 import safetensors.torch as st_pkg  # noqa: E402
 
@@ -136,15 +137,24 @@ def main():
     ]
     t_into = run_interleaved(intos, args.repeats)
 
-    def table(title, times, ours_name, limit_name):
+    def table(title, times, ours_name, limit_name, other_name):
+        """Prints the table; records (no targets: INFO) our share of the limit and the other's
+        time / ours."""
         s = bytes_table(title, times, ours_name, nbytes, args.repeats)
-        print(f"ours reaches {s[limit_name].median / s[ours_name].median * 100:.0f}% of the '{limit_name}' bandwidth")
+        share = s[limit_name].median / s[ours_name].median
+        print(f"ours reaches {share * 100:.0f}% of the '{limit_name}' bandwidth")
+        limit = f"{limit_name.removesuffix(' (limit)')} {nbytes / s[limit_name].median / 1e9:.2f} GB/s"
+        _targets.info("bench_safetensors", f"{title.split(' (')[0]}: share of the limit", share, unit="%",
+                      limit=limit)
+        _targets.info("bench_safetensors", f"{title.split(' (')[0]}: vs {other_name}",
+                      s[other_name].median / s[ours_name].median, limit=limit)
 
-    table("save", t_save, "accelerate_c save_file (fsync)", "plain pwritev + fsync (limit)")
+    table("save", t_save, "accelerate_c save_file (fsync)", "plain pwritev + fsync (limit)",
+          "safetensors save_file + fsync")
     table("load_file: new tensors (files in the page cache)", t_load, "accelerate_c load_file",
-          "plain readinto (limit)")
+          "plain readinto (limit)", "torch.load")
     table("load into existing tensors (files in the page cache)", t_into, "accelerate_c load_into",
-          "plain readinto (limit)")
+          "plain readinto (limit)", "safetensors load_file + copy_")
     for p in (p_ours, p_pkg, p_torch, p_plain):
         if os.path.exists(p):
             os.unlink(p)

@@ -20,5 +20,6 @@ timeout 60 python -m pytest -q tests/test_safetensors.py -k "gpu or cuda" 2>&1 |
 echo "== NCCL from C (one rank)"
 timeout 90 python benchmarks/nccl_check.py 2>&1 | tail -8
 echo "== benchmarks"
-timeout 150 python benchmarks/bench_step.py --device cuda --repeats 3 --steps 10 2>&1 | tail -30
+# one table (glibc defaults): the host malloc settings concern CPU-side tensors
+timeout 150 python benchmarks/bench_step.py --device cuda --settings defaults --repeats 3 --steps 10 2>&1 | tail -30
 echo "== done $(date -u)"

@@ -8,6 +8,7 @@ from .dataclasses import (
     DynamoBackend,
     GradientAccumulationPlugin,
     GradScalerKwargs,
+    HostMallocKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
     PrecisionType,

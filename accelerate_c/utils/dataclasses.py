@@ -171,6 +171,16 @@ class InitProcessGroupKwargs(KwargsHandler):
 
 
 @dataclass
+class HostMallocKwargs(KwargsHandler):
+    """accelerate_c's own (accelerate has no such handler): passed in `kwargs_handlers`, the
+    Accelerator applies glibc malloc settings to the whole process (accelerate_c.host_malloc;
+    docs/performance.md), or, with enabled=False, leaves them alone whatever
+    ACCELERATE_C_MALLOC_TUNING says. Without it, the variable decides (default: untouched)."""
+
+    enabled: bool = True
+
+
+@dataclass
 class GradientAccumulationPlugin(KwargsHandler):
     """How gradient accumulation behaves (accelerate's fields)."""
 

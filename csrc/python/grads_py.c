@@ -1,16 +1,12 @@
 /* grads_py.c — host memory and per-step bookkeeping around the flat gradient buffers: which
  * parameters' `.grad` still is their view of the buffer (a walk over every parameter at every
- * step, where a Python loop costs ~1 us per parameter), huge-page advice for the buffers, and
- * glibc malloc settings that stop a training step from faulting its memory in again each step. */
+ * step, where a Python loop costs ~1 us per parameter) and huge-page advice for the buffers. */
 #define _GNU_SOURCE /* MADV_HUGEPAGE */
 #include "pyac.h"
 
 #include <stdint.h>
 #include <sys/mman.h>
 #include <unistd.h>
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
 
 /* grad_views(params, views, ptrs, dtype, device_index) -> list of indices, or None.
  *
@@ -143,33 +139,7 @@ static PyObject *py_advise_hugepages(PyObject *mod, PyObject *arg) {
   return PyBool_FromLong(ok);
 }
 
-/* tune_host_malloc() -> bool: keeps the memory of freed tensors mapped for the next step.
- *
- * A training step allocates and frees the same activations and gradients every step. glibc's
- * defaults hand blocks of a few MB back to the kernel (mmap/munmap, or trimming the top of the
- * heap once 2x the dynamic mmap threshold is free), so every step faults the same memory in
- * again, 4 KiB at a time, and the kernel zeroes each page: ~12k minor faults and ~20-30 ms of
- * system time per step of benchmarks/bench_step.py's model, on a 750 ms step. With blocks up to
- * 32 MiB (glibc's ceiling for this setting) served from the heap, the heap's top kept up to
- * 1 GiB and grown 64 MiB at a time, the same step takes ~100-1000 faults and 3 ms. What it
- * costs: freed memory stays in the process (RSS stays at the step's peak, which every step
- * reaches anyway). Not glibc (musl, macOS): False, nothing changed. */
-static PyObject *py_tune_host_malloc(PyObject *mod, PyObject *unused) {
-  (void)mod;
-  (void)unused;
-#ifdef __GLIBC__
-  int ok = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
-  ok = (mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1) && ok;
-  ok = (mallopt(M_TOP_PAD, 64 << 20) == 1) && ok;
-  return PyBool_FromLong(ok);
-#else
-  Py_RETURN_FALSE;
-#endif
-}
-
 PyMethodDef pyac_grads_methods[] = {
-    {"tune_host_malloc", py_tune_host_malloc, METH_NOARGS,
-     "tune_host_malloc() -> bool: glibc keeps freed tensor memory mapped for reuse (fewer page faults per step)."},
     {"grad_views", (PyCFunction)(void (*)(void))py_grad_views, METH_FASTCALL,
      "grad_views(params, views, ptrs, dtype, device_index) -> indices whose .grad is not its view, "
      "or None if a parameter was cast or moved."},
