@@ -59,8 +59,11 @@ class GradGroup(GradLayout):
             self.needs_unscale = True
             self.found_inf = False
         strategy = self.manager.strategy
-        launching = strategy.begin_backward(self, self.manager.sync_now(self.model_key))
+        sync = self.manager.sync_now(self.model_key)
+        launching = strategy.begin_backward(self, sync)
         self.reducer.launching = launching
+        # one process, once clip asked for a 2-norm: the hooks measure each gradient as it lands
+        self.reducer.measure = strategy.measure_in_hooks(self, sync)
         # a reduced backward divides each gradient by the world size as it becomes ready (in
         # the hook, or folded into the copy-in): the all-reduce's sum is then the average
         self.reducer.prescale = strategy.prescale if launching else 1.0
@@ -385,9 +388,11 @@ class GradManager:
         """Total norm of the gradients in `groups` (unscaling first those that still carry the
         loss scale, when inv_scale is given) and clip them to max_norm, with
         torch.nn.utils.clip_grad_norm_'s formula. CPU: one read pass plus one scaling pass per
-        buffer; on multi-process sync steps only the scaling pass (the reducer's averaging pass
-        measured the buffer already). Returns the norm as a 0-dim tensor of the gradients' dtype (on the device for
-        CUDA groups: no host synchronisation), or None when the groups mix CPU and CUDA."""
+        buffer, or only the scaling pass when the strategy measured the buffer on the way and
+        nothing wrote it since (one process: the hooks measured each gradient as it landed;
+        DDP: each bucket after its all-reduce). Returns the norm as a 0-dim tensor of the
+        gradients' dtype (on the device for CUDA groups: no host synchronisation), or None when
+        the groups mix CPU and CUDA."""
         if all(g.is_cuda for g in groups) and groups:
             return self._clip_cuda(groups, max_norm, norm_type, inv_scale)
         if any(g.is_cuda for g in groups):
@@ -398,7 +403,7 @@ class GradManager:
             if norm_type == 2.0:
                 self.strategy.want_sumsq(g)  # from the next backward on, measured while it is hot
             cached = self.strategy.cached_sumsq(g) if norm_type == 2.0 and inv <= 1.0 else None
-            if cached is not None:  # the reducer's averaging pass measured the buffer as it is
+            if cached is not None:  # measured on the way (hooks, or DDP's buckets) and unchanged since
                 (sumsq, nonfinite), maxabs = cached, 0.0
             elif norm_type == 2.0 and inv <= 1.0:
                 # unscaling by <= 1 cannot overflow: the memory-bound pass suffices
