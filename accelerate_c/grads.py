@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+import struct
 
 import torch
 
@@ -126,6 +127,36 @@ class GradGroup(GradLayout):
         if self.is_cuda:
             return torch.stack([(~torch.isfinite(self.views[i])).any() for i in indices]).any().float()
         return any(_C.nonfinite(self.views[i]) for i in indices)
+
+
+_F32 = struct.Struct("f")
+
+
+def _f32(x: float) -> float:
+    """x rounded to the nearest fp32 value (inf beyond fp32's range), as a Python float."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:  # rounds to +-inf
+        return math.copysign(math.inf, x)
+
+
+_EPS32 = _f32(1e-6)
+
+
+def clip_coef(total: float, max_norm: float, dtype):
+    """(norm, coefficient) of torch.nn.utils.clip_grad_norm_ for a total norm `total`: the norm
+    as a 0-dim tensor of `dtype`, and clamp(max_norm / (norm + 1e-6), max=1) computed in it.
+    fp32 (every fp32 model): the same fp32 operations in Python floats (torch's __rdiv__ is a
+    reciprocal, then a product), each done in double and rounded once to fp32, which for +, x
+    and / of fp32 operands is the correctly rounded fp32 result; the five torch ops on 0-dim
+    tensors it replaces cost ~0.2 ms right after a backward, when clip is otherwise one
+    scaling pass. Other dtypes: torch's ops."""
+    if dtype == torch.float32:
+        n32 = _f32(total)
+        c = _f32(_f32(1.0 / _f32(n32 + _EPS32)) * _f32(max_norm))
+        return torch.full((), n32, dtype=torch.float32), (1.0 if c > 1.0 else c)  # clamp; NaN stays NaN
+    norm = torch.tensor(total, dtype=dtype)
+    return norm, float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 
 
 def _combine_stats(accs):
@@ -428,8 +459,7 @@ class GradManager:
         # that overflowed is skipped anyway, but its gradients end as torch leaves them: x 0
         # for inf, x NaN for NaN)
         dtypes = {g.dtype for g in groups}
-        norm = torch.tensor(total, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
-        coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        norm, coef = clip_coef(total, max_norm, dtypes.pop() if len(dtypes) == 1 else torch.float32)
         for g, inv, _, _, found in per:
             g.scale_(inv * coef)
             if inv != 1.0:

@@ -341,3 +341,25 @@ def test_reentrant_checkpointing_norm_is_torchs():
         model.zero_grad()
         ref_model.zero_grad()
     assert reads == [1, 0, 0], reads
+
+
+
+def test_clip_coefficient_is_torchs_bit_for_bit():
+    """clip_coef (fp32 in Python floats) against torch's formula on the same total norm: the
+    norm and the coefficient equal torch's exactly, non-finite and overflowing cases included,
+    for fp32; bf16/fp16 use torch's ops."""
+    import random
+
+    rng = random.Random(0)
+    specials = [0.0, 1e-45, 1e-30, 1e-6, 0.3, 1.0, 3.0, 1e19, 1e30, 3.4e38, 3.41e38, 1e300, math.inf, math.nan]
+    cases = [(t, m) for t in specials for m in [0.0, 1e-3, 0.7, 1.0, 5.0, 1e30, 3.4e38, math.inf, -1.0]]
+    cases += [(10 ** rng.uniform(-12, 12), 10 ** rng.uniform(-8, 8)) for _ in range(20000)]
+    cases += [(t, t * rng.uniform(0.2, 1.2)) for t in (rng.uniform(0.5, 4) for _ in range(20000))]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for total, max_norm in cases if dtype == torch.float32 else cases[:500]:
+            norm, coef = grads_mod.clip_coef(total, max_norm, dtype)
+            want = torch.tensor(total, dtype=dtype)
+            want_coef = float(torch.clamp(max_norm / (want + 1e-6), max=1.0))
+            assert norm.dtype == dtype and norm.shape == ()
+            assert torch.equal(norm, want) or (norm.isnan() and want.isnan()), (dtype, total, norm, want)
+            assert coef == want_coef or (math.isnan(coef) and math.isnan(want_coef)), (dtype, total, max_norm)
