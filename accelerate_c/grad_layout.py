@@ -163,7 +163,11 @@ class GradLayout:
     def resync(self, indices):
         """Brings the `.grad` assignments made outside backward (params `indices`, from
         unsynced) into the buffer; zeroes the ranges of params without a gradient (their
-        `.grad` stays None), so whole-buffer passes see zeros there."""
+        `.grad` stays None), so whole-buffer passes see zeros there. When the hooks keep sums
+        of squares for clip (reducer.measure), each range written here is measured as a hook
+        would, right after its write, so a parameter without a gradient in this backward (or
+        an assigned `.grad`) does not cost clip a read of the whole buffer."""
+        measure = self.reducer.measure
         for i in indices:
             p, v = self.params[i], self.views[i]
             g = p.grad
@@ -171,12 +175,14 @@ class GradLayout:
                 continue
             if g is None:
                 v.zero_()  # stale since the last zero_grad; whole-buffer passes must see zeros
-                continue
-            if g.shape != v.shape:
-                raise ValueError(f"a gradient of shape {tuple(g.shape)} was assigned to a parameter of shape "
-                                 f"{tuple(v.shape)}")
-            v.copy_(g)
-            p.grad = v
+            else:
+                if g.shape != v.shape:
+                    raise ValueError(f"a gradient of shape {tuple(g.shape)} was assigned to a parameter of shape "
+                                     f"{tuple(v.shape)}")
+                v.copy_(g)
+                p.grad = v
+            if measure:
+                self.reducer.measure_now(i, v)
 
     def remove(self):
         """Unhooks the parameters; a `.grad` that was a view becomes a tensor of its own."""

@@ -24,6 +24,9 @@ are checked for equality once before timing; a mismatch exits non-zero.
 
 Targets: accelerate_c >= 1.4x faster than torch (median vs median), and its effective
 bandwidth (3N element-bytes / time) >= 70% of the limit. A MISS is reported, not an error.
+This is the clip over gradients nobody measured (the first step of a loop, or after a write to
+them); in a real loop on one process the gradient hooks take the sums of squares while backward
+writes them and the clip is one scaling pass: benchmarks/bench_step.py times that case.
 
     .venv/bin/python benchmarks/bench_kernels.py                 # 2^26 elements, fp32 and bf16
     .venv/bin/python benchmarks/bench_kernels.py --quick         # smoke test, a few seconds

@@ -215,7 +215,7 @@ def test_failing_calls_do_not_leak():
 
 def test_reducer_and_hooks_do_not_leak():
     """Reducer (the C bucket plan) and its GradHooks: building, calling (hot path, slow path,
-    launch callback), the double-mark error, and the reference cycle through the glue's bound
+    launch callback, the measuring hooks and sums()), the double-mark error, and the reference cycle through the glue's bound
     methods (collected by gc through tp_traverse)."""
     flat = torch.zeros(400)
     buf = _C.Buffer(flat)
@@ -249,6 +249,14 @@ def test_reducer_and_hooks_do_not_leak():
             hooks[0](params[0])  # marked twice in one backward
         except _C.CoreError:
             pass
+        g.r.reset()
+        g.r.launching = False  # one process: the hooks measure each gradient for clip
+        g.r.measure = True
+        for i, p in enumerate(params):
+            p.grad = views[i] if i != 1 else torch.zeros(300)
+            hooks[i](p)
+        # the slow path here leaves param 1's gradient apart from its view: not measured
+        assert g.r.measured == 2 and g.r.sums(flat._version) is None
         g.r.reset()
 
     check_no_leak(once, 3000, [flat], RSS_BOUND_SMALL)

@@ -13,6 +13,17 @@ writes the buffer's other fields; the buffers never read that state.
 from __future__ import annotations
 
 
+class HookSums:
+    """The single-process strategy's state per buffer (group.strategy_state)."""
+
+    __slots__ = ("want",)
+
+    def __init__(self, want=False):
+        # clip_grad_norm_ asked for a 2-norm of this buffer: from then on, the backwards that
+        # end a step have their hooks measure each gradient (the reducer's sums)
+        self.want = want
+
+
 class GradStrategy:
     """Single process: every phase is local."""
 
@@ -28,13 +39,22 @@ class GradStrategy:
     def attach(self, group, previous=None) -> None:
         """A buffer was built, rebuilt (`previous`: the strategy state of the buffer it
         replaces) or re-laid: (re)make what depends on its layout."""
-        group.strategy_state = None
+        group.strategy_state = HookSums(getattr(previous, "want", False))
 
     # ---- backward -----------------------------------------------------------------------
     def begin_backward(self, group, sync: bool) -> bool:
         """The first gradient of a backward in `group`. `sync`: the model is not in no_sync().
         Returns whether this backward's buckets are handed to buckets_ready as they fill."""
         return False
+
+    def measure_in_hooks(self, group, sync: bool) -> bool:
+        """Whether the hooks of the backward now starting in `group` measure each gradient's
+        sum of squares as it lands in its range (csrc/python/reducer_py.c, Reducer.sums): once
+        clip_grad_norm_ asked for a 2-norm, on a backward outside no_sync() (accumulation
+        micro-batches are rewritten by the next one: measuring them would be wasted), CPU
+        buffers only (clip_norm_fused then pays one scaling pass)."""
+        st = group.strategy_state
+        return sync and not group.is_cuda and isinstance(st, HookSums) and st.want
 
     def buckets_ready(self, group, first: int, last: int) -> None:
         """Buckets [first, last) of `group` are complete (only on backwards begin_backward
@@ -62,11 +82,18 @@ class GradStrategy:
     # ---- norm, found_inf, step, state dict -----------------------------------------------
     def cached_sumsq(self, group):
         """(sum of squares, non-finite) of `group`'s buffer as it is now, when the strategy
-        measured it on the way (else None: the caller reads the buffer)."""
+        measured it on the way (else None: the caller reads the buffer). One process: the sums
+        the hooks took, valid only if every gradient was measured after its last write and
+        nothing wrote the buffer since (its version counter: a `.grad` assignment or in-place
+        change, resync's zeroing of a gradient-less range, unscale, a clip)."""
+        if not group.is_cuda and isinstance(group.strategy_state, HookSums):
+            return group.reducer.sums(group.flat._version)
         return None
 
     def want_sumsq(self, group) -> None:
         """clip_grad_norm_ asked for a 2-norm of `group`: measure it on the way from now on."""
+        if isinstance(group.strategy_state, HookSums):
+            group.strategy_state.want = True
 
     def total_sumsq(self, sumsq: float) -> float:
         """The sum of squares over every process's part of the gradients, from this process's

@@ -199,6 +199,9 @@ class DDPStrategy(GradStrategy):
     def end_join(self):
         self.joining.clear()
 
+    def measure_in_hooks(self, g, sync):
+        return False  # measured after each bucket's all-reduce instead (_wait)
+
     def want_sumsq(self, g):
         g.strategy_state.want_stats = True
 

@@ -5,9 +5,11 @@
  * never runs Python bytecode: one attribute read, one C call that marks the gradient ready,
  * and, when buckets became launchable on a sync step, one call of the launch function the
  * Python glue registered. Rare cases (a new gradient tensor to copy in, a model cast after
- * prepare) go to the glue's copy-in function. The core itself never calls Python
- * (docs/architecture.md, "Layers"); the calls back into Python are made here, in the extension
- * layer. */
+ * prepare) go to the glue's copy-in function. On one process, once clip has asked for a 2-norm,
+ * the hook also measures the range it just saw written (after the copy-in, or after autograd's
+ * in-place accumulation, which bumps the version before the hook runs), for Reducer.sums. The
+ * core itself never calls Python (docs/architecture.md, "Layers"); the calls back into Python
+ * are made here, in the extension layer. */
 #include "pyac.h"
 
 #include "ac/bucket.h"
@@ -36,6 +38,20 @@ typedef struct {
   float prescale;     /* launching backwards: gradients x prescale (1/world) as they become ready */
   int defer;          /* complete buckets wait for the glue to launch them at the end of backward */
   int requeue;        /* the next hook calls on_first again (an end of backward came too early) */
+  /* Sums of squares taken in the hooks (one process, once clip has asked for a 2-norm): each
+   * gradient's range is measured right after autograd or the copy-in wrote it, while it is in
+   * cache, so that clip costs one scaling pass. A slot is valid while every write to the buffer
+   * since its chain began was a measured one: each measurement expects the buffer's version
+   * counter to have moved by at most one (its own gradient's write) since the previous one,
+   * and anything else (an unmeasured backward, a user's in-place change, resync, a kernel's
+   * write) forgets every slot. sums() also wants the version unchanged since the last. */
+  int measure;        /* set by the glue for the backwards whose sums clip will use */
+  double *sq;         /* per gradient: sum of squares of its range */
+  unsigned char *nf;  /* per gradient: its range holds NaN/Inf */
+  unsigned char *have; /* per gradient: sq/nf are valid in the current chain */
+  size_t nhave;       /* slots valid in the current chain */
+  long long last_version; /* the buffer's version after the last measurement */
+  PyObject *version_name; /* interned "_version" */
 } ReducerObject;
 
 typedef struct {
@@ -133,13 +149,32 @@ static int reducer_init(PyObject *op, PyObject *args, PyObject *kwds) {
     pyac_raise(pyac_module_of(op), r);
     return -1;
   }
+  size_t slots = (size_t)(n1 ? n1 : 1);
+  double *sq = PyMem_Malloc(slots * sizeof(double));
+  unsigned char *nf = PyMem_Calloc(slots, 1), *have = PyMem_Calloc(slots, 1);
+  if (!sq || !nf || !have) {
+    PyMem_Free(sq);
+    PyMem_Free(nf);
+    PyMem_Free(have);
+    PyMem_Free(numel);
+    ac_bucket_plan_destroy(plan);
+    PyErr_NoMemory();
+    return -1;
+  }
   self->plan = plan;
   self->numel = numel;
+  self->sq = sq;
+  self->nf = nf;
+  self->have = have;
+  self->nhave = 0;
+  self->measure = 0;
+  self->last_version = -1;
   self->prescale = 1.0f;
   Py_XSETREF(self->on_first, on_first == Py_None ? NULL : Py_NewRef(on_first));
   Py_XSETREF(self->launch, launch == Py_None ? NULL : Py_NewRef(launch));
   Py_XSETREF(self->slow, slow == Py_None ? NULL : Py_NewRef(slow));
   if (!self->grad_name && !(self->grad_name = PyUnicode_InternFromString("grad"))) return -1;
+  if (!self->version_name && !(self->version_name = PyUnicode_InternFromString("_version"))) return -1;
   self->launching = 0;
   return 0;
 }
@@ -171,6 +206,10 @@ static void reducer_dealloc(PyObject *op) {
   PyObject_GC_UnTrack(op);
   reducer_clear(op);
   Py_CLEAR(self->grad_name);
+  Py_CLEAR(self->version_name);
+  PyMem_Free(self->sq);
+  PyMem_Free(self->nf);
+  PyMem_Free(self->have);
   ac_bucket_plan_destroy(self->plan);
   self->plan = NULL;
   ac_cuda_event_destroy(self->ev_ready);
@@ -411,6 +450,101 @@ static PyObject *reducer_nccl_wait(PyObject *op, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
+/* ---- sums of squares taken in the hooks --------------------------------------------------- */
+
+/* Ranges at least this long are measured with the GIL released (the sum runs on the pool). */
+#define MEASURE_NOGIL_MIN ((size_t)1 << 16)
+
+static void forget_sums(ReducerObject *self) {
+  size_t n = ac_bucket_nparams(self->plan);
+  memset(self->have, 0, n ? n : 1);
+  self->nhave = 0;
+}
+
+/* Gradient i's range was just written (autograd accumulated into it, or the copy-in filled
+ * it): its sum of squares and non-finite flag, while it is in cache. The version is read
+ * before the sum, so a write by another thread while the GIL is released shows as a change. */
+static int measure_slot(ReducerObject *self, size_t i, PyObject *view) {
+  PyObject *vo = PyObject_GetAttr(view, self->version_name);
+  if (!vo) return -1;
+  long long ver = PyLong_AsLongLong(vo);
+  Py_DECREF(vo);
+  if (ver == -1 && PyErr_Occurred()) return -1;
+  /* one write since the last measurement: this gradient's own; none: nothing changed */
+  if (self->nhave && ver != self->last_version && ver != self->last_version + 1) forget_sums(self);
+  size_t off, bucket, n = self->numel[i];
+  double sq = 0.0;
+  int nf = 0;
+  ac_result_t r = ac_bucket_param(self->plan, i, &off, &bucket);
+  if (r == AC_OK) {
+    const void *p = (const char *)self->base + off * ac_dtype_size(self->dt);
+    if (n >= MEASURE_NOGIL_MIN) {
+      Py_BEGIN_ALLOW_THREADS r = ac_sumsq(self->dt, p, n, &sq, &nf);
+      Py_END_ALLOW_THREADS
+    } else {
+      r = ac_sumsq(self->dt, p, n, &sq, &nf);
+    }
+  }
+  if (r != AC_OK) {
+    forget_sums(self);
+    pyac_raise(pyac_module_of((PyObject *)self), r);
+    return -1;
+  }
+  self->sq[i] = sq;
+  self->nf[i] = (unsigned char)(nf != 0);
+  if (!self->have[i]) {
+    self->have[i] = 1;
+    self->nhave++;
+  }
+  self->last_version = ver;
+  return 0;
+}
+
+static PyObject *reducer_measure_now(PyObject *op, PyObject *const *a, Py_ssize_t n) {
+  ReducerObject *self = (ReducerObject *)op;
+  if (n != 2) {
+    PyErr_Format(PyExc_TypeError, "measure_now(index, view) takes 2 arguments, %zd given", n);
+    return NULL;
+  }
+  if (!has_plan(self)) return NULL;
+  size_t i = PyLong_AsSize_t(a[0]);
+  if (i == (size_t)-1 && PyErr_Occurred()) return NULL;
+  if (i >= ac_bucket_nparams(self->plan)) {
+    PyErr_Format(PyExc_IndexError, "measure_now: gradient %zu of %zu", i, ac_bucket_nparams(self->plan));
+    return NULL;
+  }
+  if (!self->base || self->on_cuda) Py_RETURN_NONE; /* nothing is measured on a device buffer */
+  return measure_slot(self, i, a[1]) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+static PyObject *reducer_sums(PyObject *op, PyObject *arg) {
+  ReducerObject *self = (ReducerObject *)op;
+  if (!has_plan(self)) return NULL;
+  long long ver = PyLong_AsLongLong(arg);
+  if (ver == -1 && PyErr_Occurred()) return NULL;
+  size_t n = ac_bucket_nparams(self->plan);
+  if (n == 0 || self->nhave != n || ver != self->last_version) Py_RETURN_NONE;
+  double total = 0.0;
+  int nf = 0;
+  for (size_t i = 0; i < n; i++) { /* parameter order: the result does not depend on hook timing */
+    total += self->sq[i];
+    nf |= self->nf[i];
+  }
+  return Py_BuildValue("(dO)", total, nf ? Py_True : Py_False);
+}
+
+static PyObject *reducer_forget_sums(PyObject *op, PyObject *unused) {
+  (void)unused;
+  if (!has_plan((ReducerObject *)op)) return NULL;
+  forget_sums((ReducerObject *)op);
+  Py_RETURN_NONE;
+}
+
+static PyObject *reducer_get_measured(PyObject *op, void *c) {
+  (void)c;
+  return PyLong_FromSize_t(((ReducerObject *)op)->nhave);
+}
+
 /* The Reducer's flags (launching, defer, requeue): one getter and setter, the field's offset
  * in the closure. */
 static PyObject *reducer_get_flag(PyObject *op, void *offset) {
@@ -450,6 +584,13 @@ static PyMethodDef reducer_methods[] = {
     {"nccl_launch", reducer_nccl_launch, METH_VARARGS, "nccl_launch(from, to): launch buckets [from, to)"},
     {"nccl_wait", reducer_nccl_wait, METH_NOARGS,
      "nccl_wait(): the compute stream waits for every all-reduce launched so far (no host wait)"},
+    {"sums", reducer_sums, METH_O,
+     "sums(version) -> (sum_of_squares, has_nonfinite) of the whole buffer from the hooks' measurements, in "
+     "parameter order; None unless every gradient was measured and the buffer's version is still `version`"},
+    {"measure_now", (PyCFunction)(void (*)(void))reducer_measure_now, METH_FASTCALL,
+     "measure_now(i, view): gradient i's range (`view`, of the buffer) was just written outside a hook "
+     "(GradLayout.resync): measure it as a hook would"},
+    {"forget_sums", reducer_forget_sums, METH_NOARGS, "forget_sums(): every measurement taken in the hooks is dropped"},
     {"hook", (PyCFunction)(void (*)(void))reducer_hook, METH_FASTCALL,
      "hook(i, view) -> a GradHook for gradient i, to pass to register_post_accumulate_grad_hook"},
     {NULL, NULL, 0, NULL},
@@ -467,6 +608,10 @@ static PyGetSetDef reducer_getset[] = {
      "the next hook calls on_first again although gradients are marked (the glue's end of backward "
      "ran in a reentrant backward nested in the one still delivering this buffer's gradients)",
      FLAG(requeue)},
+    {"measure", reducer_get_flag, reducer_set_flag,
+     "hooks measure each gradient's range (sum of squares, non-finite) right after it was written, for "
+     "sums() (CPU buffers)", FLAG(measure)},
+    {"measured", reducer_get_measured, NULL, "gradients with a valid measurement (see sums())", NULL},
     {"prescale", reducer_get_prescale, reducer_set_prescale,
      "on launching backwards, a gradient that already is its view is multiplied by this in place when it "
      "becomes ready (1/world: the all-reduce's sum is then the average)", NULL},
@@ -542,6 +687,17 @@ static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwds) {
       rs = red->on_cuda ? ac_cuda_scale(red->dt, p, red->numel[h->index], red->prescale, NULL, red->compute_stream)
                         : ac_scale(red->dt, p, red->numel[h->index], red->prescale);
     if (rs != AC_OK) return pyac_raise(pyac_module_of(h->reducer), rs);
+  }
+  if (red->measure && !red->on_cuda && red->base) {
+    /* after the copy-in, the gradient is the view unless it was kept (create_graph) */
+    int now_view = is_view;
+    if (!now_view) {
+      PyObject *g2 = PyObject_GetAttr(param, red->grad_name);
+      if (!g2) return NULL;
+      now_view = g2 == h->view;
+      Py_DECREF(g2);
+    }
+    if (now_view && measure_slot(red, h->index, h->view) < 0) return NULL;
   }
   /* A backward that reduces nothing (one process, no_sync) may see one gradient twice, e.g. a
    * weight used by two reentrant-checkpointed segments: autograd accumulated it into the view,
