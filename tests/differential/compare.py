@@ -44,6 +44,21 @@ CHAOTIC_PEAK_FRACTION = 1 / 8
 CHAOTIC_INF_NORM_RTOL = 2e-2
 
 
+def _clipped_16bit(case: dict, ref_step: dict) -> bool:
+    """A norm clip that clipped gradients summed in 16 bits. Each gradient is then a 16-bit
+    sum one ulp from torch's (three ranks' sums in another order) times a coefficient computed
+    from a norm that is itself such a sum, in the norm's dtype: for bf16 gradients torch rounds
+    the coefficient to bf16 too. The errors add, so the gradient gets the norm's tolerance on
+    top of its own. Measured on the soak's case 6154218825 (three ranks, bf16 parameters, an
+    inf-norm clip to 0.05 of a norm near 0.58): the sums -0.5703 against -0.5742 and the norms
+    0.5859 against 0.5820 are each one bf16 ulp apart, the coefficients 0.08496 and 0.08594
+    (bf16) one more, and the clipped gradients 2.02% apart; torch's own arithmetic, replayed on
+    the subject's sum and norm, gives the subject's gradient exactly."""
+    norm = ref_step.get("norm")
+    return (tolerance(case) >= 2e-2 and case["clip"] in ("norm2", "norminf") and norm is not None
+            and math.isfinite(norm) and norm > case["max_norm"])
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, floor: float = 1e-3) -> str | None:
     """None when a is within rtol of b, relative to b's largest magnitude (at least `floor`)."""
     if a.shape != b.shape:
@@ -100,6 +115,8 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
         # or unclipped gradient is still off by far more); in a chaotic case, CHAOTIC_GRAD_RTOL
         # and never against less than CHAOTIC_PEAK_FRACTION of the gradient's largest so far
         grtol = rtol if k == 0 else CHAOTIC_GRAD_RTOL if chaotic(case) else 8 * rtol
+        if k == 0 and _clipped_16bit(case, r):
+            grtol += rtol
         for j, (a, b) in enumerate(zip(s["grads"], r["grads"])):
             if (a is None) != (b is None):
                 errors.append(f"step {k}: gradient {j} is {'None' if a is None else 'set'}, torch's is "
