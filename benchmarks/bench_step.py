@@ -47,31 +47,10 @@ Printed without a target: accelerate_c / plain torch in both tables, with what m
 per-step work and one copy of each gradient into its flat buffer, and saves time in the fused
 clip: --breakdown shows the phases), and what the tuning buys each contender (tuned / defaults).
 
-A second, separate benchmark times the fp16 gradient post-processing that accelerate_c's C
-core replaces, on the same model's gradients: after one fp16-autocast backward with the loss
-scaled by 65536 (accelerate_c's Accelerator(mixed_precision="fp16")), it times
-  torch         torch.amp.GradScaler("cpu", init_scale=65536).unscale_(opt) +
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), on a copy of the same grads
-  accelerate_c  accelerator.clip_grad_norm_(model.parameters(), 1.0) (unscale + non-finite
-                check + norm + clip, fused in C over the flat gradient buffer)
-restoring the scaled gradients (untimed) before every call. The results are checked first
-(a failure exits non-zero): accelerate_c's norm and gradients within 1e-6 relative of an fp64
-reference computed from the same scaled gradients, and of torch's gradients within 1e-6 plus
-torch's own norm error (clip_grad_norm_ sums squares in fp32 per tensor; on this model's
-3M-element embedding gradient that is off by ~1e-5 overall, so "1e-6 against torch" alone
-would fail torch, not us). Target: >= 1.5x faster (median vs median). torch's host read of
-found_inf (done in scaler.step) is not timed, which favours torch slightly.
-
-A third, separate benchmark times clip_grad_norm_ in a real loop (one process, CPU): after a
-real bf16-autocast backward, the hooks have measured each gradient's sum of squares as it was
-written, so accelerator.clip_grad_norm_ is one scaling pass of the flat buffer. It is timed
-alone against an in-place scale of the same buffer after the same backward (torch's mul_ and
-_C.scale_; the faster is the limit), and beside the same clip with those sums invalidated (a read
-pass plus the scaling pass). Checked first: the clip reads no buffer, and its norm and gradients
-are within 1e-6 of an fp64 reference from the same gradients (torch's clip_grad_norm_ on a copy
-is printed beside; its fp32 norm is off by a few 1e-6 on this model). Target: the clip's own pass >= 90% of the limit's
-bandwidth. --skip-clip skips it; --quick runs it on the tiny model, whose 1 MB buffer measures
-the clip's fixed cost (~0.1-0.3 ms of Python and bookkeeping) rather than its pass.
+Two more parts run after it, each in a fresh process: the fp16 gradient post-processing
+that accelerate_c's C core replaces (benchmarks/_step_fp16.py says what it times and checks;
+target >= 1.5x GradScaler + clip_grad_norm_), and clip_grad_norm_ in a real loop
+(benchmarks/_step_clip.py; target: its pass >= 90% of an in-place scale's bandwidth).
 
 Defaults: model preset "bench" (vocab 8192, d_model 384, 6 layers, 6 heads, tied head,
 13.8M parameters), micro-batch 4 x 128 tokens: about 0.75 s per optimizer step and ~7 minutes
@@ -105,7 +84,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import resource
 import subprocess
@@ -116,10 +94,8 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
 
 from _common import (  # noqa: E402
-    Contender,
     RATE_HEADERS,
     Summary,
     cpu_model,
@@ -129,90 +105,40 @@ from _common import (  # noqa: E402
     other_load_between,
     print_table,
     rate_rows,
-    run_interleaved,
     verdict,
 )
 from models import GPT, PRESETS, TokenDataset, make_tokens  # noqa: E402
 import _settings  # noqa: E402
+import _step_common  # noqa: E402
 import _targets  # noqa: E402
+from _step_clip import run_clip_benchmark  # noqa: E402
+from _step_common import (  # noqa: E402
+    ACCELERATE_ERROR,
+    ACCUM,
+    DATA_SEED,
+    DEFAULT_BATCH,
+    LOSS_RTOL,
+    LOSS_RTOL_CUDA,
+    MAX_NORM,
+    accelerate,
+    build,
+    device_note,
+    now,
+    on_cuda,
+    reset_singletons,
+)
+from _step_fp16 import run_fp16_benchmark  # noqa: E402
 
 import accelerate_c  # noqa: E402
-import accelerate_c.state  # noqa: E402
 from accelerate_c import _C  # noqa: E402
 
-try:
-    import accelerate  # noqa: E402
-    import accelerate.state  # noqa: E402
-    _ACCELERATE_ERROR = None
-except Exception as e:  # not installed, or broken
-    accelerate = None
-    _ACCELERATE_ERROR = f"{type(e).__name__}: {e}"
-
-SEED = 1234
-DATA_SEED = 4321
-ACCUM = 2
-MAX_NORM = 1.0
-LR = 3e-4
-WARMUP_LR_STEPS = 20
 # median(accelerate_c) / median(accelerate), per table (process setting)
 TARGET_VS_ACCELERATE = {"defaults": 0.99, "tuned": 1.00}
 BENCH = "bench_step"  # its name in the result lines (benchmarks/_targets.py)
-TARGET_FP16_SPEEDUP = 1.5
 CHILD_TIMEOUT_S = 1800  # a child process (one repeat, or the fp16 part) that hangs stops the benchmark
-FP16_SCALE = 65536.0
-FP16_RTOL = 1e-6
-TORCH_NORM_SANITY = 1e-3
-# Losses of the three contenders after the same steps from the same seed: the computations are
-# the same bf16 autocast ops on the same data, and only the gradient norm (hence the clip
-# coefficient) is summed in a different order; a few bf16 ulps (2^-8 relative each) is plenty.
-LOSS_RTOL = 2e-2
-# On the GPU: bf16 cuBLAS GEMMs and fused attention, and atomics-based reductions in some backward
-# kernels (and in accelerate_c's norm), so neither run-to-run nor contender-to-contender bitwise
-# equal; still far below what a broken step (no clipping, wrong accumulation, NaNs) produces.
-LOSS_RTOL_CUDA = 3e-2
-# accelerate_c's CUDA stats kernel sums squares in fp64 per block but adds the (up to 4096)
-# block partials with fp32 atomicAdd: the norm is good to ~1e-6, not 1e-7 as on the CPU.
-FP16_RTOL_CUDA = 1e-5
-DEFAULT_BATCH = {"cpu": 4, "cuda": 16}
-DEVICE = torch.device("cpu")  # set by main() from --device
 
 
-def on_cuda() -> bool:
-    return DEVICE.type == "cuda"
-
-
-def now() -> float:
-    """time.perf_counter(), after the GPU has finished all queued work (--device cuda): every
-    timer read goes through here, so a timed region ends with a synchronize."""
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize(DEVICE)
-    return time.perf_counter()
-
-
-# ---- setup ------------------------------------------------------------------------------
-def reset_singletons():
-    """Fresh process-wide states, so every contender builds its Accelerator from scratch."""
-    if accelerate is not None:
-        accelerate.state.AcceleratorState._reset_state(True)
-        accelerate.state.GradientState._reset_state()
-    accelerate_c.state.AcceleratorState._reset_state()
-    accelerate_c.state.GradientState._reset_state()
-
-
-def build(cfg, dataset, batch_size, device=None):
-    """Model, AdamW, LR schedule and loader, the same for every contender (same seed). `device`:
-    move the model there before building the optimizer (the torch contender on a GPU; the
-    Accelerators' prepare() moves theirs)."""
-    torch.manual_seed(SEED)
-    model = GPT(cfg)
-    if device is not None:
-        model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP_LR_STEPS))
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=True)
-    return model, opt, sched, loader
-
-
+# ---- the loops ----------------------------------------------------------------------------
 class Timers:
     """Accumulates seconds per named phase (only used by --breakdown)."""
 
@@ -235,9 +161,9 @@ def torch_loop(model, opt, sched, loader, record=None, timers=None):
         for _ in range(ACCUM):
             x, y = next(it)
             if cuda:
-                x, y = x.to(DEVICE), y.to(DEVICE)
+                x, y = x.to(_step_common.DEVICE), y.to(_step_common.DEVICE)
             mark("data")
-            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            with torch.autocast(_step_common.DEVICE.type, dtype=torch.bfloat16):
                 loss = model(x, y)
             mark("forward")
             (loss / ACCUM).backward()
@@ -288,14 +214,14 @@ def make_run(name, cfg, dataset, batch_size, record=None, timers=None):
     reset_singletons()
     threads = torch.get_num_threads()
     if name == "torch":
-        model, opt, sched, loader = build(cfg, dataset, batch_size, device=DEVICE if on_cuda() else None)
+        model, opt, sched, loader = build(cfg, dataset, batch_size, device=_step_common.DEVICE if on_cuda() else None)
         return torch_loop(model, opt, sched, loader, record, timers), (model, opt, sched, loader)
     model, opt, sched, loader = build(cfg, dataset, batch_size)
     mod = accelerate if name == "accelerate" else accelerate_c
     accelerator = mod.Accelerator(mixed_precision="bf16", gradient_accumulation_steps=ACCUM,
-                                  cpu=DEVICE.type == "cpu")
-    if accelerator.device.type != DEVICE.type:
-        raise SystemExit(f"{name}'s Accelerator picked {accelerator.device}, not {DEVICE.type} "
+                                  cpu=_step_common.DEVICE.type == "cpu")
+    if accelerator.device.type != _step_common.DEVICE.type:
+        raise SystemExit(f"{name}'s Accelerator picked {accelerator.device}, not {_step_common.DEVICE.type} "
                          "(ACCELERATE_USE_CPU set?)")
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     if torch.get_num_threads() != threads:  # keep every contender on the same thread count
@@ -424,107 +350,6 @@ def breakdown(names, cfg, dataset, batch_size, steps, warmup):
     print()
 
 
-# ---- the fp16 post-processing micro-benchmark ---------------------------------------------
-def bench_fp16_postprocess(cfg, dataset, batch_size, repeats):
-    """Returns (ok, {name: [seconds]}, info)."""
-    reset_singletons()
-    torch.manual_seed(SEED)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    accelerator = accelerate_c.Accelerator(mixed_precision="fp16", cpu=DEVICE.type == "cpu")
-    if accelerator.device.type != DEVICE.type:
-        raise SystemExit(f"accelerate_c's Accelerator picked {accelerator.device}, not {DEVICE.type}")
-    model, opt = accelerator.prepare(model, opt)
-    if accelerator.scaler is None or accelerator.scaler.get_scale() != FP16_SCALE:
-        raise SystemExit(f"expected accelerate_c's fp16 loss scale to start at {FP16_SCALE}")
-    x = torch.stack([dataset[i][0] for i in range(batch_size)])
-    y = torch.stack([dataset[i][1] for i in range(batch_size)])
-    if on_cuda():
-        x, y = x.to(DEVICE), y.to(DEVICE)
-    loss = model(x, y)
-    accelerator.backward(loss)  # loss * 65536 -> scaled grads in the flat buffers
-    groups = accelerator._grads.groups
-    if not groups or any(g.is_cuda != on_cuda() for g in groups):
-        raise SystemExit(f"expected accelerate_c's gradient buffers on {DEVICE.type}, got "
-                         f"{[str(g.flat.device) for g in groups]}")
-    saved = [g.flat.clone() for g in groups]
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not all(torch.isfinite(p.grad).all() for p in params):
-        raise SystemExit("the fp16 backward overflowed at scale 65536; cannot benchmark on these gradients")
-
-    # torch: a separately built model holding a copy of the same scaled grads
-    torch.manual_seed(SEED)
-    model_t = GPT(cfg).to(DEVICE)
-    params_t = [p for p in model_t.parameters() if p.requires_grad]
-    for p_t, p in zip(params_t, params):
-        p_t.grad = p.grad.detach().clone()
-    saved_t = [p.grad.clone() for p in params_t]
-    opt_t = torch.optim.AdamW(params_t, lr=LR)
-    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=FP16_SCALE)
-    # creates the scale tensor (on the loss's device), as scaler.scale(loss) would
-    scaler.scale(torch.ones((), dtype=torch.float32, device=DEVICE))
-    unscaled = [False]
-
-    def torch_setup():
-        if unscaled[0]:
-            scaler.update()  # clears the per-optimizer "already unscaled" state (scale stays 65536)
-            unscaled[0] = False
-        for p, s in zip(params_t, saved_t):
-            p.grad.copy_(s)
-
-    def torch_fn():
-        scaler.unscale_(opt_t)
-        unscaled[0] = True
-        # model.parameters(), as a training loop passes it (and as accelerate_c's contender does)
-        return torch.nn.utils.clip_grad_norm_(model_t.parameters(), MAX_NORM)
-
-    def ours_setup():
-        for g, s in zip(groups, saved):
-            g.flat.copy_(s)  # in place: the .grad views stay valid
-            g.needs_unscale = True  # the scaler's state machine unscales once per step
-            g.found_inf = False
-
-    def ours_fn():
-        return accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
-
-    # equality check, once, before timing. accelerate_c is held to an fp64 reference computed
-    # from the same scaled grads (norm and grads within FP16_RTOL). torch is compared with
-    # accelerate_c too, but torch's own norm is inexact (clip_grad_norm_ sums squares in fp32
-    # per tensor: on this model's 3M-element embedding grad that is off by ~1e-4 or more), and
-    # its clip coefficient inherits that error: so the grads must agree within FP16_RTOL plus
-    # torch's measured norm error, which must itself stay under TORCH_NORM_SANITY.
-    rtol = FP16_RTOL_CUDA if on_cuda() else FP16_RTOL
-    inv = 1.0 / FP16_SCALE
-    ref_norm = math.sqrt(sum(float((s.double() * inv).pow(2).sum()) for s in saved))
-    ref_coef = min(1.0, MAX_NORM / (ref_norm + 1e-6))
-    torch_setup()
-    norm_t = float(torch_fn())
-    ours_setup()
-    norm_o = float(ours_fn())
-    if scaler.get_scale() != FP16_SCALE or accelerator.scaler.get_scale() != FP16_SCALE:
-        raise SystemExit("a loss scale changed during the check")
-
-    def rel(a, b):  # elementwise max |a - b| / |b| (0/0 = 0)
-        a, b = a.double(), b.double()
-        return float(((a - b).abs() / b.abs().clamp_min(1e-300)).max()) if a.numel() else 0.0
-
-    grad_vs_ref = max(rel(p.grad, s.double() * (inv * ref_coef)) for p, s in zip(params, saved_t))
-    grad_vs_torch = max(rel(p.grad, p_t.grad) for p, p_t in zip(params, params_t))
-    norm_rel = abs(norm_o - ref_norm) / ref_norm
-    torch_norm_rel = abs(norm_t - ref_norm) / ref_norm
-    ok = (norm_rel <= rtol and grad_vs_ref <= rtol and torch_norm_rel <= TORCH_NORM_SANITY
-          and grad_vs_torch <= rtol + torch_norm_rel)
-    info = dict(rtol=rtol, norm=ref_norm, norm_rel=norm_rel, grad_rel=grad_vs_ref, torch_norm_rel=torch_norm_rel,
-                grad_vs_torch=grad_vs_torch, clipped=ref_norm > MAX_NORM, numel=sum(p.numel() for p in params))
-    if not ok:
-        return ok, None, info
-
-    times = run_interleaved(
-        [Contender("torch", torch_fn, torch_setup), Contender("accelerate_c", ours_fn, ours_setup)],
-        repeats=repeats, warmup=1, timer=now)  # now(): on the GPU, synchronize, then read the clock
-    return ok, times, info
-
-
 GAP_TO_TORCH = (
     "accelerate_c runs torch's own forward, backward and AdamW. Around them, each optimizer step it adds "
     "what the library does for the user (the accumulate() context, the autocast and fp32-output wrapper of the "
@@ -548,13 +373,13 @@ def step_table(setting, names, rates, per_step, faults, args):
     goal = TARGET_VS_ACCELERATE[setting]
     if "accelerate" in names:
         r_med = ours.median / S["accelerate"].median
-        ok = _targets.target(BENCH, f"steps/s vs accelerate, {setting}{_device_note()}", r_med, goal)
+        ok = _targets.target(BENCH, f"steps/s vs accelerate, {setting}{device_note()}", r_med, goal)
         results.append(ok)
         ratio_rows.append(["accelerate_c / accelerate", f"{r_med:.3f}x", f"{ours.q1 / S['accelerate'].median:.3f}x",
                            f">= {goal:.2f}x (median)", verdict(ok)])
     r_med = ours.median / S["torch"].median
     gap_ms = 1e3 / ours.median - 1e3 / S["torch"].median
-    _targets.info(BENCH, f"steps/s vs plain torch, {setting}{_device_note()}", r_med,
+    _targets.info(BENCH, f"steps/s vs plain torch, {setting}{device_note()}", r_med,
                   note=f"{gap_ms:+.1f} ms per step against plain torch's {1e3 / S['torch'].median:.0f} ms: what "
                        "accelerate_c adds around torch's own step (library bookkeeping, one copy of each gradient "
                        "into its buffer) less what its fused clip saves; bench_step.py --breakdown shows the phases")
@@ -580,7 +405,7 @@ def tuning_table(names, out):
         d, t = Summary.of(out["defaults"][0][n]).median, Summary.of(out["tuned"][0][n]).median
         fd, ft = Summary.of(out["defaults"][2][n]).median, Summary.of(out["tuned"][2][n]).median
         rows.append([n, f"{d:.3f}", f"{t:.3f}", f"{t / d:.3f}x", f"{fd:.0f}", f"{ft:.0f}"])
-        _targets.info(BENCH, f"what the malloc tuning buys {n}: tuned / defaults{_device_note()}", t / d)
+        _targets.info(BENCH, f"what the malloc tuning buys {n}: tuned / defaults{device_note()}", t / d)
     print("what the malloc settings buy (median steps/s, each contender tuned against itself at defaults):")
     print_table(["contender", "defaults", "tuned", "tuned / defaults", "faults/step defaults", "tuned"], rows)
     bad = [r[0] for r in rows if float(r[5]) > 0.5 * float(r[4]) and float(r[4]) > 1000]
@@ -588,10 +413,6 @@ def tuning_table(names, out):
         print(f"warning: the tuned setting did not cut {', '.join(bad)}'s page faults: were the MALLOC_* variables "
               "ignored (not glibc, or a secure-execution process)?")
     print()
-
-
-def _device_note():
-    return "" if not on_cuda() else " (cuda)"
 
 
 def run_step_benchmark(args, names, cfg, dataset, skip_note):
@@ -628,179 +449,16 @@ def run_step_benchmark(args, names, cfg, dataset, skip_note):
     return results
 
 
-def run_fp16_benchmark(args, cfg, dataset):
-    """The fp16 post-processing micro-benchmark with its checks and table; returns [ok], or
-    None when the results differ beyond the limits."""
-    print(f"fp16 gradient post-processing (unscale + non-finite check + clip) on the same model's "
-          f"gradients, {args.fp16_repeats} interleaved repeats:")
-    a = load_sample()
-    ok, times, info = bench_fp16_postprocess(cfg, dataset, args.batch, args.fp16_repeats)
-    load = other_load_between(a, load_sample())
-    print(f"  {info['numel'] / 1e6:.1f}M fp32 gradient elements, loss scale {FP16_SCALE:g}; "
-          f"norm {info['norm']:.6f} ({'clipped' if info['clipped'] else 'not clipped'} at {MAX_NORM})")
-    print(f"  check against an fp64 reference: accelerate_c norm rel err {info['norm_rel']:.1e}, grads max rel "
-          f"err {info['grad_rel']:.1e} (limit {info['rtol']:g}); torch norm rel err {info['torch_norm_rel']:.1e} "
-          f"(fp32 sums; limit {TORCH_NORM_SANITY:g}); accelerate_c vs torch grads max rel diff "
-          f"{info['grad_vs_torch']:.1e} (limit {info['rtol']:g} + torch's norm error)")
-    if not ok:
-        print("ERROR: the unscale+clip results differ beyond the limits above", file=sys.stderr)
-        return None
-    T = {n: Summary.of(v) for n, v in times.items()}
-    rows = [[n, f"{T[n].median * 1e3:.2f}", f"{T[n].q1 * 1e3:.2f}", f"{T[n].q3 * 1e3:.2f}",
-             f"{T[n].min * 1e3:.2f}"] for n in times]
-    print_table(["contender", "ms median", "q1", "q3", "min"], rows)
-    speedup = T["torch"].median / T["accelerate_c"].median
-    ok = speedup >= TARGET_FP16_SPEEDUP
-    # recorded here, in whichever process ran it (the fp16 child shares the parent's run token)
-    _targets.target(BENCH, f"fp16 unscale+clip vs GradScaler + clip_grad_norm_{_device_note()}", speedup,
-                    TARGET_FP16_SPEEDUP, limit="memory-bound: 5/3 = 1.67x (element-passes, torch/ours)")
-    print(f"  speedup (median torch / median accelerate_c): {speedup:.2f}x   target >= "
-          f"{TARGET_FP16_SPEEDUP:.1f}x   {verdict(ok)}")
-    if load is not None and load > 0.25:
-        print(f"warning: other processes kept ~{load:.1f} CPUs busy while timing; the numbers are noisy")
-    print()
-    return [ok]
-
-
-# ---- clip_grad_norm_ in a real loop --------------------------------------------------------
 # (self-contained: its constants, functions and the few lines in main() that call it)
-TARGET_CLIP_FRACTION = 0.90  # of the in-place-scale bandwidth, for the clip's own pass
-CLIP_REL = 0.5  # max_norm = this x the gradients' norm, so the scaling pass really runs
-
-
-def bench_clip_in_loop(cfg, dataset, batch_size, repeats):
-    """After a real backward (bf16 autocast, zero_grad(set_to_none=True) before it, as the
-    step benchmark's loop), times accelerator.clip_grad_norm_(params, max_norm) alone (params:
-    the model's parameters, listed once): on one process the hooks measured each gradient while
-    backward wrote it, so the clip is one scaling pass of the flat buffer. Held to an in-place scale of the same buffer after the same backward
-    (torch's mul_ and _C.scale_). Also timed, for comparison: the same clip with the hooks'
-    sums invalidated (a version bump, no data touched), i.e. a read pass plus the scaling pass,
-    what every clip cost before. Returns (ok, times, info)."""
-    from torch.autograd.graph import increment_version
-
-    from accelerate_c import grads as grads_mod
-
-    reset_singletons()
-    torch.manual_seed(SEED)
-    model = GPT(cfg)
-    model_t = GPT(cfg)  # torch's reference: a copy holding the same gradients
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    accelerator = accelerate_c.Accelerator(mixed_precision="bf16", cpu=True)
-    model, opt = accelerator.prepare(model, opt)
-    groups = accelerator._grads.groups
-    x = torch.stack([dataset[i][0] for i in range(batch_size)])
-    y = torch.stack([dataset[i][1] for i in range(batch_size)])
-    params = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(g.flat.numel() for g in groups)
-    esize = groups[0].flat.element_size()
-
-    def backward():
-        opt.zero_grad(set_to_none=True)
-        accelerator.backward(model(x, y))
-
-    backward()
-    norm0 = float(accelerator.clip_grad_norm_(model.parameters(), math.inf))  # asks for 2-norms; no clipping
-    max_norm = CLIP_REL * norm0
-    coef = max_norm / (norm0 + 1e-6)
-
-    # check, once: the clip after a backward reads no buffer, and its norm and grads are those
-    # of an fp64 reference from the same gradients (torch's own fp32 norm is off by ~1e-6 here;
-    # printed beside)
-    backward()
-    saved = [p.grad.detach().clone() for p in params]
-    for p_t, g in zip(model_t.parameters(), saved):
-        p_t.grad = g.clone()
-    torch_norm = float(torch.nn.utils.clip_grad_norm_(model_t.parameters(), max_norm))
-    want = math.sqrt(sum(float(g.double().pow(2).sum()) for g in saved))
-    ref_coef = min(1.0, max_norm / (want + 1e-6))
-    real, reads = grads_mod._C, [0]
-
-    class Counting:  # counts the whole-buffer read passes clip makes
-        def __getattr__(self, name):
-            fn = getattr(real, name)
-            if name in ("sumsq", "stats"):
-                reads[0] += 1
-            return fn
-
-    grads_mod._C = Counting()
-    try:
-        got = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
-    finally:
-        grads_mod._C = real
-    grad_rel = max(float(((p.grad.double() - g.double() * ref_coef).abs()
-                          / (g.double() * ref_coef).abs().clamp_min(1e-300)).max()) for p, g in zip(params, saved))
-    info = dict(numel=numel, esize=esize, norm=norm0, max_norm=max_norm, reads=reads[0],
-                norm_rel=abs(got - want) / want, grad_rel=grad_rel, torch_norm_rel=abs(torch_norm - want) / want)
-    ok = reads[0] == 0 and info["norm_rel"] <= 1e-6 and grad_rel <= 1e-6
-    if not ok:
-        return ok, None, info
-
-    def uncached_setup():
-        backward()
-        for g in groups:
-            increment_version(g.flat)  # the hooks' sums no longer match: clip reads the buffer
-
-    def mul_():
-        for g in groups:
-            g.flat.mul_(coef)
-
-    def scale_():
-        for g in groups:
-            _C.scale_(g.buf, coef)
-
-    def clip():  # `params` listed once: iterating model.parameters() is the loop's cost, not the clip's
-        accelerator.clip_grad_norm_(params, max_norm)
-
-    times = run_interleaved([
-        Contender("clip_grad_norm_ (hook sums)", clip, backward),
-        Contender("clip_grad_norm_ (sums not cached)", clip, uncached_setup),
-        Contender("limit: torch mul_", mul_, backward),
-        Contender("limit: _C.scale_", scale_, backward),
-    ], repeats=repeats, warmup=1)
-    return ok, times, info
-
-
-def run_clip_benchmark(args, cfg, dataset):
-    """The clip-in-a-real-loop benchmark with its check and table; returns [ok], [] where it
-    does not apply (--device cuda: the hooks measure CPU buffers), or None when the check
-    fails."""
-    if on_cuda():
-        print("clip_grad_norm_ in a real loop: skipped on --device cuda (the hooks measure CPU buffers only)\n")
-        return []
-    print(f"clip_grad_norm_ in a real loop (after a real backward; the sums measured in the hooks), "
-          f"{args.clip_repeats} interleaved repeats:")
-    a = load_sample()
-    ok, times, info = bench_clip_in_loop(cfg, dataset, args.batch, args.clip_repeats)
-    load = other_load_between(a, load_sample())
-    n, es = info["numel"], info["esize"]
-    print(f"  {n / 1e6:.1f}M gradient elements ({es * n / 1e6:.0f} MB), norm {info['norm']:.4f}, "
-          f"max_norm {info['max_norm']:.4f}\n  check: buffer reads in clip {info['reads']} (expected 0); against an "
-          f"fp64 reference: norm rel err {info['norm_rel']:.1e}, grads max rel err {info['grad_rel']:.1e} (limit "
-          f"1e-6); torch's clip_grad_norm_ norm rel err {info['torch_norm_rel']:.1e} (fp32 sums)")
-    if not ok:
-        print("ERROR: the clip after a backward read the buffer or differs from the reference", file=sys.stderr)
-        return None
-    T = {k: Summary.of(v) for k, v in times.items()}
-    nbytes = {k: (3 if "not cached" in k else 2) * n * es for k in times}  # read + write; + a read uncached
-    bw = {k: nbytes[k] / T[k].median / 1e9 for k in times}  # GB/s
-    limit_name = max((k for k in times if k.startswith("limit")), key=lambda k: bw[k])
-    rows = [[k, f"{nbytes[k] // (n * es)}N", f"{T[k].median * 1e3:.2f}", f"{T[k].q1 * 1e3:.2f}",
-             f"{T[k].q3 * 1e3:.2f}", f"{T[k].min * 1e3:.2f}", f"{bw[k]:.1f}", f"{100 * bw[k] / bw[limit_name]:.0f}%"]
-            for k in times]
-    print_table(["contender", "bytes", "median ms", "q1 ms", "q3 ms", "min ms", "GB/s", "% limit"], rows)
-    ours = "clip_grad_norm_ (hook sums)"
-    frac = bw[ours] / bw[limit_name]
-    ok = _targets.target(BENCH, "clip_grad_norm_ in a real loop: its pass vs an in-place scale", frac,
-                         TARGET_CLIP_FRACTION, unit="%",
-                         limit=f"{limit_name.removeprefix('limit: ')} {bw[limit_name]:.1f} GB/s")
-    by_min = min(T[k].min for k in times if k.startswith("limit")) / T[ours].min
-    print(f"  clip's own pass: {100 * frac:.0f}% of the in-place-scale bandwidth ({limit_name.removeprefix('limit: ')}"
-          f", {bw[limit_name]:.1f} GB/s)  target >= {100 * TARGET_CLIP_FRACTION:.0f}%  {verdict(ok)}  "
-          f"(by the fastest call of each: {100 * by_min:.0f}%)")
-    if load is not None and load > 0.25:
-        print(f"warning: other processes kept ~{load:.1f} CPUs busy while timing; the numbers are noisy")
-    print()
-    return [ok]
+def _part_in_child(part, part_argv, args):
+    """Runs one part (--fp16-child / --clip-child) in a fresh process at glibc's defaults, echoes
+    its report and returns its [ok per target], or None when it failed."""
+    cmd = [sys.executable, os.path.abspath(__file__), f"--{part}-child"] + part_argv + args.child_argv
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                         env=_settings.process_env("defaults"))
+    out = res.stdout.rstrip().splitlines()
+    print("\n".join(out[:-1]) if res.returncode == 0 else res.stdout + res.stderr[-3000:])
+    return json.loads(out[-1])[part] if res.returncode == 0 and out else None
 
 
 # ---- main -------------------------------------------------------------------------------
@@ -832,7 +490,6 @@ def main(argv=None):
                     help=argparse.SUPPRESS)  # internal: one contender's timed repeat, printed as JSON
     ap.add_argument("--fp16-child", action="store_true", help=argparse.SUPPRESS)  # internal: the fp16 part only
     args = ap.parse_args(argv)
-    global DEVICE
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print(f"bench_step: error: --device cuda: CUDA is not available (torch {torch.__version__}, "
@@ -843,9 +500,9 @@ def main(argv=None):
             print("bench_step: error: --device cuda: accelerate_c's C core was built without CUDA "
                   "(reinstall with nvcc on PATH)", file=sys.stderr)
             return 2
-        DEVICE = torch.device("cuda", torch.cuda.current_device())
+        _step_common.set_device(torch.device("cuda", torch.cuda.current_device()))
     else:
-        DEVICE = torch.device("cpu")
+        _step_common.set_device(torch.device("cpu"))
     if args.batch is None:
         args.batch = DEFAULT_BATCH[args.device]
     if args.quick:
@@ -870,7 +527,7 @@ def main(argv=None):
     if args.skip_accelerate:
         skip_note = "accelerate skipped (--skip-accelerate): torch vs accelerate_c only"
     elif accelerate is None:
-        skip_note = f"accelerate not importable ({_ACCELERATE_ERROR}): torch vs accelerate_c only"
+        skip_note = f"accelerate not importable ({ACCELERATE_ERROR}): torch vs accelerate_c only"
     if skip_note:
         names.remove("accelerate")
 
@@ -902,9 +559,9 @@ def main(argv=None):
           f"(_C threads {_C.get_num_threads()}, kernels {_C.kernel_isa()}"
           + (f", pool {_C.pool_backend()}" if hasattr(_C, "pool_backend") else "") + ")")
     if on_cuda():
-        major, minor = torch.cuda.get_device_capability(DEVICE)
-        free, total = torch.cuda.mem_get_info(DEVICE)
-        print(f"device: {DEVICE} = {torch.cuda.get_device_name(DEVICE)} (sm_{major}{minor}, "
+        major, minor = torch.cuda.get_device_capability(_step_common.DEVICE)
+        free, total = torch.cuda.mem_get_info(_step_common.DEVICE)
+        print(f"device: {_step_common.DEVICE} = {torch.cuda.get_device_name(_step_common.DEVICE)} (sm_{major}{minor}, "
               f"{total / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free), CUDA {torch.version.cuda}, "
               f"{torch.cuda.device_count()} visible; accelerate_c CUDA kernels "
               f"{'built' if getattr(_C, 'has_cuda', False) else 'NOT built'}; every timer read synchronizes")
@@ -933,33 +590,17 @@ def main(argv=None):
         results += step_results
 
     if not args.skip_fp16:
-        if args.skip_steps:
-            fp16 = run_fp16_benchmark(args, cfg, dataset)
-        else:
-            # in a fresh process, as when run alone (--skip-steps): after the step benchmark this
-            # process's heap is fragmented and huge pages are scarcer, which shifted the ratio
-            cmd = [sys.executable, os.path.abspath(__file__), "--fp16-child", "--fp16-repeats",
-                   str(args.fp16_repeats)] + args.child_argv
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-                                 env=_settings.process_env("defaults"))
-            out = res.stdout.rstrip().splitlines()
-            print("\n".join(out[:-1]) if res.returncode == 0 else res.stdout + res.stderr[-3000:])
-            fp16 = json.loads(out[-1])["fp16"] if res.returncode == 0 and out else None
+        # in a fresh process, as when run alone (--skip-steps): after the step benchmark this
+        # process's heap is fragmented and huge pages are scarcer, which shifted the ratio
+        fp16 = (run_fp16_benchmark(args, cfg, dataset) if args.skip_steps
+                else _part_in_child("fp16", ["--fp16-repeats", str(args.fp16_repeats)], args))
         if fp16 is None:
             return 1
         results += fp16
 
     if not args.skip_clip:
-        if args.skip_steps and args.skip_fp16:
-            clip = run_clip_benchmark(args, cfg, dataset)
-        else:  # in a fresh process, as the fp16 part
-            cmd = [sys.executable, os.path.abspath(__file__), "--clip-child", "--clip-repeats",
-                   str(args.clip_repeats)] + args.child_argv
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-                                 env=_settings.process_env("defaults"))
-            out = res.stdout.rstrip().splitlines()
-            print("\n".join(out[:-1]) if res.returncode == 0 else res.stdout + res.stderr[-3000:])
-            clip = json.loads(out[-1])["clip"] if res.returncode == 0 and out else None
+        clip = (run_clip_benchmark(args, cfg, dataset) if args.skip_steps and args.skip_fp16
+                else _part_in_child("clip", ["--clip-repeats", str(args.clip_repeats)], args))
         if clip is None:
             return 1
         results += clip
