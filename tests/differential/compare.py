@@ -20,6 +20,25 @@ def tolerance(case: dict) -> float:
     return 1e-4
 
 
+# bf16's spacing relative to a value, at its widest (just above a power of two); fp16's is finer
+ULP16 = 2.0 ** -7
+
+
+def param_rtol(case: dict, step: int) -> float:
+    """The parameters' tolerance after optimizer step `step` (0-based). With 16-bit parameters
+    or a bf16 comm hook every step may add a rounding apart: each rank's 16-bit sums are one
+    of the orders three terms can be added in (the subject's buffer puts an element in
+    another gloo chunk than torch's bucket does, so it takes another order, each a valid one:
+    seen elementwise in case 7000238), and each update rounds to 16 bits from there. So two
+    ulps to start with and one more per step. Measured (150 such cases on three ranks, seeds
+    7000000 on): the subject against torch up to 0.0127 over all steps, torch against itself
+    with another bucket size 0.0069; the soak's case 6160243035 reached 0.0244 at step 3 (4
+    ulps of a 0.04 bias) against 2e-2. A doubled or missing update still shows in the
+    gradients, which are compared at every step."""
+    rtol = tolerance(case)
+    return max(rtol, ULP16 * (2 + step)) if rtol >= 2e-2 else rtol
+
+
 def chaotic(case: dict) -> bool:
     """bf16 autocast on fp32 parameters with an fp16 comm hook on three or more processes. Three
     ranks' fp16 sums taken in another order (another bucket layout, which gloo chunks differently)
@@ -133,20 +152,20 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
                 if why:
                     errors.append(f"step {k}: gradient {j} {tuple(b.shape)}: {why}")
         for j, (a, b) in enumerate(zip(s["params"], r["params"])):
-            why = _close(a, b, rtol)
+            why = _close(a, b, param_rtol(case, k))
             if why:
                 errors.append(f"step {k}: parameter {j} {tuple(b.shape)}: {why}")
         if errors:
             break  # later steps only repeat the first divergence
     if not errors:
         for j, (a, b) in enumerate(zip(sub["final"], ref["final"])):
-            why = _close(a, b, rtol)
+            why = _close(a, b, param_rtol(case, nr - 1))
             if why:
                 errors.append(f"after training: parameter {j} {tuple(b.shape)}: {why}")
     if "eval" in ref:
         # an autocast forward rounds the outputs to 16 bits: one bf16 ulp is 2^-7 relative
         ertol = {"bf16": 2e-2, "fp16": 5e-3}.get(case["mp"], rtol)
-        why = _close(sub["eval"], ref["eval"], max(rtol, ertol))
+        why = _close(sub["eval"], ref["eval"], max(rtol, ertol, param_rtol(case, nr - 1)))
         if why:
             errors.append(f"gather_for_metrics: {why}")
     return errors
