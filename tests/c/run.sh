@@ -5,6 +5,11 @@
 #   bash tests/c/run.sh            # from the repository root (or anywhere: it cds there)
 #   CC=clang bash tests/c/run.sh   # another compiler
 #   bash tests/c/run.sh pool       # only the test programs whose name contains "pool"
+#   bash tests/c/run.sh safetensors kernels_ops   # several filters: programs matching any
+#
+# A suite too big for one file is several programs sharing a name prefix and a header
+# (test_kernels_* with kernels_test_util.h, test_safetensors_* with st_test_util.h), so the
+# prefix still selects all of it.
 #
 # Binaries go to tests/c/bin/ (git-ignored). Exits non-zero if any build or test fails.
 set -u
@@ -25,7 +30,12 @@ for f in csrc/core/*.c; do CORE+=("$(basename "$f" .c)"); done
 for c in error pool kernels kernels_scalar kernels_avx2 cuda_stub; do
   [ -f "csrc/core/$c.c" ] || { echo "FAILED: csrc/core/$c.c is missing"; exit 1; }
 done
-TESTS=(test_error test_pool test_kernels test_bucket test_safetensors test_comm)
+TESTS=(test_error test_pool
+       test_kernels_half test_kernels_ops test_kernels_reduce
+       test_bucket
+       test_safetensors_header test_safetensors_roundtrip test_safetensors_publish
+       test_safetensors_direct test_safetensors_gpu
+       test_comm)
 
 # LeakSanitizer is part of ASan on x86-64 Linux (gcc and clang); detect_leaks=1 makes it
 # explicit. Caller-supplied options are kept (ours come first, theirs win).
@@ -114,7 +124,7 @@ done
 # libgomp, as torch's process is, and run them with AC_POOL_BACKEND=openmp; the tests check
 # that the backend is in use and that a forked child falls back to the pthread workers.
 for t in "${selected[@]}"; do
-  case "$t" in test_pool | test_kernels) ;; *) continue ;; esac
+  case "$t" in test_pool | test_kernels_*) ;; *) continue ;; esac
   rm -f "$BIN/${t}_omp"
   if "${CCV[@]}" "${CFLAGS[@]}" -fopenmp "tests/c/$t.c" "${OBJS[@]}" -lm -o "$BIN/${t}_omp"; then
     echo "== AC_POOL_BACKEND=openmp $BIN/${t}_omp"
@@ -128,12 +138,14 @@ done
 
 # The AC_KERNELS_ISA=scalar start-up override: the kernel ISA is chosen lazily on first use and
 # cached, so only a fresh process shows it. The env-sensitive test (isa_default_and_env) runs
-# first in the program and expects "scalar" here; the rest of the suite runs again too (it
-# switches ISAs itself with ac_kernels_set_isa, which overrides the environment).
+# first in test_kernels_ops and expects "scalar" here; the rest of the kernel programs run
+# again too (they switch ISAs themselves with ac_kernels_set_isa, which overrides the
+# environment).
 for t in "${selected[@]}"; do
-  if [ "$t" = test_kernels ] && [ -x "$BIN/$t" ]; then
+  case "$t" in test_kernels_*) ;; *) continue ;; esac
+  if [ -x "$BIN/$t" ]; then
     echo "== AC_KERNELS_ISA=scalar $BIN/$t"
-    run_one "test_kernels with AC_KERNELS_ISA=scalar" env AC_KERNELS_ISA=scalar "$BIN/$t"
+    run_one "$t with AC_KERNELS_ISA=scalar" env AC_KERNELS_ISA=scalar "$BIN/$t"
     echo
   fi
 done
