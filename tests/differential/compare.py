@@ -40,27 +40,32 @@ def param_rtol(case: dict, step: int) -> float:
 
 
 def chaotic(case: dict) -> bool:
-    """bf16 autocast on fp32 parameters with an fp16 comm hook on three or more processes. Three
-    ranks' fp16 sums taken in another order (another bucket layout, which gloo chunks differently)
-    are an fp16 ulp apart from the first step; the bf16 forward turns parameters that far apart
-    into differences of bf16 roundings of the forward's terms, which do not shrink when the
-    gradient they sum to does (a bias near its optimum). On two processes a sum of two has no
-    order and the runs agree bit for bit; without the hook or without autocast the differences
-    stay at 1e-7 and 1e-3. Measured: docs/differential.md, tolerances."""
-    return (case["mp"] == "bf16" and case["comm_hook"] == "fp16" and case["world"] > 2
-            and case["param_dtype"] == "fp32")
+    """An autocast forward on three or more processes whose gradients are summed in 16 bits (a
+    16-bit comm hook, or 16-bit parameters). Three ranks' 16-bit sums taken in another order
+    (the subject's buffer puts an element in another gloo chunk than torch's bucket does) are a
+    16-bit ulp apart from the first step; the 16-bit forward turns parameters that far apart
+    into differences of roundings of the forward's terms, which do not shrink when the gradient
+    they sum to does (a bias near its optimum). On two processes a sum of two has no order and
+    the runs agree bit for bit; without autocast the ulp stays an ulp. Measured:
+    docs/differential.md, tolerances (fp32 parameters with an fp16 hook under bf16 autocast;
+    and the soak's case 6161135130, bf16 parameters, fp16 autocast, a bf16 hook: one bf16 ulp
+    apart at step 0, a bias gradient that fell from 31488 to -64, off by 32, at step 7)."""
+    return (case["mp"] != "no" and case["world"] > 2
+            and (case["comm_hook"] != "no" or case["param_dtype"] != "fp32"))
 
 
-# In a chaotic case, from the second step on: the gradients' tolerance (16x tolerance()), and the
-# least scale a gradient is measured against, as a fraction of the largest magnitude that
-# gradient had in the reference so far. A doubled, halved or unaveraged gradient is still off by
-# 1 (relative) unless it has shrunk below 1/8 of its largest, and off by more than the tolerance
-# unless it has shrunk below 1% of it.
+# In a chaotic case, from the second step on: the gradients' tolerance (16x 5e-3, or the 8x of
+# other later steps where that is more), and the least scale a gradient is measured against, as
+# a fraction of the largest magnitude that gradient had in the reference so far. A doubled,
+# halved or unaveraged gradient is still off by 1 (relative) unless it has shrunk below 1/8 of
+# its largest, and off by more than the tolerance unless it has shrunk below 1% of it.
 CHAOTIC_GRAD_RTOL = 0.08
 CHAOTIC_PEAK_FRACTION = 1 / 8
-# ... and the inf-norm clip returns, from the second step on: one gradient element, as noisy as
-# the gradients (2-norms average the noise out and keep tolerance())
-CHAOTIC_INF_NORM_RTOL = 2e-2
+# The inf-norm clip returns is one gradient element, as noisy as the gradients: from the second
+# step on it gets 4x tolerance() (2-norms average the noise out and keep tolerance()). Seen in
+# the soak's case 6161128984 (bf16 autocast, bf16 hook, three ranks): at step 3 torch against
+# itself with another bucket size differs by 5.1%, the subject against torch by 3.2%.
+INF_NORM_LATER_FACTOR = 4
 
 
 def _clipped_16bit(case: dict, ref_step: dict) -> bool:
@@ -120,7 +125,7 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
     for k, (s, r) in enumerate(zip(sub["steps"], ref["steps"])):
         if s["skipped"] != r["skipped"]:
             errors.append(f"step {k}: skipped={s['skipped']}, the reference skipped={r['skipped']}")
-        ntol = CHAOTIC_INF_NORM_RTOL if k > 0 and chaotic(case) and case["clip"] == "norminf" else rtol
+        ntol = INF_NORM_LATER_FACTOR * rtol if k > 0 and case["clip"] == "norminf" else rtol
         if not _num_close(s["norm"], r["norm"], ntol):
             errors.append(f"step {k}: clip returned {s['norm']}, torch returned {r['norm']}")
         if not _num_close(s["lr"], r["lr"], 1e-9):
@@ -133,7 +138,7 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
         # small gradient (a bias near its optimum) magnifies: 8x the tolerance there (a doubled
         # or unclipped gradient is still off by far more); in a chaotic case, CHAOTIC_GRAD_RTOL
         # and never against less than CHAOTIC_PEAK_FRACTION of the gradient's largest so far
-        grtol = rtol if k == 0 else CHAOTIC_GRAD_RTOL if chaotic(case) else 8 * rtol
+        grtol = rtol if k == 0 else max(CHAOTIC_GRAD_RTOL, 8 * rtol) if chaotic(case) else 8 * rtol
         if k == 0 and _clipped_16bit(case, r):
             grtol += rtol
         for j, (a, b) in enumerate(zip(s["grads"], r["grads"])):
