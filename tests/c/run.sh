@@ -25,7 +25,7 @@ for f in csrc/core/*.c; do CORE+=("$(basename "$f" .c)"); done
 for c in error pool kernels kernels_scalar kernels_avx2 cuda_stub; do
   [ -f "csrc/core/$c.c" ] || { echo "FAILED: csrc/core/$c.c is missing"; exit 1; }
 done
-TESTS=(test_error test_pool test_kernels test_bucket test_safetensors test_comm)
+TESTS=(test_error test_pool test_kernels test_bucket test_shard test_safetensors test_comm)
 
 # LeakSanitizer is part of ASan on x86-64 Linux (gcc and clang); detect_leaks=1 makes it
 # explicit. Caller-supplied options are kept (ours come first, theirs win).
