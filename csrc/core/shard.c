@@ -77,8 +77,9 @@ ac_result_t ac_shard_plan_create(ac_shard_plan_t **out, size_t nparams, const si
   /* order must be a permutation: bucket_of serves as the seen-set until the packing fills it */
   for (size_t k = 0; k < nparams; k++) {
     if (order[k] >= nparams || p->bucket_of[order[k]]) {
-      r = AC_FAIL(AC_ERR_INVALID_ARG, "ac_shard_plan_create: order is not a permutation of 0..%zu (order[%zu] is %zu%s)",
-                  nparams - 1, k, order[k], order[k] >= nparams ? ", out of range" : ", repeated");
+      r = AC_FAIL(AC_ERR_INVALID_ARG,
+                  "ac_shard_plan_create: order is not a permutation of 0..%zu (order[%zu] is %zu%s)", nparams - 1, k,
+                  order[k], order[k] >= nparams ? ", out of range" : ", repeated");
       goto fail;
     }
     p->bucket_of[order[k]] = 1;
@@ -113,7 +114,7 @@ ac_result_t ac_shard_plan_create(ac_shard_plan_t **out, size_t nparams, const si
     p->offset[i] = used;
     p->bucket_of[i] = b;
     p->buckets[b].count++;
-    bytes_in += numel[i] * esize; /* <= used * esize, which pass 2 bounds */
+    bytes_in += numel[i] * esize; /* wraps only if the buffer's bytes overflow, which pass 2 refuses */
     used += padded;
   }
   p->nbuckets = nparams ? b + 1 : 0;
