@@ -24,6 +24,24 @@ PyObject *pyac_raise(PyObject *module, ac_result_t r) {
   return NULL;
 }
 
+PyObject *pyac_raise_value(PyObject *module, ac_result_t r) {
+  if (r != AC_ERR_INVALID_ARG) return pyac_raise(module, r);
+  const char *msg = ac_last_error();
+  PyObject *exc = PyObject_CallFunction(PyExc_ValueError, "s", msg && *msg ? msg : ac_result_string(r));
+  ac_clear_error();
+  if (!exc) return NULL;
+  PyObject *code = PyUnicode_FromString(ac_result_string(r));
+  if (code) {
+    if (PyObject_SetAttrString(exc, "code", code) < 0) PyErr_Clear(); /* the message matters more */
+    Py_DECREF(code);
+  } else {
+    PyErr_Clear();
+  }
+  PyErr_SetObject(PyExc_ValueError, exc);
+  Py_DECREF(exc);
+  return NULL;
+}
+
 static int module_exec(PyObject *m) {
   pyac_state *st = pyac_get_state(m);
   ac_pool_init();
@@ -45,6 +63,11 @@ static int module_exec(PyObject *m) {
   if (rc < 0) return -1;
   st->hook_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &pyac_hook_spec, NULL);
   if (!st->hook_type || PyModule_AddObjectRef(m, "GradHook", (PyObject *)st->hook_type) < 0) return -1;
+  PyObject *shard_plan = PyType_FromModuleAndSpec(m, &pyac_shard_plan_spec, NULL);
+  if (!shard_plan) return -1;
+  rc = PyModule_AddObjectRef(m, "ShardPlan", shard_plan);
+  Py_DECREF(shard_plan);
+  if (rc < 0) return -1;
   if (PyModule_AddObjectRef(m, "has_cuda", ac_cuda_built() ? Py_True : Py_False) < 0) return -1;
   if (PyModule_AddStringConstant(m, "dlpack_version", "1.0") < 0) return -1;
   if (PyModule_AddFunctions(m, pyac_safetensors_methods) < 0) return -1;

@@ -53,6 +53,10 @@ static inline int pyac_stream(PyObject *o, int allow_none, void **out) {
 /* Raises CoreError carrying the core's last-error message for result `r`; returns NULL so
  * callers can `return pyac_raise(mod, r);`. The one place where ac_result_t becomes Python. */
 PyObject *pyac_raise(PyObject *module, ac_result_t r);
+/* Same, except that AC_ERR_INVALID_ARG becomes a ValueError with the core's message and the same
+ * `code`: for calls whose every argument came from Python, where a value the core refuses is
+ * what Python spells ValueError (the shard plan's order, sizes and parameter lists). */
+PyObject *pyac_raise_value(PyObject *module, ac_result_t r);
 
 /* A borrowed view of a contiguous float buffer, obtained from a Buffer or a DLPack producer. */
 typedef struct {
@@ -126,6 +130,7 @@ extern PyType_Spec pyac_scaler_spec;
 extern PyType_Spec pyac_reducer_spec;
 extern PyType_Spec pyac_hook_spec;
 extern PyType_Spec pyac_comm_spec;
+extern PyType_Spec pyac_shard_plan_spec;
 extern PyMethodDef pyac_comm_methods[];
 
 /* The NCCL communicator behind an accelerate_c._C.NcclComm (NULL after close()). */
