@@ -370,6 +370,7 @@ class Accelerator:
         for opt in self._optimizers:
             if opt.optimizer is optimizer:
                 return opt
+        self._grads.strategy.prepare_optimizer(optimizer)  # a sharding strategy rebuilds it in place
         wrapped = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler,
                                        grads=self._grads)
         self._optimizers.append(wrapped)
@@ -688,12 +689,14 @@ class Accelerator:
     def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
         """Saves models, optimizers, schedulers, scaler, RNG states, data loader positions and
         registered objects; the directory appears complete or not at all."""
+        self._grads.strategy.refuse_checkpoint("save_state")
         return checkpointing.save_state(self, output_dir, safe_serialization=safe_serialization,
                                         **save_model_func_kwargs)
 
     def load_state(self, input_dir=None, load_kwargs=None, allow_pickle: bool = False, **load_model_func_kwargs):
         """Loads what save_state (or accelerate's save_state) wrote; input_dir=None with automatic
         checkpoint naming takes the newest complete checkpoint."""
+        self._grads.strategy.refuse_checkpoint("load_state")
         return checkpointing.load_state(self, input_dir, load_kwargs=load_kwargs, allow_pickle=allow_pickle,
                                         **load_model_func_kwargs)
 

@@ -76,3 +76,24 @@ def all_gather(outs, t):
     _keep((t, *outs))
     with _outside_backward_tls():
         return dist.all_gather(outs, t)
+
+
+
+# torch 2.13 names these *_single and deprecates the *_tensor names (a FutureWarning per call);
+# older torch (2.11 on the GPU machines) has only the *_tensor names
+_ALL_GATHER_1 = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_1 = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into_tensor(out, t, **kwargs):
+    """Every rank's `t`, concatenated in rank order into `out` (async_op too), safe at exit."""
+    _keep((t, out))
+    with _outside_backward_tls():
+        return _ALL_GATHER_1(out, t, **kwargs)
+
+
+def reduce_scatter_tensor(out, t, **kwargs):
+    """This rank's part of the sum of every rank's `t` into `out` (async_op too), safe at exit."""
+    _keep((t, out))
+    with _outside_backward_tls():
+        return _REDUCE_SCATTER_1(out, t, **kwargs)

@@ -71,6 +71,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def _params(self):
+        if self._grads is not None:
+            return self._grads.strategy.model_params(self.optimizer)
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def zero_grad(self, set_to_none=None):
@@ -89,6 +91,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"zero_grad(set_to_none={set_to_none!r}): {type(self.optimizer).__name__}.zero_grad "
                                  "takes no set_to_none argument")
             self.optimizer.zero_grad()
+        if self._grads is not None:
+            self._grads.strategy.after_zero_grad(self.optimizer, True if set_to_none is None else set_to_none)
 
     def step(self, closure=None):
         if not self.gradient_state.sync_gradients:

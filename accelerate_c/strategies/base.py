@@ -107,6 +107,21 @@ class GradStrategy:
         """Whether any process's part of the gradients overflowed, from this process's."""
         return found
 
+    def prepare_optimizer(self, optimizer) -> None:
+        """Accelerator.prepare_optimizer, before the optimizer is wrapped (its models are
+        prepared already): a sharding strategy rebuilds it in place here."""
+
+    def model_params(self, optimizer) -> list:
+        """The model parameters `optimizer` updates (a sharded optimizer lists views of them)."""
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def after_zero_grad(self, optimizer, set_to_none: bool) -> None:
+        """`optimizer.zero_grad(set_to_none)` ran: a sharded optimizer's zero_grad only reached its
+        views, and the strategy does the rest."""
+
+    def refuse_checkpoint(self, doing: str) -> None:
+        """Raises when `doing` (save_state, load_state) cannot be done under this strategy yet."""
+
     def optimizer_step(self, optimizer, closure=None):
         """The optimizer's update of the parameters it owns."""
         return optimizer.step(closure) if closure is not None else optimizer.step()

@@ -1,0 +1,250 @@
+"""ZeRO stage 1: the optimizer's state sharded across processes, beside DDP (docs/sharding.md).
+
+Gradients are reduced as DDPStrategy reduces them (all-reduced bucket by bucket while backward
+runs, so every process holds the averaged gradients); what is sharded is the optimizer. Each
+prepared model's trainable parameters get one shard plan per dtype (csrc/core/shard.c,
+_C.ShardPlan: buckets in reverse registration order, each split into `world` equal chunks), and
+every process owns, of each parameter, the run the plan gives it (possibly nothing). The user's
+optimizer is rebuilt in place over those runs: each parameter in its param_groups is replaced by
+a 1-D view of the part of it this process owns, so the same object keeps stepping with the same
+hyperparameters and param_groups dicts (a scheduler built before prepare keeps working), and its
+per-parameter state (Adam's moments) exists for the owned part only. Without mixed precision the
+views are the parameters' own memory: the update writes the model directly, no master copy.
+
+After each step the owned runs are all-gathered bucket by bucket (all_gather_into_tensor over a
+bucket's chunks, two buckets in flight), so every process has the whole updated model again.
+
+Only elementwise optimizers can be sharded this way (an update that mixes elements of a tensor,
+as LBFGS's or a factored one's, would need the whole tensor): they are named in ELEMENTWISE,
+and any other class is refused at prepare.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+from .. import collectives
+from .ddp import DDPStrategy
+
+# optimizers whose update of an element reads only that element's gradient and state (by
+# class, not by guess: a subclass may override step)
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+               torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+
+ALIGN_BYTES = 64  # each parameter and chunk starts on a cache line
+
+
+class Owned:
+    """What one process owns of one parameter: elements [param_offset, param_offset + length)
+    of its flattened data, at [local_offset, ...) of the process's shard of `plan`."""
+
+    __slots__ = ("plan", "index", "local_offset", "param_offset", "length")
+
+    def __init__(self, plan, index, local_offset, param_offset, length):
+        self.plan, self.index = plan, index
+        self.local_offset, self.param_offset, self.length = local_offset, param_offset, length
+
+
+class ModelShards:
+    """The shard plans of one prepared model: one per dtype of its trainable parameters."""
+
+    def __init__(self, model, world: int, rank: int, caps):
+        first_cap, cap = caps
+        seen, by_dtype = set(), {}
+        for p in model.parameters():  # tied weights are one parameter
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                by_dtype.setdefault(p.dtype, []).append(p)
+        self.plans = []  # (plan, its parameters in the plan's index order)
+        self.owned: dict = {}  # id(param) -> Owned
+        for dtype, params in by_dtype.items():
+            esize = params[0].element_size()
+            plan = _C.ShardPlan(numel=[p.numel() for p in params], esize=esize, world=world,
+                                align=max(1, ALIGN_BYTES // esize), first_cap_bytes=first_cap, cap_bytes=cap,
+                                order=list(range(len(params) - 1, -1, -1)))
+            self.plans.append((plan, params))
+            for i, p in enumerate(params):
+                self.owned[id(p)] = Owned(plan, i, *plan.param_shard(i, rank))
+
+
+class ShardedOptimizer:
+    """The bookkeeping of one optimizer rebuilt over owned runs."""
+
+    __slots__ = ("originals", "views")
+
+    def __init__(self):
+        self.originals = []  # every model parameter the user's optimizer listed, in order
+        self.views = []  # (view, parameter, Owned) for the runs this process owns
+
+
+class Zero1Strategy(DDPStrategy):
+    """DDP's gradient reduction with the optimizer's state sharded (ZeRO stage 1)."""
+
+    stage = 1
+
+    def __init__(self, manager, handler=None):
+        super().__init__(manager, handler)
+        self.models: dict = {}  # id(model) -> ModelShards
+        self.optimizers: dict = {}  # id(torch optimizer) -> ShardedOptimizer
+        self._staging: dict = {}  # (dtype, device) -> [two (chunk, full) buffer pairs]
+
+    # ---- prepare ------------------------------------------------------------------------
+    def prepare_model(self, model, manager):
+        super().prepare_model(model, manager)  # rank 0's weights everywhere, forward sync
+        self.models[id(model)] = ModelShards(model, self.world, self.rank, manager.bucket_caps)
+
+    def _owned(self, p):
+        for shards in self.models.values():
+            o = shards.owned.get(id(p))
+            if o is not None:
+                return o
+        return None
+
+    def prepare_optimizer(self, optimizer) -> None:
+        """Rebuilds `optimizer` in place over the runs of its parameters this process owns."""
+        if type(optimizer) not in ELEMENTWISE:
+            names = ", ".join(c.__name__ for c in ELEMENTWISE)
+            raise ValueError(f"ZeRO stage {self.stage} shards the optimizer's state element by element, which "
+                             f"{type(optimizer).__module__}.{type(optimizer).__name__} does not allow for (only "
+                             f"its own update rule knows which elements it mixes); supported: {names}")
+        if id(optimizer) in self.optimizers:
+            return
+        book = ShardedOptimizer()
+        old_state = optimizer.state
+        new_state = type(old_state)() if isinstance(old_state, dict) else {}
+        for gi, group in enumerate(optimizer.param_groups):
+            kept = []
+            for p in group["params"]:
+                o = self._owned(p)
+                if o is None:
+                    raise ValueError(f"ZeRO stage {self.stage}: parameter {self.manager.name_of(p)} "
+                                     f"(param_groups[{gi}]) is not a trainable parameter of a prepared model; "
+                                     "prepare the model with the optimizer, before or in the same prepare() call")
+                if p.layout != torch.strided or not p.is_contiguous():
+                    raise ValueError(f"ZeRO stage {self.stage}: parameter {self.manager.name_of(p)} is not a "
+                                     "contiguous dense tensor, so its owned run is not a view of it")
+                book.originals.append(p)
+                if o.length == 0:
+                    continue  # another process owns all of it
+                view = p.detach().view(-1).narrow(0, o.param_offset, o.length)
+                book.views.append((view, p, o))
+                kept.append(view)
+                if p in old_state:
+                    new_state[view] = {k: self._slice_state(v, p, o) for k, v in old_state[p].items()}
+            group["params"] = kept
+        optimizer.state = new_state
+        self.optimizers[id(optimizer)] = book
+
+    @staticmethod
+    def _slice_state(v, p, o):
+        if torch.is_tensor(v) and v.shape == p.shape:
+            return v.detach().reshape(-1).narrow(0, o.param_offset, o.length).clone()
+        return v
+
+    def model_params(self, optimizer) -> list:
+        book = self.optimizers.get(id(optimizer))
+        if book is None:
+            return super().model_params(optimizer)
+        return book.originals
+
+    # ---- step ---------------------------------------------------------------------------
+    def optimizer_step(self, optimizer, closure=None):
+        book = self.optimizers.get(id(optimizer))
+        if book is None:
+            return super().optimizer_step(optimizer, closure)
+        for view, p, o in book.views:
+            g = p.grad
+            view.grad = None if g is None else g.detach().reshape(-1).narrow(0, o.param_offset, o.length)
+        try:
+            out = optimizer.step(closure) if closure is not None else optimizer.step()
+        finally:
+            for view, _, _ in book.views:
+                view.grad = None  # the gradient views must not outlive the step (zero_grad swaps .grad)
+        self._gather_updated(book)
+        return out
+
+    def after_zero_grad(self, optimizer, set_to_none: bool) -> None:
+        """The rebuilt optimizer only knows the owned views: do to the model's gradients what its
+        zero_grad would have done to them."""
+        book = self.optimizers.get(id(optimizer))
+        if book is None:
+            return
+        for p in book.originals:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
+    def _gather_updated(self, book):
+        """Every process gets every updated run: per plan of the models this optimizer updates,
+        bucket by bucket, each bucket's owned runs copied into a chunk, all-gathered into the
+        bucket's full layout and copied out into the parameters (two buckets in flight)."""
+        # decided from the optimizer's full parameter list, the same on every process (what
+        # this process owns is not: it may own nothing of a plan)
+        wanted = {id(p) for p in book.originals}
+        for shards in self.models.values():
+            for plan, params in shards.plans:
+                if any(id(p) in wanted for p in params):
+                    self._gather_plan(plan, params)
+
+    def _pair(self, dtype, device, slot, chunk, full):
+        key = (dtype, device)
+        pairs = self._staging.setdefault(key, [None, None])
+        pair = pairs[slot]
+        if pair is None or pair[0].numel() < chunk:
+            pair = pairs[slot] = (torch.zeros(chunk, dtype=dtype, device=device),
+                                  torch.empty(full, dtype=dtype, device=device))
+        return pair[0][:chunk], pair[1][:full]
+
+    def _gather_plan(self, plan, params):
+        dtype, device = params[0].dtype, params[0].device
+        rank, world = self.rank, self.world
+        inflight = []
+
+        def finish(item):
+            work, full, b_off, members = item
+            work.wait()
+            with torch.no_grad():
+                for p, off, n in members:
+                    p.view(-1).copy_(full[off - b_off:off - b_off + n])
+
+        order = plan.order
+        with torch.no_grad():
+            for b in range(plan.nbuckets):
+                b_off, chunk, local, first, count = plan.bucket(b)
+                if chunk == 0:
+                    continue
+                if len(inflight) == 2:
+                    finish(inflight.pop(0))
+                inp, full = self._pair(dtype, device, b % 2, chunk, chunk * world)
+                members = []
+                for k in range(first, first + count):
+                    i = order[k]
+                    p = params[i]
+                    _, off, n = plan.param(i)
+                    members.append((p, off, n))
+                    l_off, p_off, length = plan.param_shard(i, rank)
+                    if length:
+                        inp[l_off - local:l_off - local + length].copy_(p.view(-1)[p_off:p_off + length])
+                work = collectives.all_gather_into_tensor(full, inp, async_op=True)
+                inflight.append((work, full, b_off, members))
+            while inflight:
+                finish(inflight.pop(0))
+
+    # ---- what is not built yet under sharding --------------------------------------------
+    def start_join(self, model, manager):
+        # the processes that ran out of data would skip the optimizer steps, and with them the
+        # all-gather of the updated runs the others wait in
+        raise NotImplementedError(f"join_uneven_inputs() under ZeRO stage {self.stage}: every process must take part "
+                                  "in every optimizer step's all-gather; use even batches (the default)")
+
+    def refuse_checkpoint(self, doing: str) -> None:
+        raise NotImplementedError(f"{doing} under ZeRO stage {self.stage}: each process holds only its shard of "
+                                  "the optimizer's state, and sharded checkpoints are not built yet (saving the "
+                                  "main process's shard alone would lose the others')")
