@@ -36,7 +36,14 @@ def param_rtol(case: dict, step: int) -> float:
     ulps of a 0.04 bias) against 2e-2. A doubled or missing update still shows in the
     gradients, which are compared at every step."""
     rtol = tolerance(case)
-    return max(rtol, ULP16 * (2 + step)) if rtol >= 2e-2 else rtol
+    if rtol >= 2e-2:
+        return max(rtol, ULP16 * (2 + step))
+    if step > 0 and chaotic(case):
+        # measured on the fp16-hook class: torch against itself up to 3.6e-3 over 600 cases,
+        # the subject against torch's other bucket size 5.4e-3; the soak's case 6161137856
+        # reached 5.46e-3 against torch itself at step 6
+        return CHAOTIC_PARAM_FACTOR * rtol
+    return rtol
 
 
 def chaotic(case: dict) -> bool:
@@ -61,6 +68,8 @@ def chaotic(case: dict) -> bool:
 # its largest, and off by more than the tolerance unless it has shrunk below 1% of it.
 CHAOTIC_GRAD_RTOL = 0.08
 CHAOTIC_PEAK_FRACTION = 1 / 8
+# ... and the parameters from the second step on (param_rtol)
+CHAOTIC_PARAM_FACTOR = 2
 # The inf-norm clip returns is one gradient element, as noisy as the gradients: from the second
 # step on it gets 4x tolerance() (2-norms average the noise out and keep tolerance()). Seen in
 # the soak's case 6161128984 (bf16 autocast, bf16 hook, three ranks): at step 3 torch against
