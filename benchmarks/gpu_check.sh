@@ -16,7 +16,7 @@ echo "== issue 11 item 12 (GPU-only defects; docs/gpu.md lists them as unverifie
 # -rs prints the reason of each skip (a single-GPU machine skips the multi-device clip)
 timeout 120 python -m pytest -q -rs tests/test_cuda.py -k "two_gpus or bitwise_reproducible or producers_stream or side_stream_work" 2>&1 | tail -8
 echo "== checkpoint files with GPU tensors (save_file/load_file/load_into on cuda)"
-timeout 60 python -m pytest -q tests/test_safetensors.py -k "gpu or cuda" 2>&1 | tail -5
+timeout 60 python -m pytest -q tests/test_safetensors_cuda.py 2>&1 | tail -5
 echo "== NCCL from C (one rank)"
 timeout 90 python benchmarks/nccl_check.py 2>&1 | tail -8
 echo "== benchmarks"

@@ -154,3 +154,55 @@ def assert_stats(got, t):
     assert_sumsq(sumsq, rs)
     assert maxabs == rm, f"maxabs {maxabs!r} vs torch {rm!r}"
     assert nonfinite == rn, f"nonfinite {nonfinite} vs torch {rn}"
+
+
+# ---- marks and values shared by the kernel test modules (test_kernels_*.py) ----------------
+
+dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+size_param = pytest.mark.parametrize("n", SIZES)
+
+# 1e4 overflows fp16 for |x| > 6.55; 0.0 and -1.5 check sign handling; 1/65536 makes fp16
+# subnormals; 3.7 and 1e-3 are inexact so every element needs rounding.
+FACTORS = [0.5, 1.0 / 65536, 3.7, 1e-3, -1.5, 1e4, 0.0]
+
+
+def scale_ref(t, factor):
+    """torch's in-place multiply for 16-bit types: fp32 math, round to nearest even."""
+    return (t.float() * factor).to(t.dtype)
+
+
+def special_values_f32():
+    """fp32 values at the edges that conversions and scaling must get exactly right."""
+    vals = [
+        0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1.0, -1.0,
+        # fp32 subnormals / extremes
+        2.0**-149, -(2.0**-149), 1e-40, -1e-39, 2.0**-126, 3.4028234663852886e38, -3.4028234663852886e38,
+        # fp16 overflow boundary: 65504 is max, [65504, 65520) rounds down, >= 65520 is inf
+        65504.0, 65505.0, 65519.0, 65520.0 - 2.0**-8, 65520.0, -65520.0, 65536.0, 1e5, -65504.0,
+        # fp16 subnormals and their rounding ties
+        2.0**-24, 2.0**-25, 3 * 2.0**-25, 2.0**-25 + 2.0**-40, 2.0**-26, -(2.0**-25),
+        2.0**-14, 2.0**-14 - 2.0**-24, 2.0**-14 - 2.0**-25, 5.96e-8, 1e-8,
+        # fp16 normal ties (ulp 2**-10 at 1, 2 at 2048)
+        1 + 2.0**-11, 1 + 3 * 2.0**-11, 2049.0, 2051.0, -2051.0,
+        # bf16 ties (ulp 2**-7 at 1, 2 at 256) and the bf16 overflow edge
+        1 + 2.0**-8, 1 + 3 * 2.0**-8, 1 + 2.0**-8 + 2.0**-20, 257.0, 259.0, -259.0,
+        3.3895313892515355e38, 3.3961e38, 1e-39, 9.2e-41,
+    ]
+    t = torch.tensor(vals, dtype=torch.float32)
+    # signalling NaNs (quiet bit clear) of both signs
+    snan = torch.tensor([0x7F800001, -0x007FFFFF, 0x7FA00000], dtype=torch.int32).view(torch.float32)
+    return torch.cat([t, snan])
+
+
+def tiled_specials(dtype, r):
+    """The special values (converted by torch) laid out as a 160-element vector body followed
+    by a 7-element scalar tail. Round r rotates the body by r (so over rounds 0..7 each value
+    sits in every vector lane) and puts values 7r..7r+6 in the tail (so over all rounds every
+    value also goes through the scalar tail)."""
+    s = special_values_f32().to(dtype)
+    body = torch.roll(s.repeat(160 // s.numel() + 1)[:160], r)
+    tail = s[(torch.arange(7) + 7 * r) % s.numel()]
+    return torch.cat([body, tail])
+
+
+SPECIAL_ROUNDS = range(max(8, -(-special_values_f32().numel() // 7)))

@@ -10,7 +10,6 @@ the model given the same gradients and the same writes.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 
@@ -20,6 +19,7 @@ from torch import nn
 
 from accelerate_c import Accelerator, _C
 from accelerate_c import grads as grads_mod
+from counting_kernels import counting_reads
 from helpers import (  # noqa: F401
     FP32_ATOL,
     FP32_RTOL,
@@ -34,32 +34,6 @@ from helpers import (  # noqa: F401
     tols,
     torch_reference_train,
 )
-
-
-class _CountingKernels:
-    """Stands in for grads._C: counts the whole-buffer read passes (sumsq, stats) clip makes."""
-
-    def __init__(self, real):
-        self.real, self.reads = real, 0
-
-    def __getattr__(self, name):
-        fn = getattr(self.real, name)
-        if name in ("sumsq", "stats"):
-            def counted(*a, **k):
-                self.reads += 1
-                return fn(*a, **k)
-            return counted
-        return fn
-
-
-@contextlib.contextmanager
-def counting_reads():
-    counting = _CountingKernels(grads_mod._C)
-    grads_mod._C = counting
-    try:
-        yield counting
-    finally:
-        grads_mod._C = counting.real
 
 
 def hook_sums_match_the_buffer(accelerator):

@@ -1,4 +1,4 @@
-"""Run by tests/test_checkpointing.py as 2 launchers ("nodes") x 2 processes on one host, so both
+"""Run by tests/test_checkpoint_resume.py as 2 launchers ("nodes") x 2 processes on one host, so both
 nodes' local main processes write to one shared directory with save_on_each_node=True.
 
     checkpoint_nodes.py OUTDIR

@@ -4,6 +4,7 @@ rules: bucket plan (caps, re-laid in arrival order, identical on all ranks, laun
 backward), raw loss.backward(), no_sync, two backwards in one step, unused parameters, 16-bit
 comm hooks, broadcast_buffers. Prints "reducer OK on N processes" when every check passed."""
 import copy
+import os
 import sys
 
 import torch
@@ -14,6 +15,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from accelerate_c import Accelerator
 from accelerate_c.state import AcceleratorState, GradientState
 from accelerate_c.utils import DistributedDataParallelKwargs
+
+# run as a script by accelerate-c launch: sys.path has tests/scripts but not tests/, where the
+# shared stand-in lives; appended, not prepended, so nothing in tests/ shadows an installed module
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from counting_kernels import counting_reads  # noqa: E402
 
 
 fails = []
@@ -196,22 +202,6 @@ check(torch.allclose(m.out.weight.grad, want, rtol=1e-5, atol=1e-7), "two backwa
 #     The sums are taken during a reduced backward only once a clip has asked for a 2-norm, so
 #     the cache is first reachable at the second step of one Accelerator; a counting stand-in
 #     for the module's kernels tells whether clip read the buffer again.
-class _CountingKernels:
-    def __init__(self, real):
-        self.real, self.reads = real, 0
-
-    def __getattr__(self, name):
-        fn = getattr(self.real, name)
-        if name in ("sumsq", "stats"):
-            def counted(*a, **k):
-                self.reads += 1
-                return fn(*a, **k)
-            return counted
-        return fn
-
-
-from accelerate_c import grads as _grads_mod  # noqa: E402
-
 for touch in (False, True):
     acc = fresh()
     m = acc.prepare(copy.deepcopy(base))
@@ -227,12 +217,8 @@ for touch in (False, True):
     for p, g in zip(ref_ps, ref_grads):
         p.grad = g.clone()
     want_norm = torch.nn.utils.clip_grad_norm_(ref_ps, 0.05)
-    counting = _CountingKernels(_grads_mod._C)
-    _grads_mod._C = counting
-    try:
+    with counting_reads() as counting:
         got = acc.clip_grad_norm_(m.parameters(), 0.05)
-    finally:
-        _grads_mod._C = counting.real
     check(torch.allclose(got, want_norm, rtol=1e-6), f"clip norm (touched={touch}): {got} vs {want_norm}")
     check((counting.reads > 0) == touch,
           f"clip read the buffer {counting.reads} time(s) (touched={touch}): the cached sums were "
