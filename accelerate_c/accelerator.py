@@ -15,9 +15,10 @@ from .autocast import AutocastForward, autocast_context
 from .batch_sharding import BatchSamplerShard
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
 from .strategies.ddp import DDPStrategy
+from .strategies.zero import Zero1Strategy
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
-from .plugins import check_kind, kind_of, refuse_features, resolve_dynamo_plugin
+from .plugins import check_kind, kind_of, refuse_features, resolve_dynamo_plugin, zero_from_plugin
 from .scaler import LossScaler
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState
@@ -57,6 +58,14 @@ def _batch_sampler_shard(dataloader):
     return None
 
 
+def _model_parameters(opt) -> list:
+    """The model parameters `opt` updates: a prepared optimizer knows them (under sharding its
+    param_groups hold views of the owned parts); a plain one lists them."""
+    if isinstance(opt, AcceleratedOptimizer):
+        return opt.model_parameters()
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
 class Accelerator:
     """Creates the training state and wraps models, optimizers, schedulers and data loaders.
 
@@ -88,7 +97,12 @@ class Accelerator:
         deepspeed_plugins=None,
         parallelism_config=None,
     ):
-        refuse_features(deepspeed_plugin=deepspeed_plugin, deepspeed_plugins=deepspeed_plugins,
+        # ZeRO stage 1 from a DeepSpeed plugin (strategies/zero.py); the rest of DeepSpeed is refused
+        self._zero_stage = None
+        if deepspeed_plugin is not None:
+            self._zero_stage, gradient_accumulation_steps = zero_from_plugin(deepspeed_plugin,
+                                                                             gradient_accumulation_steps)
+        refuse_features(deepspeed_plugins=deepspeed_plugins,
                         fsdp_plugin=fsdp_plugin, megatron_lm_plugin=megatron_lm_plugin,
                         torch_tp_plugin=torch_tp_plugin, parallelism_config=parallelism_config, log_with=log_with)
         for env in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM"):
@@ -346,7 +360,8 @@ class Accelerator:
             model.to(self.device)
         if self.use_distributed and not self._grads.distributed:
             h = self.ddp_handler
-            self._grads.configure(DDPStrategy(self._grads, h), h.bucket_cap_mb if h is not None else None)
+            strategy = Zero1Strategy if self._zero_stage == 1 else DDPStrategy
+            self._grads.configure(strategy(self._grads, h), h.bucket_cap_mb if h is not None else None)
         # the strategy's part (DDP: rank 0's weights to every replica, the per-forward
         # collectives), then flat gradient buffers for the trainable parameters
         self._grads.prepare_model(model, trainable=not evaluation_mode)
@@ -385,7 +400,7 @@ class Accelerator:
                 optimizer = opt
                 break
         wrapped = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
-                                       split_batches=self.split_batches)
+                                       split_batches=self.split_batches, once_per_step=self._zero_stage is not None)
         self._schedulers.append(wrapped)
         return wrapped
 
@@ -536,7 +551,7 @@ class Accelerator:
             return
         inv = 1.0 / self.scaler.get_scale()
         for opt in self._opt_list(optimizer):
-            self._grads.ready([p for g in opt.param_groups for p in g["params"]], inv)
+            self._grads.ready(_model_parameters(opt), inv)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Unscales (fp16) and clips the gradients' total norm; returns that norm (before
@@ -556,8 +571,7 @@ class Accelerator:
                 # as accelerate's clip, which unscales every optimizer's gradients first: those
                 # outside the clipped buffers now, the clipped ones fused with their norm pass
                 inside = {id(p) for g in groups for p in g.params}
-                rest = [p for opt in self._opt_list(None) for grp in opt.param_groups for p in grp["params"]
-                        if id(p) not in inside]
+                rest = [p for opt in self._opt_list(None) for p in _model_parameters(opt) if id(p) not in inside]
                 if rest:
                     self._grads.ready(rest, inv)
             total = self._grads.clip_norm_fused(groups, max_norm, norm_type, inv)

@@ -70,7 +70,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         return self.optimizer.state_dict()
 
-    def _params(self):
+    def model_parameters(self) -> list:
+        """The model parameters this optimizer updates (a sharded optimizer's param_groups list
+        views of the parts this process owns instead)."""
         if self._grads is not None:
             return self._grads.strategy.model_params(self.optimizer)
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -100,7 +102,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         found_inf = False
         if self._grads is not None:
             inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
-            found_inf = self._grads.ready(self._params(), inv)
+            found_inf = self._grads.ready(self.model_parameters(), inv)
         self._is_overflow = found_inf
         if not found_inf:
             if self._grads is not None:
@@ -110,7 +112,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(found_inf)
             if self._grads is not None:
-                self._grads.new_scaler_step(self._params())
+                self._grads.new_scaler_step(self.model_parameters())
 
     def train(self):
         if callable(getattr(self.optimizer, "train", None)):

@@ -96,3 +96,52 @@ def refuse_features(**arguments):
             raise NotImplementedError(f"Accelerator({name}={shown}): {_FEATURE_ARGUMENTS[name]} is not supported yet "
                                       f"by accelerate_c (in accelerate, passing {name} turns it on); leave {name} "
                                       "at None")
+
+
+# What a DeepSpeed configuration may hold until the whole of it is read (issue 13's
+# configuration work): ZeRO stage 1 without offload, accumulation, and what changes no number.
+# Anything else is refused by name rather than ignored.
+_ZERO_KEYS = {"stage", "offload_optimizer", "offload_param", "stage3_gather_16bit_weights_on_model_save"}
+_DS_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+            "zero_optimization", "gradient_clipping", "steps_per_print"}
+
+
+def zero_from_plugin(plugin, gradient_accumulation_steps: int) -> tuple:
+    """(ZeRO stage, gradient accumulation steps) from accelerate's DeepSpeedPlugin (or an object
+    with its `deepspeed_config`). Refuses what accelerate_c does not build yet, naming the key."""
+    if isinstance(plugin, dict) and "deepspeed" in plugin:  # TrainingArguments(deepspeed=...)
+        raise NotImplementedError(f"deepspeed_plugin={plugin!r}: a DeepSpeed configuration from "
+                                  "TrainingArguments(deepspeed=...) is not supported yet by accelerate_c; ZeRO stage 1 "
+                                  "is, through Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=1))")
+    cfg = getattr(plugin, "deepspeed_config", None)
+    if not isinstance(cfg, dict):
+        raise TypeError(f"deepspeed_plugin={type(plugin).__name__}: expected accelerate's DeepSpeedPlugin (with a "
+                        "deepspeed_config dict)")
+
+    def refuse(key, value):
+        raise NotImplementedError(f"deepspeed_plugin: {key}={value!r} is not supported yet by accelerate_c (ZeRO "
+                                  "stage 1 without offload is); remove it from the DeepSpeed configuration")
+
+    for key, value in cfg.items():
+        if key not in _DS_KEYS:
+            refuse(key, value)
+    if cfg.get("gradient_clipping", "auto") not in ("auto", None):
+        refuse("gradient_clipping", cfg["gradient_clipping"])  # clip with accelerator.clip_grad_norm_
+    zero = cfg.get("zero_optimization", {})
+    for key, value in zero.items():
+        if key not in _ZERO_KEYS:
+            refuse(f"zero_optimization.{key}", value)
+    for part in ("offload_optimizer", "offload_param"):
+        device = (zero.get(part) or {}).get("device", "none")
+        if device not in ("none", None):
+            refuse(f"zero_optimization.{part}.device", device)
+    stage = zero.get("stage", 0)
+    if stage != 1:
+        refuse("zero_optimization.stage", stage)
+    ga = cfg.get("gradient_accumulation_steps", "auto")
+    if ga != "auto":
+        if gradient_accumulation_steps not in (1, ga):
+            raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} differs from the DeepSpeed "
+                             f"configuration's gradient_accumulation_steps={ga}")
+        gradient_accumulation_steps = int(ga)
+    return stage, gradient_accumulation_steps

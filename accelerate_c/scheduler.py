@@ -8,13 +8,17 @@ class AcceleratedScheduler:
     """Steps the wrapped scheduler only when the optimizer really stepped: not while
     accumulating (but counted, when adjust_scheduler), not after an fp16 overflow skip; and
     `num_processes` times per call unless split_batches, as accelerate does, so a schedule
-    written for the single-process step count ends at the same place."""
+    written for the single-process step count ends at the same place. Under a DeepSpeed plugin
+    (once_per_step) accelerate hands the scheduler to the DeepSpeed engine, which steps it once
+    per optimizer step that was not skipped: so does this."""
 
-    def __init__(self, scheduler, optimizers, step_with_optimizer: bool = True, split_batches: bool = False):
+    def __init__(self, scheduler, optimizers, step_with_optimizer: bool = True, split_batches: bool = False,
+                 once_per_step: bool = False):
         self.scheduler = scheduler
         self.optimizers = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
         self.split_batches = split_batches
         self.step_with_optimizer = step_with_optimizer
+        self.once_per_step = once_per_step
         self.gradient_state = GradientState()
 
     def step(self, *args, **kwargs):
@@ -27,7 +31,7 @@ class AcceleratedScheduler:
             return
         if any(getattr(opt, "step_was_skipped", False) for opt in self.optimizers):
             return
-        repeats = 1 if self.split_batches else AcceleratorState().num_processes
+        repeats = 1 if self.split_batches or self.once_per_step else AcceleratorState().num_processes
         for _ in range(repeats):
             total = getattr(self.scheduler, "total_steps", None)
             if total is not None and self.scheduler._step_count > total:

@@ -18,6 +18,7 @@ COMM_HOOKS = ("no", "fp16", "bf16")
 ZERO_GRADS = ("opt_none", "opt_zeros", "model", "manual_none")
 SYNC_STYLES = ("accumulate", "no_sync")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adamw")
+SHARDINGS = ("none", "zero1")
 
 
 def draw(seed: int, world: int | None = None) -> dict:
@@ -94,6 +95,12 @@ def draw(seed: int, world: int | None = None) -> dict:
         c["ga"], c["two_models"] = 1, False
         c["reentrant"] = False
         c["dataset_extra"] = max(1, c["dataset_extra"])  # some ranks get a batch more
+    # sharding (drawn last, so every earlier axis of a seed stays what it was): ZeRO stage 1
+    # through DeepSpeedPlugin, as a user turns it on; its reference is the same torch DDP run.
+    # Not under join_uneven_inputs (refused: every process takes part in each step's all-gather)
+    c["sharding"] = r.choice(SHARDINGS) if c["world"] > 1 else "none"
+    if c["uneven"]:
+        c["sharding"] = "none"
     return c
 
 
@@ -105,7 +112,7 @@ def _case(seed: int, **overrides) -> dict:
          "comm_hook": "no", "tiny_buckets": False, "unused": False, "frozen": False, "zero_grad": "opt_none",
          "assign_grad": False, "two_models": False, "two_optimizers": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
-         "uneven": False}
+         "uneven": False, "sharding": "none"}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -155,6 +162,8 @@ def describe(c: dict) -> str:
             parts.append(flag)
     if c["reentrant"]:
         parts.append(f"reentrant={c['reentrant']}")
+    if c.get("sharding", "none") != "none":
+        parts.append(f"sharding={c['sharding']}")
     if c["skip_first"]:
         parts.append(f"skip_first={c['skip_first']}")
     if c["overflow"] is not None:

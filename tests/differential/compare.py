@@ -41,8 +41,10 @@ def param_rtol(case: dict, step: int) -> float:
     if step > 0 and chaotic(case):
         # measured on the fp16-hook class: torch against itself up to 3.6e-3 over 600 cases,
         # the subject against torch's other bucket size 5.4e-3; the soak's case 6161137856
-        # reached 5.46e-3 against torch itself at step 6
-        return CHAOTIC_PARAM_FACTOR * rtol
+        # reached 5.46e-3 against torch itself at step 6. It grows with the steps: in the
+        # soak's case 6161143671 (13 steps) torch against itself with another bucket size is
+        # 1.26e-2 apart at step 12, the subject 1.2e-2 at step 11
+        return max(CHAOTIC_PARAM_FACTOR, 1 + step / 4) * rtol
     return rtol
 
 

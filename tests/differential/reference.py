@@ -153,7 +153,9 @@ def _step(case, params, opts, scaler, world, sched, trace):
         for opt in opts:
             opt.step()
     if not skipped:
-        for _ in range(world):
+        # accelerate steps a prepared scheduler once per process per step; under a DeepSpeed
+        # plugin its engine steps it, once per step
+        for _ in range(world if case.get("sharding", "none") == "none" else 1):
             sched.step()
     trace["steps"].append({"params": [p.detach().float().clone() for p in params], "grads": grads,
                            "skipped": skipped, "lr": sched.get_last_lr()[0],

@@ -11,6 +11,7 @@ import contextlib
 import torch
 
 from accelerate_c import Accelerator
+from accelerate.utils import DeepSpeedPlugin  # accelerate's own plugin, as a moved script keeps it
 from accelerate_c.utils import DataLoaderConfiguration, DistributedDataParallelKwargs
 
 from . import workload as W
@@ -35,8 +36,11 @@ def run(case: dict) -> dict:
     handlers = [DistributedDataParallelKwargs(bucket_cap_mb=W.bucket_cap_mb(case), find_unused_parameters=case["unused"],
                                               comm_hook=case["comm_hook"])]
     ga = case["ga"] if case["sync_style"] == "accumulate" else 1
+    sharding = {}
+    if case.get("sharding", "none") == "zero1":
+        sharding["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=ga)
     acc = Accelerator(cpu=True, mixed_precision=case["mp"], gradient_accumulation_steps=ga, kwargs_handlers=handlers,
-                      dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]))
+                      dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]), **sharding)
     models = W.models(case)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     opts = W.optimizers(case, params)

@@ -1,0 +1,171 @@
+"""ZeRO stage 1 on N CPU processes against torch DDP (launched by tests/test_zero.py).
+
+The subject is a user's loop on accelerate_c with `DeepSpeedPlugin(zero_stage=1)`: AdamW with
+two param groups (weight decay on the weights only, a larger learning rate on the rest), a
+scheduler built before prepare, gradient accumulation 2, clip_grad_norm_, a frozen layer and a
+weight tied between the embedding and the output layer. The reference is the same loop on
+torch's DistributedDataParallel (no_sync for accumulation) with the same torch optimizer, unsharded.
+Checked: the parameters after every optimizer step, the norms clip returned, the learning rates;
+that each process keeps optimizer state for its owned elements only (summed over processes, the
+whole model once); the bytes each process holds against ZeRO-1's formula; and the refusals.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from accelerate_c import Accelerator
+from accelerate.utils import DeepSpeedPlugin  # accelerate's own plugin, as a moved script keeps it
+
+STEPS = 6  # optimizer steps
+GA = 2
+MAX_NORM = 0.5
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(37, 24)
+        self.frozen = torch.nn.Linear(24, 24)
+        self.frozen.requires_grad_(False)
+        self.body = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.Linear(48, 24))
+        self.head = torch.nn.Linear(24, 37)
+        self.head.weight = self.emb.weight  # tied: one parameter
+
+    def forward(self, x):
+        h = self.emb(x).mean(1)
+        return self.head(self.body(self.frozen(h)))
+
+
+def build():
+    torch.manual_seed(0)
+    model = Net()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+              {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0, "lr": 3e-3}]
+    opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def batches(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randint(0, 37, (4, 5), generator=g), torch.randint(0, 37, (4,), generator=g))
+            for _ in range(STEPS * GA)]
+
+
+def reference(rank):
+    model, opt, sched = build()
+    ddp = DDP(model)
+    trace = []
+    for i, (x, y) in enumerate(batches(rank)):
+        last = (i + 1) % GA == 0
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            (torch.nn.functional.cross_entropy(ddp(x), y) / GA).backward()
+        if last:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+            sched.step()  # once: under DeepSpeed accelerate's engine steps the schedule once per step
+            opt.zero_grad()
+            trace.append((float(norm), [p.detach().clone() for p in model.parameters()],
+                          [g["lr"] for g in opt.param_groups]))
+    return trace
+
+
+def subject(rank, world):
+    acc = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=GA))
+    model, opt, sched = build()
+    model, opt, sched = acc.prepare(model, opt, sched)
+    trace = []
+    for x, y in batches(rank):
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.cross_entropy(model(x), y))
+            norm = acc.clip_grad_norm_(model.parameters(), MAX_NORM) if acc.sync_gradients else None
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if acc.sync_gradients:
+            trace.append((float(norm), [p.detach().clone() for p in model.parameters()],
+                          [g["lr"] for g in opt.param_groups]))
+    return acc, model, opt, trace
+
+
+def check_memory(acc, model, opt, world):
+    """Optimizer state for the owned elements only, and ZeRO-1's bytes: 4 (parameters) + 4
+    (gradients) per trainable element, 8 per owned element (AdamW's two moments)."""
+    trainable = {id(p): p for p in model.parameters() if p.requires_grad}
+    psi = sum(p.numel() for p in trainable.values())
+    state_elems = sum(v.numel() for s in opt.state.values() for k, v in s.items()
+                      if torch.is_tensor(v) and k in ("exp_avg", "exp_avg_sq"))
+    total = torch.tensor([state_elems], dtype=torch.int64)
+    dist.all_reduce(total)
+    assert int(total) == 2 * psi, f"optimizer state over all processes {int(total)} elements, want 2 x {psi}"
+    param_bytes = sum(p.numel() * p.element_size() for p in trainable.values())
+    # the flat gradient buffers the library keeps (the .grad views are None after zero_grad)
+    grad_bytes = sum(g.flat.numel() * g.flat.element_size() for g in acc._grads.groups)
+    held = param_bytes + grad_bytes + 4 * state_elems
+    formula = 8 * psi + 8 * psi / world
+    # the padding: each bucket rounds up to world x 16 elements (64-byte alignment, fp32)
+    pad = 8 * world * 16 * 4
+    assert abs(held - formula) <= 0.05 * formula + pad, f"holds {held} bytes, ZeRO-1's formula {formula:.0f}"
+    return held, formula
+
+
+def check_refusals(acc, model):
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    try:
+        acc.prepare(lbfgs)
+    except ValueError as e:
+        assert "LBFGS" in str(e), str(e)
+    else:
+        raise AssertionError("LBFGS was prepared under ZeRO-1")
+    for name, call in (("save_state", lambda: acc.save_state("/nonexistent/zero1")),
+                       ("load_state", lambda: acc.load_state("/nonexistent/zero1"))):
+        try:
+            call()
+        except NotImplementedError as e:
+            assert name in str(e) and "ZeRO" in str(e), str(e)
+        else:
+            raise AssertionError(f"{name} under ZeRO-1 did not refuse")
+    try:
+        with acc.join_uneven_inputs([model]):
+            pass
+    except NotImplementedError as e:
+        assert "join_uneven_inputs" in str(e), str(e)
+    else:
+        raise AssertionError("join_uneven_inputs under ZeRO-1 did not refuse")
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    ref = reference(rank)
+    acc, model, opt, sub = subject(rank, world)
+    assert len(sub) == len(ref) == STEPS, (len(sub), len(ref))
+    worst = 0.0
+    for k, ((n_s, p_s, lr_s), (n_r, p_r, lr_r)) in enumerate(zip(sub, ref)):
+        assert abs(n_s - n_r) <= 1e-5 * max(abs(n_r), 1e-6), f"step {k}: clip returned {n_s}, torch {n_r}"
+        assert lr_s == lr_r, f"step {k}: learning rates {lr_s}, torch {lr_r}"
+        for j, (a, b) in enumerate(zip(p_s, p_r)):
+            err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+            worst = max(worst, err)
+            assert err <= 1e-5, f"step {k}: parameter {j} off by {err:.3g} (relative)"
+    held, formula = check_memory(acc, model, opt, world)
+    sd = opt.state_dict()
+    assert len(sd["state"]) == len(opt.state) and len(sd["param_groups"]) == 2
+    check_refusals(acc, model)
+    dist.barrier()
+    if rank == 0:
+        print(f"zero1 OK on {world} processes: max relative error {worst:.2e}, bytes held {held} "
+              f"(formula {formula:.0f})")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

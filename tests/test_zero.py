@@ -1,0 +1,72 @@
+"""ZeRO stage 1 (strategies/zero.py) turned on the way a user does: accelerate's DeepSpeedPlugin.
+The training itself is held to torch DDP in tests/scripts/zero_stage1.py (and in the differential
+harness's sharding axis); here: that script on 2 and 3 processes, and what the plugin refuses."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from accelerate.utils import DeepSpeedPlugin
+
+from accelerate_c import Accelerator
+from helpers import fresh_state  # noqa: F401  (an autouse fixture: fresh accelerator states)
+from test_launch import SCRIPTS, launch
+from timeouts import wait_s
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero1_trains_as_torch_ddp_with_the_optimizer_state_sharded(world):
+    res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "zero_stage1.py")], timeout=wait_s(120))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"zero1 OK on {world} processes" in res.stdout
+
+
+@pytest.mark.parametrize("plugin,key", [
+    (lambda: DeepSpeedPlugin(zero_stage=2), "zero_optimization.stage"),
+    (lambda: DeepSpeedPlugin(zero_stage=3), "zero_optimization.stage"),
+    (lambda: DeepSpeedPlugin(zero_stage=1, offload_optimizer_device="cpu"), "zero_optimization.offload_optimizer.device"),
+    (lambda: DeepSpeedPlugin(zero_stage=1, gradient_clipping=1.0), "gradient_clipping"),
+    (lambda: DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}), "bf16"),
+])
+def test_what_is_not_built_is_refused_by_name(plugin, key):
+    with pytest.raises(NotImplementedError, match=key.replace(".", r"\.")):
+        Accelerator(cpu=True, deepspeed_plugin=plugin())
+
+
+def test_a_plugin_that_is_not_one_is_a_type_error():
+    with pytest.raises(TypeError, match="deepspeed_plugin"):
+        Accelerator(cpu=True, deepspeed_plugin=object())
+
+
+def test_accumulation_given_twice_must_agree():
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        Accelerator(cpu=True, gradient_accumulation_steps=3,
+                    deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=2))
+    acc = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=2))
+    assert acc.gradient_accumulation_steps == 2
+
+
+def test_one_process_trains_as_without_the_plugin():
+    """On one process there is nothing to shard: the same numbers as a plain Accelerator."""
+    def run(**kw):
+        acc = Accelerator(cpu=True, **kw)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(5, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model, opt = acc.prepare(model, opt)
+        for i in range(4):
+            x = torch.full((2, 5), float(i))
+            with acc.accumulate(model):
+                acc.backward(model(x).square().mean())
+                opt.step()
+                opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    from accelerate_c.state import AcceleratorState, GradientState
+    plain = run()
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    zero = run(deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=1))
+    assert all(torch.equal(a, b) for a, b in zip(plain, zero))
