@@ -115,6 +115,9 @@ class Zero1Strategy(DDPStrategy):
         for gi, group in enumerate(optimizer.param_groups):
             kept = []
             for p in group["params"]:
+                if not p.requires_grad:
+                    kept.append(p)  # frozen: no gradient, no shard; the optimizer skips it as before
+                    continue
                 o = self._owned(p)
                 if o is None:
                     raise ValueError(f"ZeRO stage {self.stage}: parameter {self.manager.name_of(p)} "
@@ -145,7 +148,12 @@ class Zero1Strategy(DDPStrategy):
         book = self.optimizers.get(id(optimizer))
         if book is None:
             return super().model_params(optimizer)
-        return book.originals
+        # plus what param_groups gained after prepare (add_param_group: not sharded, stepped
+        # whole on every process, as replicated parameters are)
+        views = {id(v) for v, _, _ in book.views}
+        known = {id(p) for p in book.originals}
+        extra = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in views and id(p) not in known]
+        return book.originals + extra
 
     # ---- step ---------------------------------------------------------------------------
     def optimizer_step(self, optimizer, closure=None):

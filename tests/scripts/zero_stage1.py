@@ -115,6 +115,15 @@ def check_memory(acc, model, opt, world):
     return held, formula
 
 
+def check_frozen_in_optimizer(acc, model):
+    """An optimizer over model.parameters(), the frozen ones included (torch takes it; they
+    never get a gradient): prepared, with the frozen parameters kept as they are."""
+    sgd = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    listed = {id(p) for g in sgd.param_groups for p in g["params"]}
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert frozen and all(id(p) in listed for p in frozen), "the frozen parameters left the optimizer"
+
+
 def check_refusals(acc, model):
     lbfgs = torch.optim.LBFGS(model.parameters())
     try:
@@ -158,6 +167,7 @@ def main():
     held, formula = check_memory(acc, model, opt, world)
     sd = opt.state_dict()
     assert len(sd["state"]) == len(opt.state) and len(sd["param_groups"]) == 2
+    check_frozen_in_optimizer(acc, model)
     check_refusals(acc, model)
     dist.barrier()
     if rank == 0:
