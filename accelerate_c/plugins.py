@@ -125,8 +125,15 @@ def zero_from_plugin(plugin, gradient_accumulation_steps: int) -> tuple:
     for key, value in cfg.items():
         if key not in _DS_KEYS:
             refuse(key, value)
-    if cfg.get("gradient_clipping", "auto") not in ("auto", None):
-        refuse("gradient_clipping", cfg["gradient_clipping"])  # clip with accelerator.clip_grad_norm_
+    if cfg.get("gradient_clipping") not in (None, 0):
+        # accelerate's DeepSpeed engine clips at this value inside its step ("auto" is 1.0) and
+        # accelerator.clip_grad_norm_ then only returns the norm; ZeRO-1 here clips where the
+        # user calls clip_grad_norm_, as DDP does. Accepting the key would change the numbers
+        # silently, so it is refused until the engine clips as DeepSpeed's does
+        raise NotImplementedError(
+            f"deepspeed_plugin: gradient_clipping={cfg['gradient_clipping']!r}: accelerate's DeepSpeed engine clips "
+            "at it inside its step (\"auto\" is 1.0), which accelerate_c's ZeRO-1 does not do yet; pass "
+            "DeepSpeedPlugin(..., gradient_clipping=0.0) and clip with accelerator.clip_grad_norm_ (docs/sharding.md)")
     zero = cfg.get("zero_optimization", {})
     for key, value in zero.items():
         if key not in _ZERO_KEYS:

@@ -24,9 +24,12 @@ def test_zero1_trains_as_torch_ddp_with_the_optimizer_state_sharded(world):
 
 
 @pytest.mark.parametrize("plugin,key", [
-    (lambda: DeepSpeedPlugin(zero_stage=2), "zero_optimization.stage"),
-    (lambda: DeepSpeedPlugin(zero_stage=3), "zero_optimization.stage"),
-    (lambda: DeepSpeedPlugin(zero_stage=1, offload_optimizer_device="cpu"), "zero_optimization.offload_optimizer.device"),
+    (lambda: DeepSpeedPlugin(zero_stage=2, gradient_clipping=0.0), "zero_optimization.stage"),
+    (lambda: DeepSpeedPlugin(zero_stage=3, gradient_clipping=0.0), "zero_optimization.stage"),
+    (lambda: DeepSpeedPlugin(zero_stage=1, gradient_clipping=0.0, offload_optimizer_device="cpu"),
+     "zero_optimization.offload_optimizer.device"),
+    # accelerate's engine would clip at 1.0 ("auto") inside its step: refused, not ignored
+    (lambda: DeepSpeedPlugin(zero_stage=1), "gradient_clipping"),
     (lambda: DeepSpeedPlugin(zero_stage=1, gradient_clipping=1.0), "gradient_clipping"),
     (lambda: DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}), "bf16"),
 ])
@@ -43,8 +46,10 @@ def test_a_plugin_that_is_not_one_is_a_type_error():
 def test_accumulation_given_twice_must_agree():
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         Accelerator(cpu=True, gradient_accumulation_steps=3,
-                    deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=2))
-    acc = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=2))
+                    deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=2,
+                                                     gradient_clipping=0.0))
+    acc = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=2,
+                                                                 gradient_clipping=0.0))
     assert acc.gradient_accumulation_steps == 2
 
 
@@ -68,5 +73,5 @@ def test_one_process_trains_as_without_the_plugin():
     plain = run()
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    zero = run(deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=1))
+    zero = run(deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=1, gradient_clipping=0.0))
     assert all(torch.equal(a, b) for a, b in zip(plain, zero))

@@ -38,7 +38,8 @@ def run(case: dict) -> dict:
     ga = case["ga"] if case["sync_style"] == "accumulate" else 1
     sharding = {}
     if case.get("sharding", "none") == "zero1":
-        sharding["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=ga)
+        sharding["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=ga,
+                                                       gradient_clipping=0.0)
     acc = Accelerator(cpu=True, mixed_precision=case["mp"], gradient_accumulation_steps=ga, kwargs_handlers=handlers,
                       dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]), **sharding)
     models = W.models(case)

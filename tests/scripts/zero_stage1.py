@@ -77,7 +77,8 @@ def reference(rank):
 
 
 def subject(rank, world):
-    acc = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=GA))
+    acc = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=GA,
+                                                                  gradient_clipping=0.0))
     model, opt, sched = build()
     model, opt, sched = acc.prepare(model, opt, sched)
     trace = []
