@@ -55,16 +55,35 @@ class ModelShards:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 by_dtype.setdefault(p.dtype, []).append(p)
-        self.plans = []  # (plan, its parameters in the plan's index order)
+        self.gathers = []  # per plan: (its parameters, _gather_buckets)
         self.owned: dict = {}  # id(param) -> Owned
         for dtype, params in by_dtype.items():
             esize = params[0].element_size()
             plan = _C.ShardPlan(numel=[p.numel() for p in params], esize=esize, world=world,
                                 align=max(1, ALIGN_BYTES // esize), first_cap_bytes=first_cap, cap_bytes=cap,
                                 order=list(range(len(params) - 1, -1, -1)))
-            self.plans.append((plan, params))
             for i, p in enumerate(params):
                 self.owned[id(p)] = Owned(plan, i, *plan.param_shard(i, rank))
+            self.gathers.append((params, _gather_buckets(plan, params, rank)))
+
+
+def _gather_buckets(plan, params, rank: int) -> list:
+    """What each step's all-gather of `plan` needs, read from the plan once at prepare: per
+    bucket with elements, (its offset in the full buffer, its chunk, and per parameter the
+    parameter, its full offset and numel, and its owned run relative to this rank's chunk)."""
+    order = plan.order
+    out = []
+    for b_off, chunk, local, first, count in plan.buckets():
+        if chunk == 0:
+            continue
+        members = []
+        for k in range(first, first + count):
+            i = order[k]
+            _, off, n = plan.param(i)
+            l_off, p_off, length = plan.param_shard(i, rank)
+            members.append((params[i], off - b_off, n, l_off - local, p_off, length))
+        out.append((b_off, chunk, members))
+    return out
 
 
 class ShardedOptimizer:
@@ -197,9 +216,9 @@ class Zero1Strategy(DDPStrategy):
         # this process owns is not: it may own nothing of a plan)
         wanted = {id(p) for p in book.originals}
         for shards in self.models.values():
-            for plan, params in shards.plans:
+            for params, buckets in shards.gathers:
                 if any(id(p) in wanted for p in params):
-                    self._gather_plan(plan, params)
+                    self._gather_plan(params[0].dtype, params[0].device, buckets)
 
     def _pair(self, dtype, device, slot, chunk, full):
         key = (dtype, device)
@@ -210,38 +229,26 @@ class Zero1Strategy(DDPStrategy):
                                   torch.empty(full, dtype=dtype, device=device))
         return pair[0][:chunk], pair[1][:full]
 
-    def _gather_plan(self, plan, params):
-        dtype, device = params[0].dtype, params[0].device
-        rank, world = self.rank, self.world
+    def _gather_plan(self, dtype, device, buckets):
+        world = self.world
         inflight = []
 
         def finish(item):
-            work, full, b_off, members = item
+            work, full, members = item
             work.wait()
-            with torch.no_grad():
-                for p, off, n in members:
-                    p.view(-1).copy_(full[off - b_off:off - b_off + n])
+            for p, off, n, _, _, _ in members:
+                p.view(-1).copy_(full[off:off + n])
 
-        order = plan.order
         with torch.no_grad():
-            for b in range(plan.nbuckets):
-                b_off, chunk, local, first, count = plan.bucket(b)
-                if chunk == 0:
-                    continue
+            for b, (_, chunk, members) in enumerate(buckets):
                 if len(inflight) == 2:
                     finish(inflight.pop(0))
                 inp, full = self._pair(dtype, device, b % 2, chunk, chunk * world)
-                members = []
-                for k in range(first, first + count):
-                    i = order[k]
-                    p = params[i]
-                    _, off, n = plan.param(i)
-                    members.append((p, off, n))
-                    l_off, p_off, length = plan.param_shard(i, rank)
+                for p, _, _, rel, p_off, length in members:
                     if length:
-                        inp[l_off - local:l_off - local + length].copy_(p.view(-1)[p_off:p_off + length])
+                        inp[rel:rel + length].copy_(p.view(-1)[p_off:p_off + length])
                 work = collectives.all_gather_into_tensor(full, inp, async_op=True)
-                inflight.append((work, full, b_off, members))
+                inflight.append((work, full, members))
             while inflight:
                 finish(inflight.pop(0))
 
