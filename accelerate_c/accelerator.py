@@ -14,10 +14,11 @@ from . import _C, checkpointing, host_malloc
 from .autocast import AutocastForward, autocast_context
 from .batch_sharding import BatchSamplerShard
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
+from .deepspeed_config import sharding_from_config
 from .strategies.ddp import DDPStrategy
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
-from .plugins import check_kind, kind_of, refuse_features, resolve_dynamo_plugin
+from .plugins import check_kind, kind_of, refuse_features, resolve_deepspeed_plugin, resolve_dynamo_plugin
 from .scaler import LossScaler
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState
@@ -88,13 +89,12 @@ class Accelerator:
         deepspeed_plugins=None,
         parallelism_config=None,
     ):
-        refuse_features(deepspeed_plugin=deepspeed_plugin, deepspeed_plugins=deepspeed_plugins,
-                        fsdp_plugin=fsdp_plugin, megatron_lm_plugin=megatron_lm_plugin,
+        refuse_features(fsdp_plugin=fsdp_plugin, megatron_lm_plugin=megatron_lm_plugin,
                         torch_tp_plugin=torch_tp_plugin, parallelism_config=parallelism_config, log_with=log_with)
-        for env in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM"):
+        for env in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM"):
             if parse_flag_from_env(env):
-                raise NotImplementedError(f"{env}=true: DeepSpeed/FSDP/Megatron-LM are not supported yet by "
-                                          "accelerate_c")
+                raise NotImplementedError(f"{env}=true: FSDP/Megatron-LM are not supported yet by accelerate_c")
+        ds_plugin = resolve_deepspeed_plugin(deepspeed_plugin, deepspeed_plugins)
         # a default TorchDynamoPlugin (transformers' Trainer always passes one) compiles nothing
         dynamo = resolve_dynamo_plugin(dynamo_plugin, dynamo_backend)
         check_kind("project_config", project_config, ProjectConfiguration)
@@ -156,6 +156,7 @@ class Accelerator:
         else:
             if gradient_accumulation_steps == 1:
                 raw = parse_choice_from_env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+                raw = "1" if raw == "auto" else raw  # a DeepSpeed config file's "auto": the DeepSpeed config decides
                 try:
                     gradient_accumulation_steps = int(raw)
                 except ValueError:
@@ -167,6 +168,19 @@ class Accelerator:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {steps!r}")
         self.gradient_state = GradientState(gradient_accumulation_plugin=gradient_accumulation_plugin)
+
+        # DeepSpeed: the whole configuration is read and checked here, each bad key with its own
+        # error; sharding_from_config then refuses until the ZeRO strategies are wired in
+        # (deepspeed_config/sharding.py). Unlike accelerate, which drops DeepSpeed under cpu=True,
+        # the configuration holds on CPU processes too (gloo).
+        self.sharding = None
+        self.deepspeed_plugin = None  # accelerate's name: the active plugin under DeepSpeed, else None
+        if ds_plugin is not None:
+            self.sharding = sharding_from_config(ds_plugin, mixed_precision=mixed_precision,
+                                                 gradient_accumulation_steps=steps,
+                                                 num_processes=self.state.num_processes)
+            self.state.distributed_type = DistributedType.DEEPSPEED
+            self.deepspeed_plugin = ds_plugin
 
         # data loaders
         if dataloader_config is None:

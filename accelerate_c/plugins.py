@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .utils.dataclasses import TorchDynamoPlugin
+from .deepspeed_config import DeepSpeedPlugin
+from .utils.dataclasses import TorchDynamoPlugin, parse_flag_from_env
 
 
 def _is_accelerates(obj, cls) -> bool:
@@ -78,10 +79,31 @@ def resolve_dynamo_plugin(plugin, backend):
     return plugin
 
 
+def resolve_deepspeed_plugin(plugin, plugins):
+    """The DeepSpeedPlugin in effect, or None (accelerate's rules): `deepspeed_plugin` and
+    `deepspeed_plugins` are one argument under two names; a dict of named plugins makes its first
+    one active; neither given, ACCELERATE_USE_DEEPSPEED=true (what `accelerate-c launch
+    --use_deepspeed` or a DEEPSPEED config file sets) builds one from the ACCELERATE_DEEPSPEED_*
+    variables. accelerate's own DeepSpeedPlugin objects are taken as they are."""
+    if plugin is not None and plugins is not None:
+        raise ValueError("You cannot pass in both `deepspeed_plugins` and `deepspeed_plugin`.")
+    given = plugin if plugin is not None else plugins
+    if given is None:
+        return DeepSpeedPlugin() if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") else None
+    name = "deepspeed_plugin" if plugin is not None else "deepspeed_plugins"
+    if isinstance(given, dict):
+        if not given:
+            raise ValueError(f"Accelerator({name}={{}}): the dict of DeepSpeed plugins is empty")
+        for key, value in given.items():
+            check_kind(f"{name}[{key!r}]", value, DeepSpeedPlugin)
+        return next(iter(given.values()))
+    return check_kind(name, given, DeepSpeedPlugin)
+
+
 # Arguments whose mere presence turns a feature on in accelerate (it sets ACCELERATE_USE_FSDP,
-# ..._DEEPSPEED, ..._MEGATRON_LM for any plugin given, default-valued or not)
+# ..._MEGATRON_LM for any plugin given, default-valued or not)
 _FEATURE_ARGUMENTS = {
-    "deepspeed_plugin": "DeepSpeed", "deepspeed_plugins": "DeepSpeed", "fsdp_plugin": "FSDP",
+    "fsdp_plugin": "FSDP",
     "megatron_lm_plugin": "Megatron-LM", "torch_tp_plugin": "tensor parallelism",
     "parallelism_config": "ParallelismConfig (tensor/context/sharded data parallelism)",
     "log_with": "experiment trackers (log_with)",
