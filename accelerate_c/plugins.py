@@ -86,7 +86,8 @@ def resolve_deepspeed_plugin(plugin, plugins):
     --use_deepspeed` or a DEEPSPEED config file sets) builds one from the ACCELERATE_DEEPSPEED_*
     variables. accelerate's own DeepSpeedPlugin objects are taken as they are."""
     if plugin is not None and plugins is not None:
-        raise ValueError("You cannot pass in both `deepspeed_plugins` and `deepspeed_plugin`.")
+        raise ValueError("Accelerator: deepspeed_plugin and deepspeed_plugins are the same argument under two names; "
+                         "pass one of them, not both")
     given = plugin if plugin is not None else plugins
     if given is None:
         return DeepSpeedPlugin() if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") else None
