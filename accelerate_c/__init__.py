@@ -9,6 +9,7 @@ from .training_args import TrainingArguments
 from .utils import (
     AutocastKwargs,
     DataLoaderConfiguration,
+    DeepSpeedPlugin,
     DistributedDataParallelKwargs,
     DistributedType,
     GradientAccumulationPlugin,
@@ -22,7 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Accelerator", "AcceleratorState", "AutocastKwargs", "CoreError", "DataLoaderConfiguration",
-    "DistributedDataParallelKwargs", "DistributedType", "GradientAccumulationPlugin", "GradientState",
+    "DeepSpeedPlugin", "DistributedDataParallelKwargs", "DistributedType", "GradientAccumulationPlugin", "GradientState",
     "GradScalerKwargs", "HostMallocKwargs", "InitProcessGroupKwargs", "PartialState", "ProjectConfiguration",
     "skip_first_batches",
     "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "TrainingArguments", "create_accelerator",

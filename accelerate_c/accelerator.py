@@ -14,11 +14,13 @@ from . import _C, checkpointing, host_malloc
 from .autocast import AutocastForward, autocast_context
 from .batch_sharding import BatchSamplerShard
 from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
+from .deepspeed_config import sharding_from_config
+from .deepspeed_config.prepare import prepare_args
 from .strategies.ddp import DDPStrategy
 from .strategies.zero import Zero1Strategy
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
-from .plugins import check_kind, kind_of, refuse_features, resolve_dynamo_plugin, zero_from_plugin
+from .plugins import check_kind, kind_of, refuse_features, resolve_deepspeed_plugin, resolve_dynamo_plugin
 from .scaler import LossScaler
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState
@@ -97,18 +99,12 @@ class Accelerator:
         deepspeed_plugins=None,
         parallelism_config=None,
     ):
-        # ZeRO stage 1 from a DeepSpeed plugin (strategies/zero.py); the rest of DeepSpeed is refused
-        self._zero_stage = None
-        if deepspeed_plugin is not None:
-            self._zero_stage, gradient_accumulation_steps = zero_from_plugin(deepspeed_plugin,
-                                                                             gradient_accumulation_steps)
-        refuse_features(deepspeed_plugins=deepspeed_plugins,
-                        fsdp_plugin=fsdp_plugin, megatron_lm_plugin=megatron_lm_plugin,
+        refuse_features(fsdp_plugin=fsdp_plugin, megatron_lm_plugin=megatron_lm_plugin,
                         torch_tp_plugin=torch_tp_plugin, parallelism_config=parallelism_config, log_with=log_with)
-        for env in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM"):
+        for env in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM"):
             if parse_flag_from_env(env):
-                raise NotImplementedError(f"{env}=true: DeepSpeed/FSDP/Megatron-LM are not supported yet by "
-                                          "accelerate_c")
+                raise NotImplementedError(f"{env}=true: FSDP/Megatron-LM are not supported yet by accelerate_c")
+        ds_plugin = resolve_deepspeed_plugin(deepspeed_plugin, deepspeed_plugins)
         # a default TorchDynamoPlugin (transformers' Trainer always passes one) compiles nothing
         dynamo = resolve_dynamo_plugin(dynamo_plugin, dynamo_backend)
         check_kind("project_config", project_config, ProjectConfiguration)
@@ -170,6 +166,7 @@ class Accelerator:
         else:
             if gradient_accumulation_steps == 1:
                 raw = parse_choice_from_env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+                raw = "1" if raw == "auto" else raw  # a DeepSpeed config file's "auto": the DeepSpeed config decides
                 try:
                     gradient_accumulation_steps = int(raw)
                 except ValueError:
@@ -181,6 +178,28 @@ class Accelerator:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {steps!r}")
         self.gradient_state = GradientState(gradient_accumulation_plugin=gradient_accumulation_plugin)
+
+        # DeepSpeed: the whole configuration is read and checked here, each bad key with its own
+        # error (deepspeed_config/). Its accumulation count and precision win over the
+        # Accelerator's, as in accelerate. Unlike accelerate, which drops DeepSpeed under
+        # cpu=True, the configuration holds on CPU processes too (gloo).
+        self.sharding = None
+        self.deepspeed_plugin = None  # accelerate's name: the active plugin under DeepSpeed, else None
+        if ds_plugin is not None:
+            self.sharding = sharding_from_config(ds_plugin, mixed_precision=mixed_precision,
+                                                 gradient_accumulation_steps=steps,
+                                                 num_processes=self.state.num_processes)
+            if self.sharding.offload_optimizer == "cpu" and self.state.device.type != "cpu":
+                raise NotImplementedError("DeepSpeed zero_optimization.offload_optimizer.device='cpu' on "
+                                          f"{self.state.device}: optimizer offload from a GPU is not built in "
+                                          "accelerate_c yet (on CPU processes the state is on the CPU already)")
+            self.state.distributed_type = DistributedType.DEEPSPEED
+            self.deepspeed_plugin = ds_plugin
+            mixed_precision = self.state.mixed_precision = self.sharding.mixed_precision
+            if self.sharding.gradient_accumulation_steps != steps:
+                steps = gradient_accumulation_plugin.num_steps = self.sharding.gradient_accumulation_steps
+                self.gradient_state = GradientState(gradient_accumulation_plugin=gradient_accumulation_plugin)
+        self._zero_stage = self.sharding.stage if self.sharding is not None else None
 
         # data loaders
         if dataloader_config is None:
@@ -218,6 +237,7 @@ class Accelerator:
         host_malloc.apply(self.host_malloc_handler)
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._custom_objects = []
+        self._engine_schedulers = set()  # ids of schedulers built from a DeepSpeed configuration
         self.flag_tensor = None
 
     @classmethod
@@ -328,6 +348,14 @@ class Accelerator:
             device_placement = [None] * len(args)
         elif len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
+        if self.sharding is not None:
+            # accelerate's DeepSpeed preparation: "auto" values filled from this call's objects,
+            # DummyOptim / DummyScheduler replaced by what the configuration describes
+            given = args
+            self.sharding, args = prepare_args(self.sharding, args, split_batches=self.split_batches)
+            # the schedulers built here are the engine's: it steps them once per optimizer step
+            self._engine_schedulers.update(id(a) for a, g in zip(args, given) if a is not g
+                                           and isinstance(a, torch.optim.lr_scheduler.LRScheduler))
         out = list(args)
         # models first, so their gradient buffers exist before optimizers are wrapped;
         # schedulers last, since they need the wrapped optimizers
@@ -386,8 +414,9 @@ class Accelerator:
             if opt.optimizer is optimizer:
                 return opt
         self._grads.strategy.prepare_optimizer(optimizer)  # a sharding strategy rebuilds it in place
+        clip = self._engine_clip if self.sharding is not None else None
         wrapped = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler,
-                                       grads=self._grads)
+                                       grads=self._grads, engine_clip=clip)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -400,7 +429,8 @@ class Accelerator:
                 optimizer = opt
                 break
         wrapped = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
-                                       split_batches=self.split_batches, once_per_step=self._zero_stage is not None)
+                                       split_batches=self.split_batches,
+                                       once_per_step=id(scheduler) in self._engine_schedulers)
         self._schedulers.append(wrapped)
         return wrapped
 
@@ -557,11 +587,22 @@ class Accelerator:
         """Unscales (fp16) and clips the gradients' total norm; returns that norm (before
         clipping), as torch.nn.utils.clip_grad_norm_ does. When `parameters` are exactly the
         trainable parameters of prepared models, the C core does it in one read pass and one
-        scaling pass per flat buffer."""
+        scaling pass per flat buffer.
+
+        Under DeepSpeed, as in accelerate, the engine clips inside the optimizer step at the
+        configuration's gradient_clipping, and this only returns the norm (a float): the one
+        the step is about to clip on a sync step, the last step's otherwise."""
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
-        params = list(parameters)
-        max_norm, norm_type = float(max_norm), float(norm_type)
+        if self.sharding is not None:
+            if not self.sync_gradients:
+                norms = [o.engine_norm for o in self._optimizers if o.engine_norm is not None]
+                return float(norms[-1]) if norms else None
+            return float(self._clip_norm(list(parameters), None, float(norm_type)))
+        return self._clip_norm(list(parameters), float(max_norm), float(norm_type))
+
+    def _clip_norm(self, params, max_norm, norm_type):
+        """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
         trainable = [p for p in params if p.requires_grad]
         self._grads.prepare_step()
         groups = self._grads.full_groups(trainable) if trainable else None
@@ -578,9 +619,22 @@ class Accelerator:
             if total is not None:
                 return total
         self.unscale_gradients()
+        if max_norm is None:
+            self._grads.ready(params)
+            return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
+    def _engine_clip(self, params):
+        """DeepSpeed's clip inside the optimizer step, at the configuration's gradient_clipping
+        (2-norm, torch's formula; None: no clipping); the norm is returned either way, as
+        DeepSpeed computes it for every step."""
+        return self._clip_norm(list(params), self.sharding.gradient_clipping, 2.0)
+
     def clip_grad_value_(self, parameters, clip_value):
+        if self.sharding is not None:  # as accelerate: the engine only clips norms
+            raise RuntimeError("clip_grad_value_ is not supported under DeepSpeed (accelerate refuses it too): the "
+                               "DeepSpeed engine clips the gradients' norm at the configuration's gradient_clipping; "
+                               "use clip_grad_norm_")
         self.unscale_gradients()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         self._grads.ready(params)

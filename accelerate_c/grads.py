@@ -415,9 +415,9 @@ class GradManager:
             found = bool(torch.stack(device_flags).sum().item())
         return self.strategy.any_found_inf(found)
 
-    def clip_norm_fused(self, groups, max_norm: float, norm_type: float, inv_scale: float | None):
+    def clip_norm_fused(self, groups, max_norm: float | None, norm_type: float, inv_scale: float | None):
         """Total norm of the gradients in `groups` (unscaling first those that still carry the
-        loss scale, when inv_scale is given) and clip them to max_norm, with
+        loss scale, when inv_scale is given) and clip them to max_norm (None: the norm only), with
         torch.nn.utils.clip_grad_norm_'s formula. CPU: one read pass plus one scaling pass per
         buffer, or only the scaling pass when the strategy measured the buffer on the way and
         nothing wrote it since (one process: the hooks measured each gradient as it landed;
@@ -459,7 +459,10 @@ class GradManager:
         # that overflowed is skipped anyway, but its gradients end as torch leaves them: x 0
         # for inf, x NaN for NaN)
         dtypes = {g.dtype for g in groups}
-        norm, coef = clip_coef(total, max_norm, dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        norm, coef = clip_coef(total, math.inf if max_norm is None else max_norm,
+                               dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        if max_norm is None:
+            coef = 1.0  # a NaN norm leaves the gradients as they are
         for g, inv, _, _, found in per:
             g.scale_(inv * coef)
             if inv != 1.0:
@@ -488,6 +491,8 @@ class GradManager:
         total = torch.where(acc[2] > 0, bad, total)
         dtypes = {g.dtype for g in groups}
         total = total.to(dtypes.pop() if len(dtypes) == 1 else torch.float32)  # torch's norm dtype
+        if max_norm is None:  # the norm only
+            return total
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         coefs = {}  # the coefficient on each device
         for g in groups:

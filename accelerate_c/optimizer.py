@@ -25,10 +25,15 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     - zero_grad() calls the wrapped optimizer's zero_grad (torch's: `.grad = None`, or zeros
       in the buffer with set_to_none=False)."""
 
-    def __init__(self, optimizer, device_placement: bool = True, scaler=None, grads=None):
+    def __init__(self, optimizer, device_placement: bool = True, scaler=None, grads=None, engine_clip=None):
         self.optimizer = optimizer
         self.scaler = scaler
         self._grads = grads
+        # DeepSpeed's engine clips inside its step: engine_clip(params) -> their norm, clipped
+        # to the configuration's gradient_clipping (the Accelerator's, so that clip and step
+        # share one code path); `engine_norm` keeps the last such norm
+        self._engine_clip = engine_clip
+        self.engine_norm = None
         self.accelerator_state = AcceleratorState()
         self.gradient_state = GradientState()
         self.device_placement = device_placement
@@ -105,6 +110,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             found_inf = self._grads.ready(self.model_parameters(), inv)
         self._is_overflow = found_inf
         if not found_inf:
+            if self._engine_clip is not None:
+                self.engine_norm = self._engine_clip(self.model_parameters())
             if self._grads is not None:
                 self._grads.strategy.optimizer_step(self.optimizer, closure)
             else:
@@ -128,11 +135,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return self._is_overflow
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_grads"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_grads", "_engine_clip")}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._grads = None
+        self._engine_clip = None
 
     def __repr__(self):
         return f"AcceleratedOptimizer({self.optimizer!r})"

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .utils.dataclasses import TorchDynamoPlugin
+from .deepspeed_config import DeepSpeedPlugin
+from .utils.dataclasses import TorchDynamoPlugin, parse_flag_from_env
 
 
 def _is_accelerates(obj, cls) -> bool:
@@ -78,10 +79,32 @@ def resolve_dynamo_plugin(plugin, backend):
     return plugin
 
 
+def resolve_deepspeed_plugin(plugin, plugins):
+    """The DeepSpeedPlugin in effect, or None (accelerate's rules): `deepspeed_plugin` and
+    `deepspeed_plugins` are one argument under two names; a dict of named plugins makes its first
+    one active; neither given, ACCELERATE_USE_DEEPSPEED=true (what `accelerate-c launch
+    --use_deepspeed` or a DEEPSPEED config file sets) builds one from the ACCELERATE_DEEPSPEED_*
+    variables. accelerate's own DeepSpeedPlugin objects are taken as they are."""
+    if plugin is not None and plugins is not None:
+        raise ValueError("Accelerator: deepspeed_plugin and deepspeed_plugins are the same argument under two names; "
+                         "pass one of them, not both")
+    given = plugin if plugin is not None else plugins
+    if given is None:
+        return DeepSpeedPlugin() if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") else None
+    name = "deepspeed_plugin" if plugin is not None else "deepspeed_plugins"
+    if isinstance(given, dict):
+        if not given:
+            raise ValueError(f"Accelerator({name}={{}}): the dict of DeepSpeed plugins is empty")
+        for key, value in given.items():
+            check_kind(f"{name}[{key!r}]", value, DeepSpeedPlugin)
+        return next(iter(given.values()))
+    return check_kind(name, given, DeepSpeedPlugin)
+
+
 # Arguments whose mere presence turns a feature on in accelerate (it sets ACCELERATE_USE_FSDP,
-# ..._DEEPSPEED, ..._MEGATRON_LM for any plugin given, default-valued or not)
+# ..._MEGATRON_LM for any plugin given, default-valued or not)
 _FEATURE_ARGUMENTS = {
-    "deepspeed_plugin": "DeepSpeed", "deepspeed_plugins": "DeepSpeed", "fsdp_plugin": "FSDP",
+    "fsdp_plugin": "FSDP",
     "megatron_lm_plugin": "Megatron-LM", "torch_tp_plugin": "tensor parallelism",
     "parallelism_config": "ParallelismConfig (tensor/context/sharded data parallelism)",
     "log_with": "experiment trackers (log_with)",
@@ -96,59 +119,3 @@ def refuse_features(**arguments):
             raise NotImplementedError(f"Accelerator({name}={shown}): {_FEATURE_ARGUMENTS[name]} is not supported yet "
                                       f"by accelerate_c (in accelerate, passing {name} turns it on); leave {name} "
                                       "at None")
-
-
-# What a DeepSpeed configuration may hold until the whole of it is read (issue 13's
-# configuration work): ZeRO stage 1 without offload, accumulation, and what changes no number.
-# Anything else is refused by name rather than ignored.
-_ZERO_KEYS = {"stage", "offload_optimizer", "offload_param", "stage3_gather_16bit_weights_on_model_save"}
-_DS_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-            "zero_optimization", "gradient_clipping", "steps_per_print"}
-
-
-def zero_from_plugin(plugin, gradient_accumulation_steps: int) -> tuple:
-    """(ZeRO stage, gradient accumulation steps) from accelerate's DeepSpeedPlugin (or an object
-    with its `deepspeed_config`). Refuses what accelerate_c does not build yet, naming the key."""
-    if isinstance(plugin, dict) and "deepspeed" in plugin:  # TrainingArguments(deepspeed=...)
-        raise NotImplementedError(f"deepspeed_plugin={plugin!r}: a DeepSpeed configuration from "
-                                  "TrainingArguments(deepspeed=...) is not supported yet by accelerate_c; ZeRO stage 1 "
-                                  "is, through Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=1))")
-    cfg = getattr(plugin, "deepspeed_config", None)
-    if not isinstance(cfg, dict):
-        raise TypeError(f"deepspeed_plugin={type(plugin).__name__}: expected accelerate's DeepSpeedPlugin (with a "
-                        "deepspeed_config dict)")
-
-    def refuse(key, value):
-        raise NotImplementedError(f"deepspeed_plugin: {key}={value!r} is not supported yet by accelerate_c (ZeRO "
-                                  "stage 1 without offload is); remove it from the DeepSpeed configuration")
-
-    for key, value in cfg.items():
-        if key not in _DS_KEYS:
-            refuse(key, value)
-    if cfg.get("gradient_clipping") not in (None, 0):
-        # accelerate's DeepSpeed engine clips at this value inside its step ("auto" is 1.0) and
-        # accelerator.clip_grad_norm_ then only returns the norm; ZeRO-1 here clips where the
-        # user calls clip_grad_norm_, as DDP does. Accepting the key would change the numbers
-        # silently, so it is refused until the engine clips as DeepSpeed's does
-        raise NotImplementedError(
-            f"deepspeed_plugin: gradient_clipping={cfg['gradient_clipping']!r}: accelerate's DeepSpeed engine clips "
-            "at it inside its step (\"auto\" is 1.0), which accelerate_c's ZeRO-1 does not do yet; pass "
-            "DeepSpeedPlugin(..., gradient_clipping=0.0) and clip with accelerator.clip_grad_norm_ (docs/sharding.md)")
-    zero = cfg.get("zero_optimization", {})
-    for key, value in zero.items():
-        if key not in _ZERO_KEYS:
-            refuse(f"zero_optimization.{key}", value)
-    for part in ("offload_optimizer", "offload_param"):
-        device = (zero.get(part) or {}).get("device", "none")
-        if device not in ("none", None):
-            refuse(f"zero_optimization.{part}.device", device)
-    stage = zero.get("stage", 0)
-    if stage != 1:
-        refuse("zero_optimization.stage", stage)
-    ga = cfg.get("gradient_accumulation_steps", "auto")
-    if ga != "auto":
-        if gradient_accumulation_steps not in (1, ga):
-            raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} differs from the DeepSpeed "
-                             f"configuration's gradient_accumulation_steps={ga}")
-        gradient_accumulation_steps = int(ga)
-    return stage, gradient_accumulation_steps

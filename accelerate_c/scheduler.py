@@ -8,9 +8,11 @@ class AcceleratedScheduler:
     """Steps the wrapped scheduler only when the optimizer really stepped: not while
     accumulating (but counted, when adjust_scheduler), not after an fp16 overflow skip; and
     `num_processes` times per call unless split_batches, as accelerate does, so a schedule
-    written for the single-process step count ends at the same place. Under a DeepSpeed plugin
-    (once_per_step) accelerate hands the scheduler to the DeepSpeed engine, which steps it once
-    per optimizer step that was not skipped: so does this."""
+    written for the single-process step count ends at the same place. A scheduler built from a
+    DeepSpeed configuration (its scheduler block, or a DummyScheduler's lr_scheduler_callable)
+    is the engine's in accelerate, which steps it once per optimizer step that was not skipped:
+    so does this (once_per_step). A torch scheduler passed under DeepSpeed is accelerate's
+    AcceleratedScheduler there too, with the rule above."""
 
     def __init__(self, scheduler, optimizers, step_with_optimizer: bool = True, split_batches: bool = False,
                  once_per_step: bool = False):

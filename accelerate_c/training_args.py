@@ -5,6 +5,7 @@ Trainer's configuration-side pieces: its state (trainer_state.json), control fla
 base class, learning-rate schedules and weight-decay grouping (the loop is in trainer.py)."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -319,6 +320,8 @@ class TrainingArguments:
             self.fsdp = " ".join(self.fsdp)
         if not isinstance(self.fsdp, str):
             raise _err("fsdp", f"expected a string of FSDP options or a list, got {self.fsdp!r}")
+        # the DeepSpeed config's file, named in its errors (accelerate_c's attribute, not a field)
+        self.deepspeed_source = os.fspath(self.deepspeed) if isinstance(self.deepspeed, (str, os.PathLike)) else None
         for name in ("fsdp_config", "deepspeed"):
             v = getattr(self, name)
             if isinstance(v, (str, os.PathLike)):
@@ -637,9 +640,31 @@ def accelerator_kwargs(args: TrainingArguments) -> dict:
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir,
                                             save_on_each_node=args.save_on_each_node),
     )
-    # passed on so that the Accelerator refuses them with its "not supported yet" error
+    # passed on so that the Accelerator refuses it with its "not supported yet" error
     if args.fsdp:
         kwargs["fsdp_plugin"] = {"fsdp": args.fsdp, "fsdp_config": args.fsdp_config}
     if args.deepspeed is not None:
-        kwargs["deepspeed_plugin"] = {"deepspeed": args.deepspeed}
+        kwargs["deepspeed_plugin"] = deepspeed_plugin(args)
     return kwargs
+
+
+def deepspeed_plugin(args: TrainingArguments):
+    """The DeepSpeedPlugin for `args.deepspeed`, its "auto" values filled from the arguments as
+    transformers fills them when TrainingArguments are built (per-device batch size, accumulation,
+    max_grad_norm, learning rate, Adam betas/eps, weight decay, fp16/bf16); a concrete value that
+    disagrees with an argument is a ValueError listing them. The rest is filled by the Accelerator."""
+    from .deepspeed_config import DeepSpeedPlugin, fill_from_training_args
+
+    config = copy.deepcopy(args.deepspeed)  # args.deepspeed keeps its "auto" values
+    source = getattr(args, "deepspeed_source", None)
+    try:  # transformers' args.world_size; a bad WORLD_SIZE gets its own error from the Accelerator
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        world = 1
+    # an absent accumulation count reads as the arguments' (the plugin would otherwise put 1 there,
+    # which then overrides gradient_accumulation_steps with a warning)
+    config.setdefault("gradient_accumulation_steps", "auto")
+    fill_from_training_args(config, args, world, source)
+    plugin = DeepSpeedPlugin(hf_ds_config=config)
+    plugin.config_file = plugin.hf_ds_config.config_file = source
+    return plugin

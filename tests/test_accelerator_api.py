@@ -70,11 +70,19 @@ def test_plugin_alone_sets_steps():
     ("torch_tp_plugin", object()),
     ("megatron_lm_plugin", object()),
     ("dynamo_plugin", accelerate_c.utils.TorchDynamoPlugin(backend="inductor")),
-    ("deepspeed_plugins", object()),
 ])
 def test_unsupported_parameters_raise_not_implemented_naming_them(name, value):
     with pytest.raises(NotImplementedError, match=name):
         Accelerator(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["deepspeed_plugin", "deepspeed_plugins"])
+def test_deepspeed_plugins_are_checked_then_refused(name):
+    # the configuration is read first (tests/test_deepspeed_config.py); ZeRO itself is not wired yet
+    with pytest.raises(TypeError, match=name):
+        Accelerator(**{name: object()})
+    with pytest.raises(NotImplementedError, match="ZeRO-2 sharding is being built"):
+        Accelerator(**{name: accelerate_c.utils.DeepSpeedPlugin(zero_stage=2)})
 
 
 @pytest.mark.parametrize("value", [None, "no", "NO"])

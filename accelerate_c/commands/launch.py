@@ -10,14 +10,34 @@ processes runs that many gloo processes.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
 import sys
 
 from ..utils.config import ConfigError, config_in_effect, load_config_from_file, unsupported
-from ..utils.config_schema import CLUSTER_KEYS
+from ..utils.config_schema import CLUSTER_KEYS, DEEPSPEED_KEYS
 from ..utils.dataclasses import PrecisionType
+
+# --flag -> (deepspeed_config key, the variable accelerate's launcher exports it as); None: not exported
+_DEEPSPEED_FLAGS = {
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "offload_optimizer_nvme_path": None,  # accelerate's launcher does not export the NVMe paths either
+    "offload_param_nvme_path": None,
+    "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+    "deepspeed_moe_layer_cls_names": "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES",
+    "deepspeed_hostfile": None,
+    "deepspeed_exclusion_filter": None,
+    "deepspeed_inclusion_filter": None,
+    "deepspeed_multinode_launcher": None,
+}
 
 
 def free_port() -> int:
@@ -47,6 +67,8 @@ def resolve(args) -> dict:
         values.update(distributed_type="NO", num_processes=1)
         values.update({n: {} for n, k in CLUSTER_KEYS.items() if "dict" in k.types})
 
+    # accelerate refuses a deepspeed_config_file next to a mixed_precision that came from the config file
+    mp_from_file = args.mixed_precision is None and values["mixed_precision"] is not None
     if args.mixed_precision is not None:
         mp = args.mixed_precision.lower()
         if mp not in PrecisionType.list():
@@ -62,6 +84,10 @@ def resolve(args) -> dict:
         values["use_cpu"] = True
     if values["mixed_precision"] is None:
         values["mixed_precision"] = "no"
+    if args.use_deepspeed:
+        values["distributed_type"] = "DEEPSPEED"
+    if values["distributed_type"] == "DEEPSPEED":
+        _deepspeed_settings(args, values, mp_from_file)
 
     problems = unsupported(values, path or "<command line>")
     if problems:
@@ -111,6 +137,40 @@ def resolve(args) -> dict:
     return values
 
 
+def _deepspeed_settings(args, values: dict, mp_from_file: bool) -> None:
+    """Under DEEPSPEED: the deepspeed_config in effect (the --flags over the config file's section,
+    as accelerate's launcher merges them) and which of its keys came from the config file."""
+    from_file = dict(values["deepspeed_config"])
+    fields = list(from_file) + (["mixed_precision"] if mp_from_file else [])
+    values["deepspeed_fields_from_config"] = ",".join(fields).lower()
+    merged = dict(from_file)
+    for name in _DEEPSPEED_FLAGS:
+        flag = getattr(args, name, None)
+        if flag is None:
+            continue
+        key = DEEPSPEED_KEYS[name]
+        if name in ("zero3_init_flag", "zero3_save_16bit_model"):
+            if str(flag).lower() not in ("true", "false"):
+                _fail(f"--{name} takes true or false, got {flag!r}")
+            flag = str(flag).lower() == "true"
+        elif key.choices is not None:
+            flag = str(flag).lower()
+            if flag not in key.choices:
+                _fail(f"unknown --{name} {flag!r}; choose from {list(key.choices)}")
+        elif name == "zero_stage" and not 0 <= flag <= 3:
+            _fail(f"--zero_stage must be 0, 1, 2 or 3, got {flag}")
+        elif name == "gradient_clipping" and flag < 0:
+            _fail(f"--gradient_clipping must be >= 0, got {flag}")
+        merged[name] = flag
+    values["deepspeed_config"] = merged
+    launcher = merged.get("deepspeed_multinode_launcher")
+    if values["num_machines"] > 1 and launcher != "standard":
+        _fail(f"DeepSpeed on {values['num_machines']} machines: deepspeed_multinode_launcher "
+              f"{launcher or 'pdsh (the default)'} starts the other machines through DeepSpeed's own launcher, which "
+              "accelerate-c launch does not have; set deepspeed_multinode_launcher: standard (or pass "
+              "--deepspeed_multinode_launcher standard) and run the same launch command on every machine")
+
+
 def build_env(args, values: dict) -> dict:
     env = os.environ.copy()
     env["ACCELERATE_USE_CPU"] = str(bool(values["use_cpu"]))
@@ -123,6 +183,15 @@ def build_env(args, values: dict) -> dict:
     env["ACCELERATE_DYNAMO_MODE"] = str(dynamo.get("dynamo_mode", "default"))
     for flag in ("use_fullgraph", "use_dynamic", "use_regional_compilation"):
         env[f"ACCELERATE_DYNAMO_{flag.upper()}"] = str(bool(dynamo.get("dynamo_" + flag, False)))
+    if values["distributed_type"] == "DEEPSPEED":
+        # what accelerate's launcher exports; Accelerator() builds its DeepSpeedPlugin from these
+        env["ACCELERATE_USE_DEEPSPEED"] = "true"
+        env["ACCELERATE_CONFIG_DS_FIELDS"] = values["deepspeed_fields_from_config"]
+        for name, var in _DEEPSPEED_FLAGS.items():
+            value = values["deepspeed_config"].get(name)
+            if var is not None and value is not None:
+                env[var] = str(value) if name in ("deepspeed_config_file", "deepspeed_moe_layer_cls_names") \
+                    else str(value).lower()
     if values["gpu_ids"] not in (None, "all"):
         env["CUDA_VISIBLE_DEVICES"] = values["gpu_ids"]
     local = values["num_processes"] // values["num_machines"]
@@ -214,6 +283,26 @@ def register(sub) -> None:
     multi.add_argument("--rdzv_backend", default=None, help="torchrun rendezvous backend: static (default) or c10d")
     multi.add_argument("--same_network", action="store_true",
                        help="the machines share a local network: static rendezvous through master_addr/port")
+    ds = p.add_argument_group("DeepSpeed", "ZeRO through accelerate's DeepSpeed settings (docs/sharding.md); they "
+                                           "override the config file's deepspeed_config")
+    _hyphens_too(ds)
+    ds.add_argument("--use_deepspeed", action="store_true", help="use DeepSpeed (distributed_type DEEPSPEED)")
+    ds.add_argument("--deepspeed_config_file", default=None, help="DeepSpeed JSON config file")
+    ds.add_argument("--zero_stage", type=int, default=None, help="ZeRO stage (default 2)")
+    ds.add_argument("--offload_optimizer_device", default=None, help="none or cpu (nvme is not supported)")
+    ds.add_argument("--offload_param_device", default=None, help="none (parameter offload needs ZeRO-3)")
+    ds.add_argument("--offload_optimizer_nvme_path", default=None, help=argparse.SUPPRESS)
+    ds.add_argument("--offload_param_nvme_path", default=None, help=argparse.SUPPRESS)
+    ds.add_argument("--gradient_clipping", type=float, default=None, help="max gradient norm (DeepSpeed's "
+                                                                           "gradient_clipping)")
+    ds.add_argument("--zero3_init_flag", default=None, help="true or false (ZeRO-3 only)")
+    ds.add_argument("--zero3_save_16bit_model", default=None, help="true or false (ZeRO-3 only)")
+    ds.add_argument("--deepspeed_hostfile", default=None, help=argparse.SUPPRESS)
+    ds.add_argument("--deepspeed_exclusion_filter", default=None, help=argparse.SUPPRESS)
+    ds.add_argument("--deepspeed_inclusion_filter", default=None, help=argparse.SUPPRESS)
+    ds.add_argument("--deepspeed_multinode_launcher", default=None,
+                    help="several machines: standard (torchrun on each machine) is the one accelerate-c runs")
+    ds.add_argument("--deepspeed_moe_layer_cls_names", default=None, help=argparse.SUPPRESS)
     p.add_argument("-m", "--module", action="store_true", help="the script is a Python module name")
     p.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
     p.add_argument("training_script", help="the script (or module, with -m) to run")

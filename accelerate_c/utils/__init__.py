@@ -16,6 +16,7 @@ from .dataclasses import (
     RNGType,
     TorchDynamoPlugin,
 )
+from ..deepspeed_config import DeepSpeedPlugin, DummyOptim, DummyScheduler, HfDeepSpeedConfig
 from .operations import (
     broadcast,
     DistributedOperationException,

@@ -14,9 +14,10 @@ from .dataclasses import DistributedType, DynamoBackend, PrecisionType
 ANY = object()  # `supported`: every valid value is supported
 
 DISTRIBUTED_TYPES = tuple(d.value for d in DistributedType)  # the enum the Accelerator reports
-SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
+# DEEPSPEED launches (its configuration is read and checked); ZeRO itself is docs/sharding.md's
+SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED")
 # features that are on the roadmap vs. hardware accelerate_c does not target
-PLANNED_DISTRIBUTED_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
+PLANNED_DISTRIBUTED_TYPES = ("FSDP", "MEGATRON_LM")
 COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE", "AMAZON_SAGEMAKER")
 # the values the Accelerator and the launcher take (PrecisionType), in accelerate's menu order
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -110,13 +111,16 @@ FSDP_KEYS = _keys(
     Key("fsdp_ignored_modules", S, None, nullable=True),
 )
 
+# `supported` holds upper-cased strings (utils.config.unsupported compares them so)
 DEEPSPEED_KEYS = _keys(
     Key("deepspeed_config_file", S, None, nullable=True),
     Key("zero_stage", I, 2, lo=0, hi=3),
-    Key("offload_optimizer_device", S, "none", choices=OFFLOAD_DEVICES),
-    Key("offload_param_device", S, "none", choices=OFFLOAD_DEVICES),
-    Key("offload_optimizer_nvme_path", S, None, nullable=True),
-    Key("offload_param_nvme_path", S, None, nullable=True),
+    Key("offload_optimizer_device", S, "none", choices=OFFLOAD_DEVICES, supported=("NONE", "CPU"),
+        feature="NVMe offload"),
+    Key("offload_param_device", S, "none", choices=OFFLOAD_DEVICES, supported=("NONE",),
+        feature="parameter offload (ZeRO-3 offload_param, to CPU or NVMe)"),
+    Key("offload_optimizer_nvme_path", S, None, nullable=True, supported=(None, "NONE"), feature="NVMe offload"),
+    Key("offload_param_nvme_path", S, None, nullable=True, supported=(None, "NONE"), feature="NVMe offload"),
     Key("gradient_accumulation_steps", ("int", "str"), 1, lo=1, pattern="auto"),
     Key("gradient_clipping", ("float", "str"), None, lo=0, pattern="auto", nullable=True),
     Key("zero3_init_flag", B, False),
@@ -125,7 +129,8 @@ DEEPSPEED_KEYS = _keys(
     Key("deepspeed_exclusion_filter", S, None, nullable=True),
     Key("deepspeed_inclusion_filter", S, None, nullable=True),
     Key("deepspeed_multinode_launcher", S, None, choices=DEEPSPEED_LAUNCHERS, nullable=True),
-    Key("deepspeed_moe_layer_cls_names", S, None, nullable=True),
+    Key("deepspeed_moe_layer_cls_names", S, None, nullable=True, supported=(None,),
+        feature="DeepSpeed mixture of experts (MoE)"),
 )
 
 _MEGATRON_INT = ("tp_degree", "pp_degree", "num_micro_batches", "decoder_last_pipeline_num_layers",
@@ -207,8 +212,7 @@ CLUSTER_KEYS = _keys(
     Key("enable_cpu_affinity", B, False, supported=(False,), feature="CPU affinity (NUMA)"),
     Key("fp8_config", ("dict",), None, nullable=True, sub=FP8_KEYS, sub_prefix="fp8_", supported=_NO_FEATURE,
         feature="fp8 training"),
-    Key("deepspeed_config", ("dict",), None, nullable=True, sub=DEEPSPEED_KEYS, supported=_NO_FEATURE,
-        feature="DeepSpeed"),
+    Key("deepspeed_config", ("dict",), None, nullable=True, sub=DEEPSPEED_KEYS),
     Key("fsdp_config", ("dict",), None, nullable=True, sub=FSDP_KEYS, sub_prefix="fsdp_", supported=_NO_FEATURE,
         feature="FSDP"),
     Key("parallelism_config", ("dict",), None, nullable=True, sub=PARALLELISM_KEYS, supported=_NO_FEATURE,

@@ -99,8 +99,15 @@ def draw(seed: int, world: int | None = None) -> dict:
     # through DeepSpeedPlugin, as a user turns it on; its reference is the same torch DDP run.
     # Not under join_uneven_inputs (refused: every process takes part in each step's all-gather)
     c["sharding"] = r.choice(SHARDINGS) if c["world"] > 1 else "none"
-    if c["uneven"]:
+    if c["uneven"] or c["mp"] == "fp16":  # fp16 under DeepSpeed: its loss scaler is not built yet
         c["sharding"] = "none"
+    if c["sharding"] != "none":
+        # under DeepSpeed the engine clips inside its step, at the configuration's
+        # gradient_clipping: the 2-norm of the whole model, once (clip_grad_norm_ only reports
+        # the norm, clip_grad_value_ is refused, as in accelerate); one engine, one optimizer
+        if c["clip"] != "none":
+            c["clip"] = "norm2"
+        c["clip_subset"] = c["clip_twice"] = c["two_optimizers"] = False
     return c
 
 

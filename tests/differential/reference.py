@@ -134,6 +134,9 @@ def _step(case, params, opts, scaler, world, sched, trace):
         (opt,) = opts  # fp16 is drawn with one optimizer (cases.py)
         scaler.unscale_(opt)
     norm, clipped = None, W.clipped(case, params)
+    sharded = case.get("sharding", "none") != "none"
+    if sharded:  # DeepSpeed clips inside its step: what the loop sees before it is unclipped
+        grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
     if case["clip"] == "value":
         torch.nn.utils.clip_grad_value_(clipped, case["max_norm"])
     elif case["clip"] != "none":
@@ -142,7 +145,8 @@ def _step(case, params, opts, scaler, world, sched, trace):
         if case["clip_twice"]:
             norm = torch.nn.utils.clip_grad_norm_(clipped, case["max_norm"], norm_type=norm_type)
         norm = float(norm)
-    grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
+    if not sharded:
+        grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
     skipped = False
     if scaler is not None:
         before = scaler.get_scale()
@@ -153,9 +157,9 @@ def _step(case, params, opts, scaler, world, sched, trace):
         for opt in opts:
             opt.step()
     if not skipped:
-        # accelerate steps a prepared scheduler once per process per step; under a DeepSpeed
-        # plugin its engine steps it, once per step
-        for _ in range(world if case.get("sharding", "none") == "none" else 1):
+        # accelerate steps a prepared torch scheduler once per process per step, under
+        # DeepSpeed too (only a scheduler built from the DeepSpeed configuration is the engine's)
+        for _ in range(world):
             sched.step()
     trace["steps"].append({"params": [p.detach().float().clone() for p in params], "grads": grads,
                            "skipped": skipped, "lr": sched.get_last_lr()[0],

@@ -38,8 +38,9 @@ def run(case: dict) -> dict:
     ga = case["ga"] if case["sync_style"] == "accumulate" else 1
     sharding = {}
     if case.get("sharding", "none") == "zero1":
+        clip = case["max_norm"] if case["clip"] == "norm2" else 0.0  # the engine clips inside its step
         sharding["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=ga,
-                                                       gradient_clipping=0.0)
+                                                       gradient_clipping=clip)
     acc = Accelerator(cpu=True, mixed_precision=case["mp"], gradient_accumulation_steps=ga, kwargs_handlers=handlers,
                       dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]), **sharding)
     models = W.models(case)

@@ -2,16 +2,21 @@
 
 The subject is a user's loop on accelerate_c with `DeepSpeedPlugin(zero_stage=1)`: AdamW with
 two param groups (weight decay on the weights only, a larger learning rate on the rest), a
-scheduler built before prepare, gradient accumulation 2, clip_grad_norm_, a frozen layer and a
-weight tied between the embedding and the output layer. The reference is the same loop on
-torch's DistributedDataParallel (no_sync for accumulation) with the same torch optimizer, unsharded.
-Checked: the parameters after every optimizer step, the norms clip returned, the learning rates;
+scheduler built before prepare, gradient accumulation 2, gradient_clipping in the plugin (the
+engine clips inside its step, as accelerate's DeepSpeed engine; clip_grad_norm_ reports the norm),
+a frozen layer and a weight tied between the embedding and the output layer. The reference is the
+same loop on torch's DistributedDataParallel (no_sync for accumulation) with the same torch
+optimizer, unsharded, clipped by torch.nn.utils.clip_grad_norm_, and its scheduler stepped as
+accelerate steps a torch scheduler under DeepSpeed (once per process per step).
+Checked: the parameters after every optimizer step, the norms clip returned (and that it left the
+gradients as they were), the learning rates;
 that each process keeps optimizer state for its owned elements only (summed over processes, the
 whole model once); the bytes each process holds against ZeRO-1's formula; and the refusals.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 
 import torch
@@ -69,7 +74,8 @@ def reference(rank):
         if last:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             opt.step()
-            sched.step()  # once: under DeepSpeed accelerate's engine steps the schedule once per step
+            for _ in range(dist.get_world_size()):  # accelerate's AcceleratedScheduler, DeepSpeed or not
+                sched.step()
             opt.zero_grad()
             trace.append((float(norm), [p.detach().clone() for p in model.parameters()],
                           [g["lr"] for g in opt.param_groups]))
@@ -77,15 +83,24 @@ def reference(rank):
 
 
 def subject(rank, world):
-    acc = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=GA,
-                                                                  gradient_clipping=0.0))
+    plugin = DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=GA, gradient_clipping=MAX_NORM)
+    # no data loader goes through prepare() here: the batch size "auto" cannot be filled from one
+    # (accelerate's error says to set it, as here)
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
+    acc = Accelerator(cpu=True, deepspeed_plugin=plugin)
     model, opt, sched = build()
     model, opt, sched = acc.prepare(model, opt, sched)
     trace = []
     for x, y in batches(rank):
         with acc.accumulate(model):
             acc.backward(torch.nn.functional.cross_entropy(model(x), y))
-            norm = acc.clip_grad_norm_(model.parameters(), MAX_NORM) if acc.sync_gradients else None
+            norm = None
+            if acc.sync_gradients:
+                before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                norm = acc.clip_grad_norm_(model.parameters(), 1e-9)  # max_norm is DeepSpeed's, not this
+                after = [p.grad for p in model.parameters() if p.grad is not None]
+                assert isinstance(norm, float) and all(torch.equal(a, b) for a, b in zip(before, after)), \
+                    "clip_grad_norm_ under DeepSpeed changed the gradients"
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -141,13 +156,64 @@ def check_refusals(acc, model):
             assert name in str(e) and "ZeRO" in str(e), str(e)
         else:
             raise AssertionError(f"{name} under ZeRO-1 did not refuse")
-    try:
+    # as accelerate under DeepSpeed: a warning, and no effect
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         with acc.join_uneven_inputs([model]):
             pass
-    except NotImplementedError as e:
-        assert "join_uneven_inputs" in str(e), str(e)
-    else:
-        raise AssertionError("join_uneven_inputs under ZeRO-1 did not refuse")
+    assert any("only supported for multi-GPU" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def warmup_lr(n, max_lr, warmup):
+    """DeepSpeed's WarmupLR (log warm-up from 0) after n scheduler steps, from its documentation:
+    min_lr before the first step, then min + (max - min) * log(n) / log(warmup) up to warmup."""
+    if n == 0:
+        return 0.0
+    w = max(2, warmup)
+    return max_lr * (math.log(n) / math.log(w) if n - 1 < w else 1.0)
+
+
+def check_dummies(rank, world):
+    """DeepSpeed's optimizer and scheduler blocks through DummyOptim / DummyScheduler, their
+    "auto" values filled at prepare() (the batch size from the data loader, lr and weight decay
+    from the DummyOptim, the warm-up from the DummyScheduler): the same updates as torch's AdamW
+    with DeepSpeed's WarmupLR written out, stepped once per optimizer step (the engine's)."""
+    from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # accelerate's own, as a moved script has them
+
+    cfg = {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 0,
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.95]}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                        "warmup_num_steps": "auto"}}}
+    acc = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    model, _, _ = build()
+    data = [b for b in batches(rank)][:4]
+    loader = torch.utils.data.DataLoader([(x[k], y[k]) for x, y in data for k in range(4)], batch_size=4)
+    dopt = DummyOptim(model.parameters(), lr=2e-2, weight_decay=0.05)
+    model, opt, loader, sched = acc.prepare(model, dopt, loader, DummyScheduler(dopt, warmup_num_steps=3))
+    assert isinstance(opt.optimizer, torch.optim.AdamW), type(opt.optimizer)
+    assert acc.sharding.micro_batch_size == 4 and acc.sharding.train_batch_size == 4 * world
+    got = []
+    for x, y in loader:
+        acc.backward(torch.nn.functional.cross_entropy(model(x), y))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        got.append([p.detach().clone() for p in model.parameters()])
+    ref_model, _, _ = build()
+    ddp = DDP(ref_model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=0.0, weight_decay=0.05, betas=(0.9, 0.95))
+    xs = [b for b in loader]  # the prepared loader's batches on this rank (in order: no shuffle), again
+    for n, (x, y) in enumerate(xs):
+        for g in ref_opt.param_groups:
+            g["lr"] = warmup_lr(n, 2e-2, 3)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for a, b in zip(got[n], ref_model.parameters()):
+            err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+            assert err <= 1e-5, f"DummyOptim step {n}: off by {err:.3g}"
+    assert abs(sched.get_last_lr()[0] - warmup_lr(len(xs), 2e-2, 3)) < 1e-12, sched.get_last_lr()
 
 
 def main():
@@ -174,6 +240,7 @@ def main():
     assert [g["weight_decay"] for g in sd["param_groups"]] == [0.1, 0.0]
     check_frozen_in_optimizer(acc, model)
     check_refusals(acc, model)
+    check_dummies(rank, world)
     dist.barrier()
     if rank == 0:
         print(f"zero1 OK on {world} processes: max relative error {worst:.2e}, bytes held {held} "
