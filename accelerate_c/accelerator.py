@@ -219,7 +219,13 @@ class Accelerator:
 
         # mixed precision machinery. A deliberate difference from accelerate 1.15, which trains
         # in fp32 when asked for fp16 on a CPU: we run fp16 autocast and loss scaling there too.
-        self.native_amp = mixed_precision in ("fp16", "bf16")
+        # Under DeepSpeed there is no autocast: the engine trains the model itself in 16 bits
+        # (params and gradients) with fp32 master weights in the optimizer (as accelerate's
+        # DeepSpeed path does; strategies/zero.py)
+        self.native_amp = mixed_precision in ("fp16", "bf16") and self.sharding is None
+        self._compute_dtype = None  # the 16-bit dtype models are cast to under DeepSpeed
+        if self.sharding is not None and mixed_precision != "no":
+            self._compute_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
         if mixed_precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError("mixed_precision='bf16' needs a GPU with bfloat16 support")
         self.scaler = None
@@ -386,10 +392,20 @@ class Accelerator:
         self._models.append(model)
         if device_placement and not getattr(model, "hf_device_map", None):
             model.to(self.device)
+        if self._compute_dtype is not None:
+            if not self.use_distributed and not evaluation_mode:
+                raise NotImplementedError(
+                    f"DeepSpeed with {self.mixed_precision} on one process: the 16-bit model with fp32 master "
+                    "weights is built for ZeRO on several processes only so far; launch 2 or more processes, or "
+                    "drop the bf16/fp16 section of the DeepSpeed configuration")
+            model.to(self._compute_dtype)  # as DeepSpeed's engine: parameters and buffers
         if self.use_distributed and not self._grads.distributed:
             h = self.ddp_handler
-            strategy = Zero1Strategy if self._zero_stage == 1 else DDPStrategy
-            self._grads.configure(strategy(self._grads, h), h.bucket_cap_mb if h is not None else None)
+            if self._zero_stage == 1:
+                strategy = Zero1Strategy(self._grads, h, fp32_masters=self._compute_dtype is not None)
+            else:
+                strategy = DDPStrategy(self._grads, h)
+            self._grads.configure(strategy, h.bucket_cap_mb if h is not None else None)
         # the strategy's part (DDP: rank 0's weights to every replica, the per-forward
         # collectives), then flat gradient buffers for the trainable parameters
         self._grads.prepare_model(model, trainable=not evaluation_mode)
@@ -619,16 +635,25 @@ class Accelerator:
             if total is not None:
                 return total
         self.unscale_gradients()
-        if max_norm is None:
+        if max_norm is None:  # in fp32, as DeepSpeed reports it
             self._grads.ready(params)
-            return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)
+            return torch.nn.utils.get_total_norm([p.grad.float() for p in params if p.grad is not None], norm_type)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
     def _engine_clip(self, params):
         """DeepSpeed's clip inside the optimizer step, at the configuration's gradient_clipping
         (2-norm, torch's formula; None: no clipping); the norm is returned either way, as
-        DeepSpeed computes it for every step."""
-        return self._clip_norm(list(params), self.sharding.gradient_clipping, 2.0)
+        DeepSpeed computes it for every step. A 16-bit model's gradients are not rounded again:
+        as DeepSpeed clips the fp32 copies the optimizer reads, the coefficient (computed in
+        fp32 from the fp32 norm) goes to the strategy, which applies it while widening them."""
+        clip = self.sharding.gradient_clipping
+        if self._compute_dtype is None:
+            return self._clip_norm(list(params), clip, 2.0)
+        norm = self._clip_norm(list(params), None, 2.0)
+        if clip is not None:
+            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)  # fp32, NaN for a NaN norm (as torch's)
+            self._grads.strategy.scale_next_step(float(coef))
+        return norm
 
     def clip_grad_value_(self, parameters, clip_value):
         if self.sharding is not None:  # as accelerate: the engine only clips norms

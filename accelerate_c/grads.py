@@ -461,8 +461,13 @@ class GradManager:
         dtypes = {g.dtype for g in groups}
         norm, coef = clip_coef(total, math.inf if max_norm is None else max_norm,
                                dtypes.pop() if len(dtypes) == 1 else torch.float32)
-        if max_norm is None:
-            coef = 1.0  # a NaN norm leaves the gradients as they are
+        if max_norm is None:  # the norm only, in fp32 (not rounded to 16 bits: DeepSpeed's)
+            for g, inv, _, _, found in per:
+                if inv != 1.0:
+                    g.scale_(inv)
+                    g.needs_unscale = False
+                    g.found_inf = found
+            return torch.tensor(total, dtype=torch.float32)
         for g, inv, _, _, found in per:
             g.scale_(inv * coef)
             if inv != 1.0:
@@ -490,9 +495,9 @@ class GradManager:
         bad = torch.where(torch.isnan(acc[0]), torch.full_like(total, math.nan), torch.full_like(total, math.inf))
         total = torch.where(acc[2] > 0, bad, total)
         dtypes = {g.dtype for g in groups}
-        total = total.to(dtypes.pop() if len(dtypes) == 1 else torch.float32)  # torch's norm dtype
-        if max_norm is None:  # the norm only
+        if max_norm is None:  # the norm only, in fp32 (not rounded to 16 bits: DeepSpeed's)
             return total
+        total = total.to(dtypes.pop() if len(dtypes) == 1 else torch.float32)  # torch's norm dtype
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         coefs = {}  # the coefficient on each device
         for g in groups:

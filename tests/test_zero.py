@@ -15,6 +15,16 @@ from test_launch import SCRIPTS, launch
 from timeouts import wait_s
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero1_bf16_is_deepspeeds_policy(world):
+    """A bf16 model with fp32 masters sharded: against the same policy in torch, one process
+    under autocast, and the bytes of 4Ψ + 12Ψ/N (tests/scripts/zero_bf16.py)."""
+    res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "zero_bf16.py")], timeout=wait_s(120))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"zero1 bf16 OK on {world} processes" in res.stdout
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_zero1_trains_as_torch_ddp_with_the_optimizer_state_sharded(world):
     res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0",
@@ -50,7 +60,9 @@ def test_the_plugins_accumulation_and_precision_win():
     acc = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(
         hf_ds_config={"zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
                       "train_micro_batch_size_per_gpu": 2}))
-    assert acc.mixed_precision == "bf16" and acc.native_amp
+    assert acc.mixed_precision == "bf16" and not acc.native_amp  # DeepSpeed's bf16: no autocast
+    with pytest.raises(NotImplementedError, match="one process"):
+        acc.prepare(torch.nn.Linear(2, 2))
 
 
 def test_one_process_trains_as_without_the_plugin():

@@ -97,12 +97,20 @@ class ShardedOptimizer:
 
 
 class Zero1Strategy(DDPStrategy):
-    """DDP's gradient reduction with the optimizer's state sharded (ZeRO stage 1)."""
+    """DDP's gradient reduction with the optimizer's state sharded (ZeRO stage 1).
+
+    fp32_masters (DeepSpeed's bf16/fp16 policy: the model is 16-bit): the optimizer steps fp32
+    copies of the owned runs (created at prepare from the 16-bit values), reading the 16-bit
+    gradients widened to fp32; after the step the masters are rounded into the 16-bit owned runs,
+    which are then all-gathered. Memory: 2Ψ parameters + 2Ψ gradients + 12Ψ/N (master and
+    Adam's two moments), against DDP's 16Ψ under autocast."""
 
     stage = 1
 
-    def __init__(self, manager, handler=None):
+    def __init__(self, manager, handler=None, fp32_masters: bool = False):
         super().__init__(manager, handler)
+        self.fp32_masters = fp32_masters
+        self._next_scale = 1.0  # scale_next_step's factor
         self.models: dict = {}  # id(model) -> ModelShards
         self.optimizers: dict = {}  # id(torch optimizer) -> ShardedOptimizer
         self._staging: dict = {}  # (dtype, device) -> [two (chunk, full) buffer pairs]
@@ -149,18 +157,20 @@ class Zero1Strategy(DDPStrategy):
                 if o.length == 0:
                     continue  # another process owns all of it
                 view = p.detach().view(-1).narrow(0, o.param_offset, o.length)
+                if self.fp32_masters and p.dtype != torch.float32:
+                    view = view.float()  # the master: a copy, stepped in fp32
                 book.views.append((view, p, o))
                 kept.append(view)
                 if p in old_state:
-                    new_state[view] = {k: self._slice_state(v, p, o) for k, v in old_state[p].items()}
+                    new_state[view] = {k: self._slice_state(v, p, o, view.dtype) for k, v in old_state[p].items()}
             group["params"] = kept
         optimizer.state = new_state
         self.optimizers[id(optimizer)] = book
 
     @staticmethod
-    def _slice_state(v, p, o):
+    def _slice_state(v, p, o, dtype):
         if torch.is_tensor(v) and v.shape == p.shape:
-            return v.detach().reshape(-1).narrow(0, o.param_offset, o.length).clone()
+            return v.detach().reshape(-1).narrow(0, o.param_offset, o.length).to(dtype, copy=True)
         return v
 
     def model_params(self, optimizer) -> list:
@@ -175,18 +185,36 @@ class Zero1Strategy(DDPStrategy):
         return book.originals + extra
 
     # ---- step ---------------------------------------------------------------------------
+    def scale_next_step(self, factor: float) -> None:
+        """The next optimizer_step multiplies the gradients the masters read by `factor` (the
+        engine's clip under the 16-bit policy, applied to the fp32 copies as DeepSpeed does)."""
+        if not self.fp32_masters:
+            raise RuntimeError("scale_next_step is for fp32 masters of a 16-bit model")
+        self._next_scale = factor
+
     def optimizer_step(self, optimizer, closure=None):
         book = self.optimizers.get(id(optimizer))
         if book is None:
             return super().optimizer_step(optimizer, closure)
+        factor, self._next_scale = self._next_scale, 1.0
         for view, p, o in book.views:
             g = p.grad
-            view.grad = None if g is None else g.detach().reshape(-1).narrow(0, o.param_offset, o.length)
+            if g is not None:
+                g = g.detach().reshape(-1).narrow(0, o.param_offset, o.length)
+                if g.dtype != view.dtype:  # a master: the 16-bit gradient widened (a transient copy)
+                    g = g.to(view.dtype)
+                    if factor != 1.0:
+                        g.mul_(factor)
+            view.grad = g
         try:
             out = optimizer.step(closure) if closure is not None else optimizer.step()
         finally:
             for view, _, _ in book.views:
                 view.grad = None  # the gradient views must not outlive the step (zero_grad swaps .grad)
+        with torch.no_grad():
+            for view, p, o in book.views:
+                if view.dtype != p.dtype:  # the updated master, rounded into the model's owned run
+                    p.view(-1).narrow(0, o.param_offset, o.length).copy_(view)
         self._gather_updated(book)
         return out
 
