@@ -21,6 +21,7 @@ from .strategies.zero import Zero1Strategy
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
 from .plugins import check_kind, kind_of, refuse_features, resolve_deepspeed_plugin, resolve_dynamo_plugin
+from .ds_scaler import DeepSpeedScaler
 from .scaler import LossScaler
 from .scheduler import AcceleratedScheduler
 from .state import AcceleratorState, GradientState
@@ -58,6 +59,20 @@ def _batch_sampler_shard(dataloader):
         if isinstance(inner, BatchSamplerShard):
             return inner
     return None
+
+
+def _cast_inputs_half(module, args, kwargs):
+    """DeepSpeed's fp16.auto_cast: the forward's floating-point tensor inputs (nested in lists,
+    tuples and dicts too) cast to fp16."""
+    def cast(x):
+        if torch.is_tensor(x):
+            return x.half() if x.is_floating_point() else x
+        if isinstance(x, (list, tuple)):
+            return type(x)(cast(v) for v in x)
+        if isinstance(x, dict):
+            return {k: cast(v) for k, v in x.items()}
+        return x
+    return cast(args), cast(kwargs)
 
 
 def _model_parameters(opt) -> list:
@@ -229,7 +244,14 @@ class Accelerator:
         if mixed_precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError("mixed_precision='bf16' needs a GPU with bfloat16 support")
         self.scaler = None
-        if mixed_precision == "fp16":
+        if mixed_precision == "fp16" and self.sharding is not None:
+            # DeepSpeed's own rule (hysteresis, min_loss_scale), from the configuration's fp16 section
+            if self.scaler_handler is not None:
+                warnings.warn("GradScalerKwargs is not used under DeepSpeed: the DeepSpeed configuration's fp16 "
+                              "section (initial_scale_power, loss_scale_window, hysteresis, min_loss_scale, "
+                              "loss_scale) sets the loss scale, as in accelerate", stacklevel=2)
+            self.scaler = DeepSpeedScaler(**self.sharding.ds_scaler_kwargs())
+        elif mixed_precision == "fp16":
             kw = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
             scaler = LossScaler(**kw)
             self.scaler = scaler if scaler.is_enabled() else None
@@ -399,6 +421,8 @@ class Accelerator:
                     "weights is built for ZeRO on several processes only so far; launch 2 or more processes, or "
                     "drop the bf16/fp16 section of the DeepSpeed configuration")
             model.to(self._compute_dtype)  # as DeepSpeed's engine: parameters and buffers
+            if self.sharding.fp16_auto_cast and not hasattr(model, "_ds_input_cast"):
+                model._ds_input_cast = model.register_forward_pre_hook(_cast_inputs_half, with_kwargs=True)
         if self.use_distributed and not self._grads.distributed:
             h = self.ddp_handler
             if self._zero_stage == 1:
@@ -432,7 +456,8 @@ class Accelerator:
         self._grads.strategy.prepare_optimizer(optimizer)  # a sharding strategy rebuilds it in place
         clip = self._engine_clip if self.sharding is not None else None
         wrapped = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler,
-                                       grads=self._grads, engine_clip=clip)
+                                       grads=self._grads, engine_clip=clip,
+                                       unscale_in_place=self._compute_dtype is None)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -524,6 +549,8 @@ class Accelerator:
     # ---- the step -----------------------------------------------------------------------
     def backward(self, loss, **kwargs):
         """loss / gradient_accumulation_steps (and x the loss scale under fp16), then backward."""
+        if self._compute_dtype is not None:
+            loss = loss.float()  # as DeepSpeed's engine: a 16-bit loss x 2**16 would overflow fp16
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
@@ -593,8 +620,8 @@ class Accelerator:
 
     def unscale_gradients(self, optimizer=None):
         """Divides the gradients of the optimizer(s) by the loss scale (fp16 only), once per step."""
-        if self.scaler is None:
-            return
+        if self.scaler is None or self.sharding is not None:
+            return  # as accelerate under DeepSpeed: the engine unscales inside its step
         inv = 1.0 / self.scaler.get_scale()
         for opt in self._opt_list(optimizer):
             self._grads.ready(_model_parameters(opt), inv)
@@ -614,8 +641,26 @@ class Accelerator:
             if not self.sync_gradients:
                 norms = [o.engine_norm for o in self._optimizers if o.engine_norm is not None]
                 return float(norms[-1]) if norms else None
-            return float(self._clip_norm(list(parameters), None, float(norm_type)))
+            return float(self._deepspeed_norm(list(parameters)))
         return self._clip_norm(list(parameters), float(max_norm), float(norm_type))
+
+    def _deepspeed_norm(self, params):
+        """The 2-norm DeepSpeed's engine computes: in fp32, of the gradients as the step will
+        read them (under fp16 the loss scale divided out of the norm, not out of the gradients,
+        which keep it until the fp32 copies are made; without the 16-bit policy the fp16
+        gradients are unscaled in place as under DDP)."""
+        if self._compute_dtype is None:
+            return self._clip_norm(params, None, 2.0)
+        trainable = [p for p in params if p.requires_grad]
+        self._grads.prepare_step()
+        groups = self._grads.full_groups(trainable) if trainable else None
+        norm = self._grads.clip_norm_fused(groups, None, 2.0, None) if groups is not None else None
+        if norm is None:
+            self._grads.ready(params)
+            norm = torch.nn.utils.get_total_norm([p.grad.float() for p in params if p.grad is not None], 2.0)
+        if self.scaler is not None:
+            norm = norm / self.scaler.get_scale()
+        return norm
 
     def _clip_norm(self, params, max_norm, norm_type):
         """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
@@ -649,10 +694,13 @@ class Accelerator:
         clip = self.sharding.gradient_clipping
         if self._compute_dtype is None:
             return self._clip_norm(list(params), clip, 2.0)
-        norm = self._clip_norm(list(params), None, 2.0)
+        norm = self._deepspeed_norm(list(params))
+        factor = 1.0 / self.scaler.get_scale() if self.scaler is not None else 1.0  # fp16: the unscale
         if clip is not None:
             coef = torch.clamp(clip / (norm + 1e-6), max=1.0)  # fp32, NaN for a NaN norm (as torch's)
-            self._grads.strategy.scale_next_step(float(coef))
+            factor = float(coef) * factor
+        if factor != 1.0:
+            self._grads.strategy.scale_next_step(factor)
         return norm
 
     def clip_grad_value_(self, parameters, clip_value):

@@ -392,6 +392,25 @@ class GradManager:
         touched, outside = self.split(params)
         return self.unscale(touched, outside, inv_scale) if inv_scale is not None else False
 
+    def found_nonfinite(self, params) -> bool:
+        """Whether any gradient of `params` holds NaN/Inf, checked as they are (still carrying
+        the loss scale: DeepSpeed's overflow check, which unscales only the fp32 copies later),
+        agreed by every process (the strategy's any_found_inf)."""
+        self.prepare_step()
+        touched, outside = self.split(params)
+        found = False
+        for g, idx in touched.items():
+            whole = len(set(idx)) == len(g.params)
+            tensors = [g.buf] if whole else [g.views[i] for i in sorted(set(idx))]
+            for t in tensors:
+                if found:
+                    break
+                found = (not bool(torch.isfinite(t).all())) if g.is_cuda else bool(_C.nonfinite(t))
+        for p in outside:
+            if not found and p.grad is not None:
+                found = not bool(torch.isfinite(p.grad).all())
+        return self.strategy.any_found_inf(found)
+
     def unscale(self, touched: dict, outside, inv_scale: float) -> bool:
         """Unscales what still carries the loss scale in the groups of `touched` ({group:
         indices}) and the `outside` params; returns True if any of *these params'* gradients is

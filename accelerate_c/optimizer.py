@@ -25,10 +25,14 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     - zero_grad() calls the wrapped optimizer's zero_grad (torch's: `.grad = None`, or zeros
       in the buffer with set_to_none=False)."""
 
-    def __init__(self, optimizer, device_placement: bool = True, scaler=None, grads=None, engine_clip=None):
+    def __init__(self, optimizer, device_placement: bool = True, scaler=None, grads=None, engine_clip=None,
+                 unscale_in_place: bool = True):
         self.optimizer = optimizer
         self.scaler = scaler
         self._grads = grads
+        # False under DeepSpeed's fp16 policy: the fp16 gradients keep the loss scale, only
+        # checked here; the strategy unscales the fp32 copies the masters read
+        self._unscale_in_place = unscale_in_place
         # DeepSpeed's engine clips inside its step: engine_clip(params) -> their norm, clipped
         # to the configuration's gradient_clipping (the Accelerator's, so that clip and step
         # share one code path); `engine_norm` keeps the last such norm
@@ -106,8 +110,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             return
         found_inf = False
         if self._grads is not None:
-            inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
-            found_inf = self._grads.ready(self.model_parameters(), inv)
+            if self.scaler is not None and not self._unscale_in_place:
+                found_inf = self._grads.found_nonfinite(self.model_parameters())
+            else:
+                inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
+                found_inf = self._grads.ready(self.model_parameters(), inv)
         self._is_overflow = found_inf
         if not found_inf:
             if self._engine_clip is not None:

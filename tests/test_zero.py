@@ -16,13 +16,15 @@ from timeouts import wait_s
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_zero1_bf16_is_deepspeeds_policy(world):
-    """A bf16 model with fp32 masters sharded: against the same policy in torch, one process
-    under autocast, and the bytes of 4Ψ + 12Ψ/N (tests/scripts/zero_bf16.py)."""
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_zero1_16bit_is_deepspeeds_policy(kind, world):
+    """A 16-bit model with fp32 masters sharded (fp16: DeepSpeed's loss scaler, overflows
+    skipped everywhere): against the same policy in torch, one process under autocast, and the
+    bytes of 4Ψ + 12Ψ/N (tests/scripts/zero_16bit.py)."""
     res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "zero_bf16.py")], timeout=wait_s(120))
+                  os.path.join(SCRIPTS, "zero_16bit.py"), kind], timeout=wait_s(120))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"zero1 bf16 OK on {world} processes" in res.stdout
+    assert f"zero1 {kind} OK on {world} processes" in res.stdout
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -36,8 +38,8 @@ def test_zero1_trains_as_torch_ddp_with_the_optimizer_state_sharded(world):
 def test_what_is_not_built_is_refused_by_name():
     with pytest.raises(NotImplementedError, match="ZeRO stage 3"):
         Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=3))
-    with pytest.raises(NotImplementedError, match="fp16"):
-        Accelerator(cpu=True, mixed_precision="fp16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=1))
+    acc = Accelerator(cpu=True, mixed_precision="fp16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=1))
+    assert type(acc.scaler).__name__ == "DeepSpeedScaler" and acc.scaler.get_scale() == 2.0 ** 16
     # on CPU processes the optimizer state is on the CPU already: the offload is what runs
     acc = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, offload_optimizer_device="cpu"))
     assert acc.sharding.offload_optimizer == "cpu"

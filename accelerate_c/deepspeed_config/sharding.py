@@ -93,6 +93,21 @@ class ShardingConfig:
         return {"init_scale": init, "growth_factor": 2.0, "backoff_factor": 0.5,
                 "growth_interval": self.loss_scale_window}
 
+    def ds_scaler_kwargs(self) -> dict:
+        """DeepSpeed's fp16 settings as accelerate_c's DeepSpeedScaler arguments (ds_scaler.py):
+        its own rule, hysteresis and minimum scale included."""
+        static = self.loss_scale > 0
+        return {"init_scale": float(self.loss_scale) if static else 2.0 ** self.initial_scale_power,
+                "loss_scale_window": int(self.loss_scale_window), "hysteresis": int(self.hysteresis),
+                "consecutive_hysteresis": bool(self.consecutive_hysteresis),
+                "min_loss_scale": float(self.min_loss_scale), "static": static}
+
+    @property
+    def fp16_auto_cast(self) -> bool:
+        """fp16.auto_cast: DeepSpeed's engine casts the forward's floating inputs to fp16."""
+        section = self.config.get("fp16") or {}
+        return self.mixed_precision == "fp16" and section.get("auto_cast") is True
+
     def scaler_differences(self) -> list:
         """Where DeepSpeed's fp16 scaler, as configured, does what the GradScaler rule of
         accelerate_c's LossScaler (csrc/core/scaler.c) does not (empty outside fp16)."""
@@ -227,7 +242,7 @@ def sharding_from_config(plugin, *, mixed_precision: str = "no", gradient_accumu
                          num_processes: int = 1) -> ShardingConfig:
     """What Accelerator.__init__ calls with its DeepSpeed plugin: the configuration read and
     checked in full (each bad key with its own error), then refused where the engine does not
-    run it yet: stages other than 1, and fp16 (DeepSpeed's loss scaler is not GradScaler's)."""
+    run it yet: stages other than 1."""
     sharding = resolve_sharding(plugin, mixed_precision=mixed_precision,
                                 gradient_accumulation_steps=gradient_accumulation_steps, num_processes=num_processes)
     src = f" (DeepSpeed config {sharding.source})" if sharding.source else ""
@@ -241,10 +256,4 @@ def sharding_from_config(plugin, *, mixed_precision: str = "no", gradient_accumu
         raise NotImplementedError(f"DeepSpeed ZeRO stage {sharding.stage}{src}: the configuration is valid, but "
                                   f"ZeRO-{sharding.stage} sharding is being built in accelerate_c and is not available "
                                   "yet; use zero_optimization.stage 1")
-    if sharding.mixed_precision == "fp16":
-        # DeepSpeed's scaler lowers the scale only after `hysteresis` overflows and never below
-        # min_loss_scale; GradScaler's rule (the one built) would give other numbers
-        raise NotImplementedError(f"DeepSpeed with fp16{src}: DeepSpeed's loss scaler ("
-                                  + "; ".join(sharding.scaler_differences()) + ") is not built in accelerate_c yet; "
-                                  "use bf16, or fp16 without DeepSpeed")
     return sharding

@@ -1,16 +1,21 @@
-"""ZeRO stage 1 with DeepSpeed's bf16 policy on N CPU processes (launched by tests/test_zero.py).
+"""ZeRO stage 1 with DeepSpeed's 16-bit policy on N CPU processes (launched by tests/test_zero.py):
+`zero_16bit.py bf16` or `zero_16bit.py fp16`.
 
-The subject is zero_stage1.py's loop with a DeepSpeed configuration that enables bf16: the model
-is trained in bf16 (parameters and gradients), the optimizer steps fp32 master weights of the
-owned runs. Two references, both plain torch:
-- the same policy unsharded: the bf16 model under torch DDP, a torch AdamW over fp32 copies of
+The subject is zero_stage1.py's loop with a DeepSpeed configuration that enables bf16 or fp16:
+the model is trained in 16 bits (parameters and gradients), the optimizer steps fp32 master
+weights of the owned runs. Under fp16 the loss is scaled by DeepSpeed's rule (2**16 at first), the
+overflow check reads the scaled fp16 gradients, and the fp32 copies are unscaled; one micro-batch
+of rank 0 and one of rank 1 overflow (every process must skip those steps; hysteresis 2 keeps the
+scale at the first overflow and halves it at the next).
+Two references, both plain torch:
+- the same policy unsharded: the 16-bit model under torch DDP, a torch AdamW over fp32 copies of
   the parameters (gradients widened to fp32 for the step, the masters rounded back into the
-  model after it), DeepSpeed's clip written out (the norm of the bf16 gradients, the coefficient
+  model after it), DeepSpeed's clip written out (the norm of the 16-bit gradients, the coefficient
   applied to the fp32 copies): within 1e-3 relative after every step;
-- one process in fp32 under bf16 autocast with the global batch (the numbers a user moving from
+- one process in fp32 under autocast (bf16 or fp16) with the global batch (the numbers a user moving from
   DDP compares with): within 2e-2 relative (per tensor, in norm) at the end.
-And the bytes each process holds: 2 (bf16 parameters) + 2 (bf16 gradients) per trainable element,
-12 per owned element (fp32 master + Adam's two moments): 4Ψ + 12Ψ/N.
+And the bytes each process holds: 2 (16-bit parameters) + 2 (16-bit gradients) per trainable
+element, 12 per owned element (fp32 master + Adam's two moments): 4Ψ + 12Ψ/N.
 """
 from __future__ import annotations
 
@@ -26,18 +31,35 @@ from accelerate.utils import DeepSpeedPlugin
 from accelerate_c import Accelerator
 from zero_stage1 import GA, MAX_NORM, STEPS, batches, build
 
-BF16 = torch.bfloat16
+KIND = sys.argv[1] if len(sys.argv) > 1 else "bf16"
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[KIND]
+# initial_scale_power 8: at DeepSpeed's default 16 the scaled fp16 gradients of this model overflow
+# now and then on their own, and whether an element just at fp16's limit overflows depends on the
+# order the processes' gradients are summed in (torch DDP's gloo ring or ours): only the
+# overflows the test makes are then sure to happen on both sides
+POWER = 8
+SCALE = 2.0 ** POWER if KIND == "fp16" else 1.0
+OVERFLOWS = {(0, 5), (1, 9)}  # (rank, micro-batch): loss made inf under fp16 (windows 2 and 4)
+REF_SKIPS: list = []  # the steps the policy reference skipped
 
 
 def _config():
-    return {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 4,
+    section = {"enabled": True, "initial_scale_power": POWER} if KIND == "fp16" else {"enabled": True}
+    return {"zero_optimization": {"stage": 1}, KIND: section, "train_micro_batch_size_per_gpu": 4,
             "gradient_accumulation_steps": GA, "gradient_clipping": MAX_NORM}
 
 
+def _loss(out, y, rank, i):
+    loss = torch.nn.functional.cross_entropy(out, y).float()
+    if KIND == "fp16" and (rank, i) in OVERFLOWS:
+        loss = loss * float("inf")
+    return loss
+
+
 def policy_reference(rank, world):
-    """bf16 model + fp32 masters, unsharded, written out in torch."""
+    """A 16-bit model + fp32 masters, unsharded, written out in torch."""
     model, opt, sched = build()
-    model.to(BF16)
+    model.to(DTYPE)
     masters = {p: p.detach().float().clone() for p in model.parameters() if p.requires_grad}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [masters[p] for p in g["params"]]}
               for g in opt.param_groups]
@@ -48,14 +70,20 @@ def policy_reference(rank, world):
     for i, (x, y) in enumerate(batches(rank)):
         last = (i + 1) % GA == 0
         with contextlib.nullcontext() if last else ddp.no_sync():
-            (torch.nn.functional.cross_entropy(ddp(x), y) / GA).backward()
+            (_loss(ddp(x), y, rank, i) / GA * SCALE).backward()
         if last:
-            # DeepSpeed's clip: the norm of the 16-bit gradients in double, the coefficient in
-            # fp32, applied to the fp32 copies the optimizer reads (the bf16 ones are not rounded again)
-            norm = torch.stack([p.grad.double().square().sum() for p in masters]).sum().sqrt().float()
+            if not all(bool(torch.isfinite(p.grad).all()) for p in masters):  # DeepSpeed skips the step
+                model.zero_grad()
+                trace.append([p.detach().float().clone() for p in model.parameters()])
+                REF_SKIPS.append(len(trace) - 1)
+                continue
+            # DeepSpeed's clip: the norm of the 16-bit gradients in double, the loss scale divided
+            # out of it, the coefficient in fp32, applied (with the unscale) to the fp32 copies the
+            # optimizer reads (the 16-bit ones are not rounded again)
+            norm = (torch.stack([p.grad.double().square().sum() for p in masters]).sum().sqrt() / SCALE).float()
             coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
             for p, m in masters.items():
-                m.grad = p.grad.float() * coef
+                m.grad = p.grad.float() * (float(coef) / SCALE)
             mopt.step()
             for _ in range(world):
                 msched.step()
@@ -68,16 +96,19 @@ def policy_reference(rank, world):
 
 
 def autocast_reference(world):
-    """One process, fp32 parameters under bf16 autocast, the global batch (every rank's batches)."""
+    """One process, fp32 parameters under autocast, the global batch (every rank's batches)."""
     model, opt, sched = build()
     per_rank = [batches(r) for r in range(world)]
     for i in range(len(per_rank[0])):
         x = torch.cat([b[i][0] for b in per_rank])
         y = torch.cat([b[i][1] for b in per_rank])
-        with torch.autocast("cpu", dtype=BF16):
+        with torch.autocast("cpu", dtype=DTYPE):
             out = model(x)
         (torch.nn.functional.cross_entropy(out.float(), y) / GA).backward()
         if (i + 1) % GA == 0:
+            if KIND == "fp16" and any(i // GA == m // GA for _, m in OVERFLOWS):  # the windows skipped
+                opt.zero_grad()
+                continue
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             opt.step()
             for _ in range(world):
@@ -88,20 +119,21 @@ def autocast_reference(world):
 
 def subject(rank):
     acc = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_config()))
-    assert acc.mixed_precision == "bf16" and not acc.native_amp, "DeepSpeed's bf16 is not autocast"
+    assert acc.mixed_precision == KIND and not acc.native_amp, "DeepSpeed's 16 bits are not autocast"
     model, opt, sched = build()
     model, opt, sched = acc.prepare(model, opt, sched)
-    assert all(p.dtype == BF16 for p in model.parameters()), "the engine trains the model in bf16"
-    trace = []
-    for x, y in batches(rank):
+    assert all(p.dtype == DTYPE for p in model.parameters()), f"the engine trains the model in {KIND}"
+    trace, skipped = [], []
+    for i, (x, y) in enumerate(batches(rank)):
         with acc.accumulate(model):
-            acc.backward(torch.nn.functional.cross_entropy(model(x), y))
+            acc.backward(_loss(model(x), y, rank, i))
             opt.step()
             sched.step()
             opt.zero_grad()
         if acc.sync_gradients:
             trace.append([p.detach().float().clone() for p in model.parameters()])
-    return acc, model, opt, trace
+            skipped.append(opt.step_was_skipped)
+    return acc, model, opt, trace, skipped
 
 
 def rel(a, b):
@@ -120,7 +152,7 @@ def check_memory(acc, model, opt, world):
                       if torch.is_tensor(v) and k in ("exp_avg", "exp_avg_sq"))
     held = param_bytes + grad_bytes + master_bytes + state_bytes
     formula = 4 * psi + 12 * psi / world
-    pad = 8 * world * 32 * 2  # each bucket rounds up to world x 32 bf16 elements (64-byte alignment)
+    pad = 8 * world * 32 * 2  # each bucket rounds up to world x 32 16-bit elements (64-byte alignment)
     assert abs(held - formula) <= 0.05 * formula + pad, f"holds {held} bytes, the formula {formula:.0f}"
     return held, formula
 
@@ -131,9 +163,17 @@ def main():
     torch.set_num_threads(1)
     ref = policy_reference(rank, world)
     loose = autocast_reference(world)
-    acc, model, opt, sub = subject(rank)
+    acc, model, opt, sub, skipped = subject(rank)
+    if KIND == "fp16":
+        # the steps the overflows fall in skipped, on every process (each overflow is one rank's),
+        # as the reference skipped them; DeepSpeed's rule with hysteresis 2 and a window of 1000:
+        # the first overflow only lowers the hysteresis, each later one halves the scale
+        assert REF_SKIPS == sorted(m // GA for _, m in OVERFLOWS), REF_SKIPS
+        assert skipped == [k in REF_SKIPS for k in range(STEPS)], (skipped, REF_SKIPS)
+        want = SCALE / 2 ** max(0, len(REF_SKIPS) - 1)
+        assert acc.scaler.get_scale() == want, (acc.scaler.get_scale(), want)
     assert len(sub) == len(ref) == STEPS, (len(sub), len(ref))
-    # Two processes sum two bf16 gradients, the same in any order: the runs agree element by
+    # Two processes sum two 16-bit gradients, the same in any order: the runs agree element by
     # element. Three and more sum in the collective's order (torch DDP's gloo ring, or ours), which
     # rounds differently in bf16, and Adam's first steps turn a near-zero gradient's sign into a
     # whole lr (6.5e-2 max-abs measured on 3): there the tensors are held as wholes, in norm, at
@@ -145,16 +185,16 @@ def main():
         for j, (a, b) in enumerate(zip(p_s, p_r)):
             err = metric(a, b)
             worst = max(worst, err)
-            assert err <= tol, f"step {k}: parameter {j} off by {err:.3g} from the bf16 policy in torch"
+            assert err <= tol, f"step {k}: parameter {j} off by {err:.3g} from the {KIND} policy in torch"
     # per tensor, ||a - b|| / ||b||: Adam moves an element by ~lr whatever its gradient's size, so
     # 16-bit noise flips the sign of near-zero gradients and a few elements end ~2 x lr x steps
     # apart (max-abs 9e-2 measured here); the tensors as a whole stay within 6e-3
     far = max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(sub[-1], loose))
-    assert far <= 2e-2, f"off by {far:.3g} from one process under bf16 autocast"
+    assert far <= 2e-2, f"off by {far:.3g} from one process under {KIND} autocast"
     held, formula = check_memory(acc, model, opt, world)
     dist.barrier()
     if rank == 0:
-        print(f"zero1 bf16 OK on {world} processes: {worst:.2e} from the policy in torch, {far:.2e} from "
+        print(f"zero1 {KIND} OK on {world} processes: {worst:.2e} from the policy in torch, {far:.2e} from "
               f"autocast on one process, bytes held {held} (formula {formula:.0f})")
     sys.stdout.flush()
     dist.destroy_process_group()
