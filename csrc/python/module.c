@@ -56,6 +56,11 @@ static int module_exec(PyObject *m) {
   int rc = PyModule_AddObjectRef(m, "LossScaler", scaler);
   Py_DECREF(scaler);
   if (rc < 0) return -1;
+  PyObject *ds_scaler = PyType_FromModuleAndSpec(m, &pyac_ds_scaler_spec, NULL);
+  if (!ds_scaler) return -1;
+  rc = PyModule_AddObjectRef(m, "DeepSpeedLossScaler", ds_scaler);
+  Py_DECREF(ds_scaler);
+  if (rc < 0) return -1;
   PyObject *reducer = PyType_FromModuleAndSpec(m, &pyac_reducer_spec, NULL);
   if (!reducer) return -1;
   rc = PyModule_AddObjectRef(m, "Reducer", reducer);

@@ -127,6 +127,7 @@ void pyac_dlpack_release(void *owner, int versioned);
 /* Buffer type spec and the kernel function table (defined in their own files). */
 extern PyType_Spec pyac_buffer_spec;
 extern PyType_Spec pyac_scaler_spec;
+extern PyType_Spec pyac_ds_scaler_spec;
 extern PyType_Spec pyac_reducer_spec;
 extern PyType_Spec pyac_hook_spec;
 extern PyType_Spec pyac_comm_spec;

@@ -32,7 +32,7 @@ for c in error pool kernels kernels_scalar kernels_avx2 cuda_stub; do
 done
 TESTS=(test_error test_pool
        test_kernels_half test_kernels_ops test_kernels_reduce
-       test_bucket test_shard
+       test_bucket test_shard test_ds_scaler
        test_safetensors_header test_safetensors_roundtrip test_safetensors_publish
        test_safetensors_direct test_safetensors_gpu
        test_comm)
