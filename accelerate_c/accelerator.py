@@ -6,6 +6,7 @@ import gc
 import math
 import os
 import warnings
+import weakref
 from types import MethodType
 
 import torch
@@ -265,7 +266,7 @@ class Accelerator:
         host_malloc.apply(self.host_malloc_handler)
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._custom_objects = []
-        self._engine_schedulers = set()  # ids of schedulers built from a DeepSpeed configuration
+        self._engine_schedulers = weakref.WeakSet()  # schedulers built from a DeepSpeed configuration
         self.flag_tensor = None
 
     @classmethod
@@ -382,7 +383,7 @@ class Accelerator:
             given = args
             self.sharding, args = prepare_args(self.sharding, args, split_batches=self.split_batches)
             # the schedulers built here are the engine's: it steps them once per optimizer step
-            self._engine_schedulers.update(id(a) for a, g in zip(args, given) if a is not g
+            self._engine_schedulers.update(a for a, g in zip(args, given) if a is not g
                                            and isinstance(a, torch.optim.lr_scheduler.LRScheduler))
         out = list(args)
         # models first, so their gradient buffers exist before optimizers are wrapped;
@@ -414,8 +415,8 @@ class Accelerator:
         self._models.append(model)
         if device_placement and not getattr(model, "hf_device_map", None):
             model.to(self.device)
-        if self._compute_dtype is not None:
-            if not self.use_distributed and not evaluation_mode:
+        if self._compute_dtype is not None and not evaluation_mode:  # accelerate leaves those as they are
+            if not self.use_distributed:
                 raise NotImplementedError(
                     f"DeepSpeed with {self.mixed_precision} on one process: the 16-bit model with fp32 master "
                     "weights is built for ZeRO on several processes only so far; launch 2 or more processes, or "
@@ -471,7 +472,7 @@ class Accelerator:
                 break
         wrapped = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
                                        split_batches=self.split_batches,
-                                       once_per_step=id(scheduler) in self._engine_schedulers)
+                                       once_per_step=scheduler in self._engine_schedulers)
         self._schedulers.append(wrapped)
         return wrapped
 

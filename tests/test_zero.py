@@ -91,3 +91,50 @@ def test_one_process_trains_as_without_the_plugin():
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 2
     zero = run(deepspeed_plugin=plugin)
     assert all(torch.equal(a, b) for a, b in zip(plain, zero))
+
+
+def _ds(extra):
+    cfg = {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0}
+    cfg.update(extra)
+    return DeepSpeedPlugin(hf_ds_config=cfg)
+
+
+_BLOCKS = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.1,
+                                                        "warmup_num_steps": 4}}}
+
+
+def test_a_scheduler_block_is_never_dropped():
+    """DeepSpeed's engine would build and step the block's scheduler; without a DummyScheduler
+    to step it through, prepare() says so instead of training at a constant lr."""
+    from accelerate.utils.deepspeed import DummyOptim
+
+    acc = Accelerator(cpu=True, deepspeed_plugin=_ds(_BLOCKS))
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="scheduler block .*WarmupLR.* no scheduler"):
+        acc.prepare(model, DummyOptim(model.parameters()))
+
+
+def test_the_callable_wins_over_the_block():
+    """As DeepSpeed's engine: a DummyScheduler's lr_scheduler_callable is preferred to the block."""
+    from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
+
+    acc = Accelerator(cpu=True, deepspeed_plugin=_ds(_BLOCKS))
+    model = torch.nn.Linear(2, 2)
+    dopt = DummyOptim(model.parameters())
+    made = []
+
+    def build(opt):
+        made.append(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5))
+        return made[-1]
+
+    _, opt, sched = acc.prepare(model, dopt, DummyScheduler(dopt, lr_scheduler_callable=build))
+    assert made and sched.scheduler is made[0] and isinstance(opt.optimizer, torch.optim.SGD)
+    assert sched.once_per_step  # the engine's: once per optimizer step
+
+
+def test_evaluation_models_keep_their_dtype():
+    """accelerate's prepare_model(evaluation_mode=True) under DeepSpeed leaves the model alone."""
+    acc = Accelerator(cpu=True, deepspeed_plugin=_ds({"bf16": {"enabled": True}}))
+    teacher = acc.prepare_model(torch.nn.Linear(2, 2), evaluation_mode=True)
+    assert all(p.dtype == torch.float32 for p in teacher.parameters())

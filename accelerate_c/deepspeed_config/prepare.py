@@ -33,6 +33,13 @@ def prepare_args(sharding: ShardingConfig, args, *, split_batches: bool) -> tupl
     if sharding.pending or optimizer is not None or scheduler is not None:
         sharding = fill_for_prepare(sharding, dataloaders=loaders, model=model, optimizer=optimizer,
                                     scheduler=scheduler, split_batches=split_batches)
+    if model is not None and sharding.scheduler is not None and scheduler is None:
+        # DeepSpeed's engine would build the block's scheduler and step it itself; here it is
+        # stepped through the object prepare() returns for a DummyScheduler (never dropped silently)
+        raise ValueError(f"DeepSpeed config{' ' + sharding.source if sharding.source else ''} has a scheduler block "
+                         f"({sharding.scheduler.type}) and prepare() got no scheduler: pass "
+                         "DummyScheduler(optimizer, ...) to the same prepare() call and step what it returns, or "
+                         "remove the block")
     out = list(args)
     built = {}
     for i, obj in enumerate(out):
@@ -46,7 +53,7 @@ def prepare_args(sharding: ShardingConfig, args, *, split_batches: bool) -> tupl
         if is_dummy_optim(real):
             raise ValueError("DummyScheduler: its optimizer is a DummyOptim that is not passed to the same "
                              "prepare() call; pass both together")
-        if obj.lr_scheduler_callable is not None and sharding.scheduler is None:
+        if obj.lr_scheduler_callable is not None:  # DeepSpeed prefers the client's callable to the block
             out[i] = obj.lr_scheduler_callable(real)
         else:
             out[i] = build_scheduler(sharding.scheduler.block(), real)

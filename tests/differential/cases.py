@@ -100,7 +100,7 @@ def draw(seed: int, world: int | None = None) -> dict:
     # Not under join_uneven_inputs (refused: every process takes part in each step's all-gather)
     c["sharding"] = r.choice(SHARDINGS) if c["world"] > 1 else "none"
     # (bf16 and fp16 under DeepSpeed train a 16-bit model with fp32 masters, not autocast: the
-    # torch DDP reference here runs autocast; tests/scripts/zero_bf16.py holds that policy to its
+    # torch DDP reference here runs autocast; tests/scripts/zero_16bit.py holds that policy to its
     # own torch reference)
     if c["uneven"] or c["mp"] != "no":
         c["sharding"] = "none"
