@@ -6,7 +6,6 @@ import gc
 import math
 import os
 import warnings
-import weakref
 from types import MethodType
 
 import torch
@@ -266,7 +265,9 @@ class Accelerator:
         host_malloc.apply(self.host_malloc_handler)
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._custom_objects = []
-        self._engine_schedulers = weakref.WeakSet()  # schedulers built from a DeepSpeed configuration
+        # schedulers built from a DeepSpeed configuration (the objects: ids could be reused; a
+        # list, since the Accelerator pickles and a WeakSet does not)
+        self._engine_schedulers = []
         self.flag_tensor = None
 
     @classmethod
@@ -383,7 +384,7 @@ class Accelerator:
             given = args
             self.sharding, args = prepare_args(self.sharding, args, split_batches=self.split_batches)
             # the schedulers built here are the engine's: it steps them once per optimizer step
-            self._engine_schedulers.update(a for a, g in zip(args, given) if a is not g
+            self._engine_schedulers.extend(a for a, g in zip(args, given) if a is not g
                                            and isinstance(a, torch.optim.lr_scheduler.LRScheduler))
         out = list(args)
         # models first, so their gradient buffers exist before optimizers are wrapped;
@@ -472,7 +473,7 @@ class Accelerator:
                 break
         wrapped = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
                                        split_batches=self.split_batches,
-                                       once_per_step=scheduler in self._engine_schedulers)
+                                       once_per_step=any(scheduler is s for s in self._engine_schedulers))
         self._schedulers.append(wrapped)
         return wrapped
 
