@@ -18,7 +18,7 @@ from .deepspeed_config import sharding_from_config
 from .deepspeed_config.prepare import prepare_args
 from .strategies.ddp import DDPStrategy
 from .strategies.zero import Zero1Strategy
-from .grads import GradManager
+from .grads import GradManager, clip_coef
 from .optimizer import AcceleratedOptimizer
 from .plugins import check_kind, kind_of, refuse_features, resolve_deepspeed_plugin, resolve_dynamo_plugin
 from .ds_scaler import DeepSpeedScaler
@@ -64,15 +64,9 @@ def _batch_sampler_shard(dataloader):
 def _cast_inputs_half(module, args, kwargs):
     """DeepSpeed's fp16.auto_cast: the forward's floating-point tensor inputs (nested in lists,
     tuples and dicts too) cast to fp16."""
-    def cast(x):
-        if torch.is_tensor(x):
-            return x.half() if x.is_floating_point() else x
-        if isinstance(x, (list, tuple)):
-            return type(x)(cast(v) for v in x)
-        if isinstance(x, dict):
-            return {k: cast(v) for k, v in x.items()}
-        return x
-    return cast(args), cast(kwargs)
+    def half(t):
+        return t.half() if t.is_floating_point() else t
+    return recursively_apply(half, args), recursively_apply(half, kwargs)
 
 
 def _model_parameters(opt) -> list:
@@ -265,9 +259,6 @@ class Accelerator:
         host_malloc.apply(self.host_malloc_handler)
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._custom_objects = []
-        # schedulers built from a DeepSpeed configuration (the objects: ids could be reused; a
-        # list, since the Accelerator pickles and a WeakSet does not)
-        self._engine_schedulers = []
         self.flag_tensor = None
 
     @classmethod
@@ -378,14 +369,13 @@ class Accelerator:
             device_placement = [None] * len(args)
         elif len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
+        built = ()  # positions of what the DeepSpeed configuration built in this call
         if self.sharding is not None:
             # accelerate's DeepSpeed preparation: "auto" values filled from this call's objects,
             # DummyOptim / DummyScheduler replaced by what the configuration describes
             given = args
             self.sharding, args = prepare_args(self.sharding, args, split_batches=self.split_batches)
-            # the schedulers built here are the engine's: it steps them once per optimizer step
-            self._engine_schedulers.extend(a for a, g in zip(args, given) if a is not g
-                                           and isinstance(a, torch.optim.lr_scheduler.LRScheduler))
+            built = {i for i, (a, g) in enumerate(zip(args, given)) if a is not g}
         out = list(args)
         # models first, so their gradient buffers exist before optimizers are wrapped;
         # schedulers last, since they need the wrapped optimizers
@@ -393,17 +383,17 @@ class Accelerator:
                       (torch.optim.lr_scheduler.LRScheduler,)):
             for i, (obj, dp) in enumerate(zip(args, device_placement)):
                 if isinstance(obj, kinds) and not isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler)):
-                    out[i] = self._prepare_one(obj, dp)
+                    out[i] = self._prepare_one(obj, dp, engine=i in built)
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _prepare_one(self, obj, device_placement):
+    def _prepare_one(self, obj, device_placement, engine=False):
         if isinstance(obj, torch.nn.Module):
             return self.prepare_model(obj, device_placement=device_placement)
         if isinstance(obj, torch.optim.Optimizer):
             return self.prepare_optimizer(obj, device_placement=device_placement)
         if isinstance(obj, torch.utils.data.DataLoader):
             return self.prepare_data_loader(obj, device_placement=device_placement)
-        return self.prepare_scheduler(obj)
+        return self.prepare_scheduler(obj, _engine=engine)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
@@ -463,7 +453,9 @@ class Accelerator:
         self._optimizers.append(wrapped)
         return wrapped
 
-    def prepare_scheduler(self, scheduler):
+    def prepare_scheduler(self, scheduler, *, _engine=False):
+        """`_engine`: built from the DeepSpeed configuration by this prepare() call, so the
+        engine's, stepped once per optimizer step (AcceleratedScheduler.once_per_step)."""
         if isinstance(scheduler, AcceleratedScheduler):
             return scheduler
         optimizer = self._optimizers
@@ -473,7 +465,7 @@ class Accelerator:
                 break
         wrapped = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
                                        split_batches=self.split_batches,
-                                       once_per_step=any(scheduler is s for s in self._engine_schedulers))
+                                       once_per_step=_engine)
         self._schedulers.append(wrapped)
         return wrapped
 
@@ -649,20 +641,9 @@ class Accelerator:
     def _deepspeed_norm(self, params):
         """The 2-norm DeepSpeed's engine computes: in fp32, of the gradients as the step will
         read them (under fp16 the loss scale divided out of the norm, not out of the gradients,
-        which keep it until the fp32 copies are made; without the 16-bit policy the fp16
-        gradients are unscaled in place as under DDP)."""
-        if self._compute_dtype is None:
-            return self._clip_norm(params, None, 2.0)
-        trainable = [p for p in params if p.requires_grad]
-        self._grads.prepare_step()
-        groups = self._grads.full_groups(trainable) if trainable else None
-        norm = self._grads.clip_norm_fused(groups, None, 2.0, None) if groups is not None else None
-        if norm is None:
-            self._grads.ready(params)
-            norm = torch.nn.utils.get_total_norm([p.grad.float() for p in params if p.grad is not None], 2.0)
-        if self.scaler is not None:
-            norm = norm / self.scaler.get_scale()
-        return norm
+        which keep it until the fp32 copies are made)."""
+        norm = self._clip_norm(params, None, 2.0)
+        return norm / self.scaler.get_scale() if self.scaler is not None else norm
 
     def _clip_norm(self, params, max_norm, norm_type):
         """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
@@ -670,7 +651,8 @@ class Accelerator:
         self._grads.prepare_step()
         groups = self._grads.full_groups(trainable) if trainable else None
         if groups is not None and norm_type in (2.0, math.inf):
-            inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
+            # under DeepSpeed nothing is unscaled in place: its engine unscales the fp32 copies
+            inv = 1.0 / self.scaler.get_scale() if self.scaler is not None and self.sharding is None else None
             if inv is not None:
                 # as accelerate's clip, which unscales every optimizer's gradients first: those
                 # outside the clipped buffers now, the clipped ones fused with their norm pass
@@ -699,8 +681,7 @@ class Accelerator:
         norm = self._deepspeed_norm(list(params))
         factor = 1.0 / self.scaler.get_scale() if self.scaler is not None else 1.0  # fp16: the unscale
         if clip is not None:
-            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)  # fp32, NaN for a NaN norm (as torch's)
-            factor = float(coef) * factor
+            factor *= clip_coef(float(norm), clip, torch.float32)[1]  # fp32, NaN for a NaN norm (as torch's)
         if factor != 1.0:
             self._grads.strategy.scale_next_step(factor)
         return norm

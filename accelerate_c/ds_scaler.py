@@ -7,6 +7,7 @@ import numbers
 import torch
 
 from . import _C
+from .scaler import ScalerBase
 
 # state_dict keys: DeepSpeed's DynamicLossScaler attribute names (its ZeRO optimizers save the
 # scaler object itself), counters first, then the configuration
@@ -35,7 +36,7 @@ def _flag(name, value):
     return value
 
 
-class DeepSpeedScaler:
+class DeepSpeedScaler(ScalerBase):
     """What `accelerator.scaler` is under a DeepSpeed config with fp16: DeepSpeed's loss-scale
     rule (hysteresis, min_loss_scale, its growth timing) where LossScaler has GradScaler's.
 
@@ -57,33 +58,8 @@ class DeepSpeedScaler:
             raise_at_min=_flag("raise_error_at_min_scale", raise_error_at_min_scale))
         self._enabled = enabled
 
-    def is_enabled(self) -> bool:
-        return self._enabled
-
     def is_dynamic(self) -> bool:
         return self._s.dynamic
-
-    def get_scale(self) -> float:
-        return self._s.scale if self._enabled else 1.0
-
-    def scale(self, outputs):
-        """Multiplies a loss (or a nested structure of them) by the current scale."""
-        if not self._enabled:
-            return outputs
-        s = self._s.scale
-        if torch.is_tensor(outputs):
-            return outputs * s
-        if isinstance(outputs, (list, tuple)):
-            return type(outputs)(self.scale(o) for o in outputs)
-        raise TypeError(f"scale() takes a tensor or a list/tuple of tensors, got {type(outputs).__name__}")
-
-    def update(self, found_inf: bool = False):
-        """One optimizer step's outcome (found_inf: it overflowed and was skipped)."""
-        if self._enabled:
-            self._s.update(bool(found_inf))
-
-    def state_dict(self) -> dict:
-        return self._s.state() if self._enabled else {}
 
     def load_state_dict(self, state: dict):
         """Restores state_dict()'s keys (STATE_KEYS), configuration included, as LossScaler

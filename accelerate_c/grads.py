@@ -124,9 +124,17 @@ class GradGroup(GradLayout):
         optimizer's overflow does not skip another optimizer's step."""
         if len(set(indices)) == len(self.params) or not (torch.is_tensor(self.found_inf) or self.found_inf):
             return self.found_inf
+        return self.nonfinite_in(indices)
+
+    def nonfinite_in(self, indices) -> bool | torch.Tensor:
+        """Whether the gradients of these params hold NaN/Inf now (read as they are, scaled or
+        not): the whole buffer when they are the whole group, else just their ranges."""
+        whole = len(set(indices)) == len(self.params)
         if self.is_cuda:
+            if whole:
+                return (~torch.isfinite(self.buf)).any().float()
             return torch.stack([(~torch.isfinite(self.views[i])).any() for i in indices]).any().float()
-        return any(_C.nonfinite(self.views[i]) for i in indices)
+        return bool(_C.nonfinite(self.buf)) if whole else any(_C.nonfinite(self.views[i]) for i in indices)
 
 
 _F32 = struct.Struct("f")
@@ -400,12 +408,7 @@ class GradManager:
         touched, outside = self.split(params)
         found = False
         for g, idx in touched.items():
-            whole = len(set(idx)) == len(g.params)
-            tensors = [g.buf] if whole else [g.views[i] for i in sorted(set(idx))]
-            for t in tensors:
-                if found:
-                    break
-                found = (not bool(torch.isfinite(t).all())) if g.is_cuda else bool(_C.nonfinite(t))
+            found = found or bool(g.nonfinite_in(idx))
         for p in outside:
             if not found and p.grad is not None:
                 found = not bool(torch.isfinite(p.grad).all())
@@ -477,16 +480,10 @@ class GradManager:
         # by the same rounded coefficient as torch's; non-finite norms included (an fp16 step
         # that overflowed is skipped anyway, but its gradients end as torch leaves them: x 0
         # for inf, x NaN for NaN)
-        dtypes = {g.dtype for g in groups}
-        norm, coef = clip_coef(total, math.inf if max_norm is None else max_norm,
-                               dtypes.pop() if len(dtypes) == 1 else torch.float32)
         if max_norm is None:  # the norm only, in fp32 (not rounded to 16 bits: DeepSpeed's)
-            for g, inv, _, _, found in per:
-                if inv != 1.0:
-                    g.scale_(inv)
-                    g.needs_unscale = False
-                    g.found_inf = found
             return torch.tensor(total, dtype=torch.float32)
+        dtypes = {g.dtype for g in groups}
+        norm, coef = clip_coef(total, max_norm, dtypes.pop() if len(dtypes) == 1 else torch.float32)
         for g, inv, _, _, found in per:
             g.scale_(inv * coef)
             if inv != 1.0:

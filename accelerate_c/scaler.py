@@ -6,29 +6,18 @@ import torch
 from . import _C
 
 
-class LossScaler:
-    """What `accelerator.scaler` is under fp16. The scale lives in C; gradients are unscaled
-    and checked by the fused kernels on the flat buffers, not here."""
+class ScalerBase:
+    """What both loss-scale rules share over their C state machine `_s` (its `scale`, `update`
+    and `state`): GradScaler's interface for scaling a loss and recording a step's outcome."""
 
-    def __init__(self, init_scale: float = 65536.0, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True):
-        self._s = _C.LossScaler(init_scale, growth_factor, backoff_factor, growth_interval)
-        self._enabled = enabled
+    _s = None
+    _enabled = True
 
     def is_enabled(self) -> bool:
         return self._enabled
 
     def get_scale(self) -> float:
         return self._s.scale if self._enabled else 1.0
-
-    def get_growth_factor(self) -> float:
-        return self._s.state()["growth_factor"]
-
-    def get_backoff_factor(self) -> float:
-        return self._s.state()["backoff_factor"]
-
-    def get_growth_interval(self) -> int:
-        return self._s.state()["growth_interval"]
 
     def scale(self, outputs):
         """Multiplies a loss (or a nested structure of them) by the current scale."""
@@ -42,12 +31,33 @@ class LossScaler:
         raise TypeError(f"scale() takes a tensor or a list/tuple of tensors, got {type(outputs).__name__}")
 
     def update(self, found_inf: bool = False):
+        """One optimizer step's outcome (found_inf: it overflowed and was skipped)."""
         if self._enabled:
             self._s.update(bool(found_inf))
 
     def state_dict(self) -> dict:
-        """torch.amp.GradScaler's keys, so a state saved by either loads into the other."""
+        """The C state's keys (LossScaler: torch.amp.GradScaler's, so a state saved by either
+        loads into the other; DeepSpeedScaler: DeepSpeed's attribute names)."""
         return self._s.state() if self._enabled else {}
+
+
+class LossScaler(ScalerBase):
+    """What `accelerator.scaler` is under fp16. The scale lives in C; gradients are unscaled
+    and checked by the fused kernels on the flat buffers, not here."""
+
+    def __init__(self, init_scale: float = 65536.0, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True):
+        self._s = _C.LossScaler(init_scale, growth_factor, backoff_factor, growth_interval)
+        self._enabled = enabled
+
+    def get_growth_factor(self) -> float:
+        return self._s.state()["growth_factor"]
+
+    def get_backoff_factor(self) -> float:
+        return self._s.state()["backoff_factor"]
+
+    def get_growth_interval(self) -> int:
+        return self._s.state()["growth_interval"]
 
     def load_state_dict(self, state: dict):
         if not state:

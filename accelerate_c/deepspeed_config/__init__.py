@@ -21,8 +21,7 @@ from .plugin import (
     load_config,
 )
 from .sharding import (
-    OptimizerSpec,
-    SchedulerSpec,
+    BlockSpec,
     ShardingConfig,
     build_sharding,
     fill_for_prepare,
@@ -32,7 +31,7 @@ from .sharding import (
 
 __all__ = [
     "AUTO", "DeepSpeedConfigError", "DeepSpeedFeatureError", "DeepSpeedPlugin", "DeepSpeedSchedule", "DummyOptim",
-    "DummyScheduler", "HfDeepSpeedConfig", "OptimizerSpec", "SchedulerSpec", "ShardingConfig",
+    "DummyScheduler", "HfDeepSpeedConfig", "BlockSpec", "ShardingConfig",
     "apply_mixed_precision", "build_optimizer", "build_scheduler", "build_sharding", "check_config",
     "fill_for_prepare", "fill_from_training_args", "fill_from_training_steps", "hidden_size_of",
     "is_deepspeed_plugin", "is_dummy_optim", "is_dummy_scheduler", "load_config", "mixed_precision_of",

@@ -74,6 +74,19 @@ def hidden_size_of(model):
     return None
 
 
+def _hidden_size_for_autos(config: dict, model, source):
+    """The model's hidden size when the config has "auto" values filled from it (None when it
+    has none); an error naming them when the model has no hidden size."""
+    autos = [k for k in HIDDEN_SIZE_KEYS if get_value(config, k) == AUTO]
+    if not autos:
+        return None
+    hidden = hidden_size_of(model)
+    if hidden is None:
+        raise ValueError(f"DeepSpeed config{where(source)}: {', '.join(autos)} 'auto' are filled from the model's "
+                         "config.hidden_size, and the model has none; set integer values for them")
+    return hidden
+
+
 def check_dummies(config: dict, optimizer, scheduler) -> None:
     """accelerate's contract between the config's optimizer/scheduler blocks and what prepare() gets."""
     if optimizer is not None:
@@ -111,12 +124,8 @@ def fill_at_prepare(config: dict, *, dataloaders=(), model=None, optimizer=None,
         values["train_batch_size"] = micro * config["gradient_accumulation_steps"] * num_processes
     check_dummies(config, optimizer, scheduler)
     if model is not None:
-        autos = [k for k in HIDDEN_SIZE_KEYS if get_value(config, k) == AUTO]
-        if autos:
-            hidden = hidden_size_of(model)
-            if hidden is None:
-                raise ValueError(f"DeepSpeed config{where(source)}: {', '.join(autos)} 'auto' are filled from the "
-                                 "model's config.hidden_size, and the model has none; set integer values for them")
+        hidden = _hidden_size_for_autos(config, model, source)
+        if hidden is not None:
             values.update({HIDDEN_SIZE_KEYS[0]: hidden * hidden, HIDDEN_SIZE_KEYS[1]: int(0.9 * hidden * hidden),
                            HIDDEN_SIZE_KEYS[2]: 10 * hidden})
         if is_dummy_optim(optimizer):
@@ -189,12 +198,8 @@ def fill_from_training_args(config: dict, args, world_size: int, source: str | N
 def fill_from_training_steps(config: dict, args, model, num_training_steps: int, source: str | None = None) -> None:
     """What transformers fills once the model and the number of training steps are known."""
     match = _Matcher(config)
-    autos = [k for k in HIDDEN_SIZE_KEYS if get_value(config, k) == AUTO]
-    if autos:
-        hidden = hidden_size_of(model)
-        if hidden is None:
-            raise ValueError(f"DeepSpeed config{where(source)}: {', '.join(autos)} 'auto' are filled from the model's "
-                             "config.hidden_size, and the model has none; set integer values for them")
+    hidden = _hidden_size_for_autos(config, model, source)
+    if hidden is not None:
         match(HIDDEN_SIZE_KEYS[0], hidden * hidden, must_match=False)
         if get_value(config, "zero_optimization.stage") == 3:
             match(HIDDEN_SIZE_KEYS[1], int(0.9 * hidden * hidden), must_match=False)

@@ -21,20 +21,10 @@ from .plugin import is_deepspeed_plugin
 
 
 @dataclass(frozen=True)
-class OptimizerSpec:
-    """A checked `optimizer` block: type 'AdamW' | 'Adam' | 'SGD' and its params (some may be
-    "auto" until prepare() fills them). optim.build_optimizer builds it."""
-
-    type: str
-    params: MappingProxyType
-
-    def block(self) -> dict:
-        return {"type": self.type, "params": dict(self.params)}
-
-
-@dataclass(frozen=True)
-class SchedulerSpec:
-    """A checked `scheduler` block: 'WarmupLR' | 'WarmupDecayLR' | 'WarmupCosineLR' and params."""
+class BlockSpec:
+    """A checked `optimizer` block (type 'AdamW' | 'Adam' | 'SGD', built by optim.build_optimizer)
+    or `scheduler` block ('WarmupLR' | 'WarmupDecayLR' | 'WarmupCosineLR', optim.build_scheduler)
+    and its params (some may be "auto" until prepare() fills them)."""
 
     type: str
     params: MappingProxyType
@@ -73,8 +63,8 @@ class ShardingConfig:
     hysteresis: int
     consecutive_hysteresis: bool
     min_loss_scale: float
-    optimizer: OptimizerSpec | None
-    scheduler: SchedulerSpec | None
+    optimizer: BlockSpec | None
+    scheduler: BlockSpec | None
     is_train_batch_min: bool
     source: str | None  # the DeepSpeed config file, when the config came from one
     pending: tuple = ()  # dotted keys still "auto"
@@ -177,13 +167,17 @@ def _batch_sizes(config, world_size, source, strict):
     return train, micro, accum
 
 
-def _spec(cls, block):
+_OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+
+
+def _spec(block, names=None):
+    """The BlockSpec of a checked block (None when absent); `names`: the type's canonical spelling."""
     if block is None:
         return None
     kind = block["type"]
-    if cls is OptimizerSpec:
-        kind = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[str(kind).lower()]
-    return cls(kind, MappingProxyType(dict(block.get("params", {}))))
+    if names is not None:
+        kind = names[str(kind).lower()]
+    return BlockSpec(kind, MappingProxyType(dict(block.get("params", {}))))
 
 
 def build_sharding(config: dict, *, world_size: int, source: str | None = None, is_train_batch_min: bool = True,
@@ -209,8 +203,8 @@ def build_sharding(config: dict, *, world_size: int, source: str | None = None, 
         loss_scale_window=fp16.get("loss_scale_window", 1000), hysteresis=fp16.get("hysteresis", 2),
         consecutive_hysteresis=fp16.get("consecutive_hysteresis", False),
         min_loss_scale=fp16.get("min_loss_scale", 1),
-        optimizer=_spec(OptimizerSpec, config.get("optimizer")),
-        scheduler=_spec(SchedulerSpec, config.get("scheduler")),
+        optimizer=_spec(config.get("optimizer"), _OPTIMIZER_TYPES),
+        scheduler=_spec(config.get("scheduler")),
         is_train_batch_min=is_train_batch_min, source=source, pending=tuple(auto_paths(config)),
         config=MappingProxyType(config))
 

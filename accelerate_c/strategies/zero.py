@@ -182,6 +182,13 @@ class Zero1Strategy(DDPStrategy):
         views = {id(v) for v, _, _ in book.views}
         known = {id(p) for p in book.originals}
         extra = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in views and id(p) not in known]
+        if self.fp32_masters and any(p.requires_grad and p.dtype != torch.float32 for p in extra):
+            # they have no fp32 master: stepped as they are, in 16 bits on gradients that still
+            # carry the loss scale (DeepSpeed's engine never updates such parameters either)
+            names = ", ".join(self.manager.name_of(p) for p in extra[:3])
+            raise NotImplementedError(f"ZeRO stage {self.stage} with a 16-bit model: parameters added to the "
+                                      f"optimizer after prepare ({names}) have no fp32 master weights; put every "
+                                      "parameter in the optimizer before prepare()")
         return book.originals + extra
 
     # ---- step ---------------------------------------------------------------------------

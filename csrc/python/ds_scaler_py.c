@@ -111,16 +111,10 @@ static PyGetSetDef ds_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static void ds_dealloc(PyObject *op) {
-  PyTypeObject *tp = Py_TYPE(op);
-  tp->tp_free(op);
-  Py_DECREF(tp);
-}
-
 static PyType_Slot ds_slots[] = {
     {Py_tp_init, ds_init},
     {Py_tp_new, PyType_GenericNew},
-    {Py_tp_dealloc, ds_dealloc},
+    {Py_tp_dealloc, pyac_plain_dealloc},
     {Py_tp_methods, ds_methods},
     {Py_tp_getset, ds_getset},
     {Py_tp_doc,

@@ -42,6 +42,12 @@ PyObject *pyac_raise_value(PyObject *module, ac_result_t r) {
   return NULL;
 }
 
+void pyac_plain_dealloc(PyObject *op) {
+  PyTypeObject *tp = Py_TYPE(op);
+  tp->tp_free(op);
+  Py_DECREF(tp);
+}
+
 static int module_exec(PyObject *m) {
   pyac_state *st = pyac_get_state(m);
   ac_pool_init();

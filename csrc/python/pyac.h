@@ -58,6 +58,10 @@ PyObject *pyac_raise(PyObject *module, ac_result_t r);
  * what Python spells ValueError (the shard plan's order, sizes and parameter lists). */
 PyObject *pyac_raise_value(PyObject *module, ac_result_t r);
 
+/* tp_dealloc of a heap type whose objects own nothing but their own memory (plain C state):
+ * frees the object and drops the reference each instance holds on its heap type. */
+void pyac_plain_dealloc(PyObject *op);
+
 /* A borrowed view of a contiguous float buffer, obtained from a Buffer or a DLPack producer. */
 typedef struct {
   void *data;

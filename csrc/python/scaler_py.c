@@ -84,16 +84,10 @@ static PyGetSetDef scaler_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static void scaler_dealloc(PyObject *op) {
-  PyTypeObject *tp = Py_TYPE(op);
-  tp->tp_free(op);
-  Py_DECREF(tp);
-}
-
 static PyType_Slot scaler_slots[] = {
     {Py_tp_init, scaler_init},
     {Py_tp_new, PyType_GenericNew},
-    {Py_tp_dealloc, scaler_dealloc},
+    {Py_tp_dealloc, pyac_plain_dealloc},
     {Py_tp_methods, scaler_methods},
     {Py_tp_getset, scaler_getset},
     {Py_tp_doc, "LossScaler(init_scale=65536, growth_factor=2, backoff_factor=0.5, growth_interval=2000)"},
