@@ -36,7 +36,8 @@ class OwnedPart(NamedTuple):
 class ShardGroup:
     """The tensors of one dtype and device (`indices` into the list `ShardLayout.from_params`
     got, in plan parameter order), their plan, and rank `rank`'s shard: a zeroed tensor of
-    `plan.shard_numel` elements whose padding nothing writes."""
+    `plan.shard_numel` elements whose padding nothing writes (made when first asked for: a
+    strategy that keeps its own shards, fp32 masters say, never pays for it)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], indices: Sequence[int], plan: ShardPlan, rank: int):
         if not 0 <= rank < plan.world:
@@ -47,8 +48,45 @@ class ShardGroup:
         self.device = tensors[0].device
         self.plan = plan
         self.rank = rank
-        self.shard = torch.zeros(plan.shard_numel, dtype=self.dtype, device=self.device)
-        self.owned = self.owned_views(self.shard)
+        self._shard = None
+        self._owned = None
+
+    @property
+    def shard(self) -> torch.Tensor:
+        if self._shard is None:
+            self._shard = torch.zeros(self.plan.shard_numel, dtype=self.dtype, device=self.device)
+        return self._shard
+
+    @property
+    def owned(self) -> list:
+        if self._owned is None:
+            self._owned = self.owned_views(self.shard)
+        return self._owned
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """Per parameter, what this rank owns of it: (offset in the shard, offset in the
+        parameter's flattened elements, length; 0 when it owns none)."""
+        return [self.plan.param_shard(i, self.rank) for i in range(self.plan.nparams)]
+
+    def bucket_members(self) -> list:
+        """Per bucket that has elements: (its chunk's offset in the shard, the chunk's length, and
+        per member parameter (its index, its offset in the bucket's full range, its numel, its
+        owned run as (offset in the chunk, offset in the parameter, length))). What an all-gather
+        of the updated shard into the parameters, bucket by bucket, reads from the plan, once."""
+        order = self.plan.order
+        runs = self.runs()
+        out = []
+        for start, chunk, local, first, count in self.plan.buckets():
+            if chunk == 0:
+                continue
+            members = []
+            for k in range(first, first + count):
+                i = order[k]
+                _, off, n = self.plan.param(i)
+                l_off, p_off, length = runs[i]
+                members.append((i, off - start, n, (l_off - local, p_off, length)))
+            out.append((local, chunk, members))
+        return out
 
     def owned_views(self, shard: torch.Tensor) -> list[Optional[OwnedPart]]:
         """Per parameter, its owned part as a view of `shard` (this rank's shard, or any 1-D tensor
@@ -96,9 +134,11 @@ class ShardLayout:
     @classmethod
     def from_params(cls, params: Sequence[torch.Tensor], world: int, rank: int, align: int = 1,
                     first_cap_bytes: int = DDP_FIRST_CAP, cap_bytes: int = DDP_CAP,
-                    order: Optional[Sequence[int]] = None) -> "ShardLayout":
+                    order: Optional[Sequence[int]] = None, align_bytes: Optional[int] = None) -> "ShardLayout":
         """`order` is a permutation of range(len(params)), the placement order each group takes its
-        members in; by default each group places its members in reverse (about backward's order)."""
+        members in; by default each group places its members in reverse (about backward's order).
+        `align` is in elements; `align_bytes`, when given, instead sets each group's alignment in
+        bytes (so groups of different dtypes all start their parameters on, say, a cache line)."""
         params = list(params)
         keys: dict = {}
         for j, p in enumerate(params):
@@ -112,8 +152,10 @@ class ShardLayout:
             local = {j: k for k, j in enumerate(members)}
             placed = None if order is None else [local[j] for j in order if j in local]
             group_params = [params[j] for j in members]
-            plan = ShardPlan([p.numel() for p in group_params], group_params[0].element_size(), world, order=placed,
-                             align=align, first_cap_bytes=first_cap_bytes, cap_bytes=cap_bytes)
+            esize = group_params[0].element_size()
+            plan = ShardPlan([p.numel() for p in group_params], esize, world, order=placed,
+                             align=max(1, align_bytes // esize) if align_bytes else align,
+                             first_cap_bytes=first_cap_bytes, cap_bytes=cap_bytes)
             groups.append(ShardGroup(group_params, members, plan, rank))
         return cls(groups)
 

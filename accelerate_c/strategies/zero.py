@@ -20,10 +20,12 @@ and any other class is refused at prepare.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .. import _C
 from .. import collectives
+from ..shard_plan import ShardGroup, ShardLayout
 from .ddp import DDPStrategy
 
 # optimizers whose update of an element reads only that element's gradient and state (by
@@ -34,56 +36,47 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
 ALIGN_BYTES = 64  # each parameter and chunk starts on a cache line
 
 
-class Owned:
+class Owned(NamedTuple):
     """What one process owns of one parameter: elements [param_offset, param_offset + length)
-    of its flattened data, at [local_offset, ...) of the process's shard of `plan`."""
-
-    __slots__ = ("plan", "index", "local_offset", "param_offset", "length")
-
-    def __init__(self, plan, index, local_offset, param_offset, length):
-        self.plan, self.index = plan, index
-        self.local_offset, self.param_offset, self.length = local_offset, param_offset, length
+    of its flattened data, at [local_offset, ...) of its shard group's shard."""
+    group: ShardGroup
+    local_offset: int
+    param_offset: int
+    length: int
 
 
 class ModelShards:
-    """The shard plans of one prepared model: one per dtype of its trainable parameters."""
+    """The shard layout of one prepared model (shard_plan.ShardLayout: one plan per dtype and
+    device of its trainable parameters), each parameter's owned run, what each step's all-gather
+    reads (per group: its parameters and ShardGroup.bucket_members()), and the fp32 masters
+    (one flat fp32 shard per 16-bit group, made when an optimizer first needs them)."""
 
     def __init__(self, model, world: int, rank: int, caps):
         first_cap, cap = caps
-        seen, by_dtype = set(), {}
+        seen, trainable = set(), []
         for p in model.parameters():  # tied weights are one parameter
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                by_dtype.setdefault(p.dtype, []).append(p)
-        self.gathers = []  # per plan: (its parameters, _gather_buckets)
+                trainable.append(p)
+        layout = ShardLayout.from_params(trainable, world, rank, first_cap_bytes=first_cap, cap_bytes=cap,
+                                         align_bytes=ALIGN_BYTES)
+        self.gathers = []  # per group: (group, its parameters in plan order, bucket_members())
         self.owned: dict = {}  # id(param) -> Owned
-        for dtype, params in by_dtype.items():
-            esize = params[0].element_size()
-            plan = _C.ShardPlan(numel=[p.numel() for p in params], esize=esize, world=world,
-                                align=max(1, ALIGN_BYTES // esize), first_cap_bytes=first_cap, cap_bytes=cap,
-                                order=list(range(len(params) - 1, -1, -1)))
-            for i, p in enumerate(params):
-                self.owned[id(p)] = Owned(plan, i, *plan.param_shard(i, rank))
-            self.gathers.append((params, _gather_buckets(plan, params, rank)))
+        self.masters: dict = {}  # id(group) -> its fp32 master shard
+        for group in layout:
+            params = [trainable[j] for j in group.indices]
+            for p, run in zip(params, group.runs()):
+                self.owned[id(p)] = Owned(group, *run)
+            self.gathers.append((group, params, group.bucket_members()))
 
-
-def _gather_buckets(plan, params, rank: int) -> list:
-    """What each step's all-gather of `plan` needs, read from the plan once at prepare: per
-    bucket with elements, (its offset in the full buffer, its chunk, and per parameter the
-    parameter, its full offset and numel, and its owned run relative to this rank's chunk)."""
-    order = plan.order
-    out = []
-    for b_off, chunk, local, first, count in plan.buckets():
-        if chunk == 0:
-            continue
-        members = []
-        for k in range(first, first + count):
-            i = order[k]
-            _, off, n = plan.param(i)
-            l_off, p_off, length = plan.param_shard(i, rank)
-            members.append((params[i], off - b_off, n, l_off - local, p_off, length))
-        out.append((b_off, chunk, members))
-    return out
+    def master(self, group) -> torch.Tensor:
+        """The group's fp32 master shard, loaded from the parameters' owned runs when first made."""
+        m = self.masters.get(id(group))
+        if m is None:
+            params = next(ps for g, ps, _ in self.gathers if g is group)
+            m = self.masters[id(group)] = group.load_shard(
+                params, torch.zeros(group.plan.shard_numel, dtype=torch.float32, device=group.device))
+        return m
 
 
 class ShardedOptimizer:
@@ -99,10 +92,10 @@ class ShardedOptimizer:
 class Zero1Strategy(DDPStrategy):
     """DDP's gradient reduction with the optimizer's state sharded (ZeRO stage 1).
 
-    fp32_masters (DeepSpeed's bf16/fp16 policy: the model is 16-bit): the optimizer steps fp32
-    copies of the owned runs (created at prepare from the 16-bit values), reading the 16-bit
-    gradients widened to fp32; after the step the masters are rounded into the 16-bit owned runs,
-    which are then all-gathered. Memory: 2Ψ parameters + 2Ψ gradients + 12Ψ/N (master and
+    fp32_masters (DeepSpeed's bf16/fp16 policy: the model is 16-bit): the optimizer steps views
+    of one fp32 master shard per shard group (loaded at prepare from the 16-bit values), reading
+    the 16-bit gradients widened to fp32; after the step each bucket's chunk of the master shard,
+    rounded to 16 bits, is what this process sends to the all-gather that updates the model. Memory: 2Ψ parameters + 2Ψ gradients + 12Ψ/N (master and
     Adam's two moments), against DDP's 16Ψ under autocast."""
 
     stage = 1
@@ -121,11 +114,12 @@ class Zero1Strategy(DDPStrategy):
         self.models[id(model)] = ModelShards(model, self.world, self.rank, manager.bucket_caps)
 
     def _owned(self, p):
+        """(the ModelShards that has p, p's Owned), or (None, None)."""
         for shards in self.models.values():
             o = shards.owned.get(id(p))
             if o is not None:
-                return o
-        return None
+                return shards, o
+        return None, None
 
     def prepare_optimizer(self, optimizer) -> None:
         """Rebuilds `optimizer` in place over the runs of its parameters this process owns."""
@@ -145,7 +139,7 @@ class Zero1Strategy(DDPStrategy):
                 if not p.requires_grad:
                     kept.append(p)  # frozen: no gradient, no shard; the optimizer skips it as before
                     continue
-                o = self._owned(p)
+                shards, o = self._owned(p)
                 if o is None:
                     raise ValueError(f"ZeRO stage {self.stage}: parameter {self.manager.name_of(p)} "
                                      f"(param_groups[{gi}]) is not a trainable parameter of a prepared model; "
@@ -156,9 +150,10 @@ class Zero1Strategy(DDPStrategy):
                 book.originals.append(p)
                 if o.length == 0:
                     continue  # another process owns all of it
-                view = p.detach().view(-1).narrow(0, o.param_offset, o.length)
-                if self.fp32_masters and p.dtype != torch.float32:
-                    view = view.float()  # the master: a copy, stepped in fp32
+                if self.fp32_masters and p.dtype != torch.float32:  # its run of the group's fp32 master
+                    view = shards.master(o.group).narrow(0, o.local_offset, o.length)
+                else:  # the parameter's own memory: the update writes the model directly
+                    view = p.detach().view(-1).narrow(0, o.param_offset, o.length)
                 book.views.append((view, p, o))
                 kept.append(view)
                 if p in old_state:
@@ -218,11 +213,7 @@ class Zero1Strategy(DDPStrategy):
         finally:
             for view, _, _ in book.views:
                 view.grad = None  # the gradient views must not outlive the step (zero_grad swaps .grad)
-        with torch.no_grad():
-            for view, p, o in book.views:
-                if view.dtype != p.dtype:  # the updated master, rounded into the model's owned run
-                    p.view(-1).narrow(0, o.param_offset, o.length).copy_(view)
-        self._gather_updated(book)
+        self._gather_updated(book)  # a master reaches its parameter through the all-gather
         return out
 
     def after_zero_grad(self, optimizer, set_to_none: bool) -> None:
@@ -244,16 +235,17 @@ class Zero1Strategy(DDPStrategy):
                 p.grad.zero_()
 
     def _gather_updated(self, book):
-        """Every process gets every updated run: per plan of the models this optimizer updates,
-        bucket by bucket, each bucket's owned runs copied into a chunk, all-gathered into the
-        bucket's full layout and copied out into the parameters (two buckets in flight)."""
+        """Every process gets every updated run: per shard group of the models this optimizer
+        updates, bucket by bucket, this process's chunk (its master shard's chunk rounded to 16
+        bits, or its owned runs copied out of the parameters) all-gathered into the bucket's full
+        layout and copied out into the parameters (two buckets in flight)."""
         # decided from the optimizer's full parameter list, the same on every process (what
-        # this process owns is not: it may own nothing of a plan)
+        # this process owns is not: it may own nothing of a group)
         wanted = {id(p) for p in book.originals}
         for shards in self.models.values():
-            for params, buckets in shards.gathers:
+            for group, params, buckets in shards.gathers:
                 if any(id(p) in wanted for p in params):
-                    self._gather_plan(params[0].dtype, params[0].device, buckets)
+                    self._gather_group(group, params, buckets, shards.masters.get(id(group)))
 
     def _pair(self, dtype, device, slot, chunk, full):
         key = (dtype, device)
@@ -264,24 +256,27 @@ class Zero1Strategy(DDPStrategy):
                                   torch.empty(full, dtype=dtype, device=device))
         return pair[0][:chunk], pair[1][:full]
 
-    def _gather_plan(self, dtype, device, buckets):
+    def _gather_group(self, group, params, buckets, master):
         world = self.world
         inflight = []
 
         def finish(item):
             work, full, members = item
             work.wait()
-            for p, off, n, _, _, _ in members:
-                p.view(-1).copy_(full[off:off + n])
+            for i, off, n, _ in members:
+                params[i].view(-1).copy_(full[off:off + n])
 
         with torch.no_grad():
-            for b, (_, chunk, members) in enumerate(buckets):
+            for b, (local, chunk, members) in enumerate(buckets):
                 if len(inflight) == 2:
                     finish(inflight.pop(0))
-                inp, full = self._pair(dtype, device, b % 2, chunk, chunk * world)
-                for p, _, _, rel, p_off, length in members:
-                    if length:
-                        inp[rel:rel + length].copy_(p.view(-1)[p_off:p_off + length])
+                inp, full = self._pair(group.dtype, group.device, b % 2, chunk, chunk * world)
+                if master is not None:  # one contiguous rounding copy (the padding is zeros)
+                    inp.copy_(master[local:local + chunk])
+                else:
+                    for i, _, _, (rel, p_off, length) in members:
+                        if length:
+                            inp[rel:rel + length].copy_(params[i].view(-1)[p_off:p_off + length])
                 work = collectives.all_gather_into_tensor(full, inp, async_op=True)
                 inflight.append((work, full, members))
             while inflight:

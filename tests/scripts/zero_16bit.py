@@ -147,7 +147,9 @@ def check_memory(acc, model, opt, world):
     grad_bytes = sum(g.flat.numel() * g.flat.element_size() for g in acc._grads.groups)
     owned = [p for g in opt.param_groups for p in g["params"]]
     assert all(p.dtype == torch.float32 for p in owned), "the optimizer steps fp32 masters"
-    master_bytes = sum(p.numel() * 4 for p in owned)
+    # the masters' own memory (the flat shards the optimizer's tensors are views of, padding included)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in owned}
+    master_bytes = sum(storages.values())
     state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items()
                       if torch.is_tensor(v) and k in ("exp_avg", "exp_avg_sq"))
     held = param_bytes + grad_bytes + master_bytes + state_bytes
