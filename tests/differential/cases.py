@@ -96,14 +96,20 @@ def draw(seed: int, world: int | None = None) -> dict:
         c["reentrant"] = False
         c["dataset_extra"] = max(1, c["dataset_extra"])  # some ranks get a batch more
     # sharding (drawn last, so every earlier axis of a seed stays what it was): ZeRO stage 1
-    # through DeepSpeedPlugin, as a user turns it on; its reference is the same torch DDP run.
-    # Not under join_uneven_inputs (refused: every process takes part in each step's all-gather)
+    # through DeepSpeedPlugin, as a user turns it on; its reference is the same torch DDP run, or
+    # under bf16/fp16 DeepSpeed's policy in torch (reference_ds.py: a 16-bit model, fp32 masters,
+    # DeepSpeed's loss scaler). Not under join_uneven_inputs (accelerate's join does nothing under
+    # DeepSpeed, and the processes that ran out would miss the all-gathers)
     c["sharding"] = r.choice(SHARDINGS) if c["world"] > 1 else "none"
-    # (bf16 and fp16 under DeepSpeed train a 16-bit model with fp32 masters, not autocast: the
-    # torch DDP reference here runs autocast; tests/scripts/zero_16bit.py holds that policy to its
-    # own torch reference)
-    if c["uneven"] or c["mp"] != "no":
+    if c["uneven"]:
         c["sharding"] = "none"
+    if c["sharding"] != "none" and c["mp"] != "no":
+        # DeepSpeed has no DDP comm hooks; and a NaN gradient under bf16 is skipped by DeepSpeed
+        # 0.19.3 on (bf16.check_grad_overflow) but stepped by older ones and by accelerate_c
+        # (docs/sharding.md): not drawn until one version is the reference
+        c["comm_hook"] = "no"
+        if c["mp"] == "bf16":
+            c["nan_grad_step"] = None
     if c["sharding"] != "none":
         # under DeepSpeed the engine clips inside its step, at the configuration's
         # gradient_clipping: the 2-norm of the whole model, once (clip_grad_norm_ only reports

@@ -25,11 +25,11 @@ from . import workload as W
 _AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _world():
+def world_rank():
     return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
 
 
-def _batches(case, ds, world, rank):
+def batches_of(case, ds, world, rank):
     """What accelerate 1.15 hands this process, batch by batch."""
     # accelerate's process state is a singleton that prepare_data_loader initialises on first
     # use; without cpu=True it takes a CPU process group for one process, and the evaluation's
@@ -40,7 +40,7 @@ def _batches(case, ds, world, rank):
     return [tuple(t.clone() for t in b) for b in shard]
 
 
-def _wrap(case, models, world):
+def wrap(case, models, world):
     if world == 1:
         return models
     kwargs = {"find_unused_parameters": case["unused"]}
@@ -69,21 +69,21 @@ def _bf16_hook(group, bucket):
 
 
 def run(case: dict) -> dict:
-    world, rank = _world()
+    world, rank = world_rank()
     models = W.models(case)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
-    nets = _wrap(case, models, world)
+    nets = wrap(case, models, world)
     opts = W.optimizers(case, params)
     sched = W.schedule(opts[0])
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if case["mp"] == "fp16" else None
     amp = _AMP.get(case["mp"])
-    batches = _batches(case, W.dataset(case), world, rank)
+    batches = batches_of(case, W.dataset(case), world, rank)
     trace = {"steps": []}
     with Join(nets) if case["uneven"] else contextlib.nullcontext():
         _train(case, nets, models, params, opts, sched, scaler, amp, batches, world, rank, trace)
     trace["final"] = [p.detach().float().clone() for p in params]
     if case["eval"]:
-        trace["eval"] = _evaluate(case, models[0], amp)
+        trace["eval"] = evaluate(case, models[0], amp)
     return trace
 
 
@@ -110,7 +110,7 @@ def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world,
             W.zero_grads(case, opts, models, params)
 
 
-def _evaluate(case, model, amp):
+def evaluate(case, model, amp, cast=None):
     """What accelerate 1.15's own gather_for_metrics collects over its prepared evaluation loader
     (first batches skipped as the case asks), fed with the reference model's outputs."""
     from accelerate import Accelerator as HFAccelerator
@@ -123,7 +123,7 @@ def _evaluate(case, model, amp):
     with torch.no_grad():
         for x, _ in edl:
             with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
-                y = model(x).float()
+                y = model(cast(x) if cast is not None else x).float()
             outs.append(hf.gather_for_metrics(y))
     return torch.cat(outs)
 

@@ -39,8 +39,10 @@ def run(case: dict) -> dict:
     sharding = {}
     if case.get("sharding", "none") == "zero1":
         clip = case["max_norm"] if case["clip"] == "norm2" else 0.0  # the engine clips inside its step
-        sharding["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=ga,
-                                                       gradient_clipping=clip)
+        plugin = DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=ga, gradient_clipping=clip)
+        if case["mp"] == "fp16":  # DeepSpeed's fp16 section as a user writes it (workload.py says why)
+            plugin.deepspeed_config["fp16"] = {"enabled": True, "auto_cast": True, **W.DEEPSPEED_FP16}
+        sharding["deepspeed_plugin"] = plugin
     acc = Accelerator(cpu=True, mixed_precision=case["mp"], gradient_accumulation_steps=ga, kwargs_handlers=handlers,
                       dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]), **sharding)
     models = W.models(case)
@@ -64,7 +66,7 @@ def run(case: dict) -> dict:
         outs = []
         with torch.no_grad():
             for x, _ in edl:
-                outs.append(acc.gather_for_metrics(models[0](x)).float())
+                outs.append(acc.gather_for_metrics(models[0](W.inputs(case, x))).float())
         trace["eval"] = torch.cat(outs)
     return trace
 
@@ -84,7 +86,7 @@ def _train(case, acc, models, params, opts, dl, sched, trace):
                     for m in models:
                         ctx.enter_context(acc.no_sync(m))
             with ctx:
-                loss = W.loss_of([m(x) for m in models], y)
+                loss = W.loss_of([m(W.inputs(case, x)).float() for m in models], y)
                 if case["sync_style"] == "no_sync":
                     loss = loss / case["ga"]
                 if case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0:

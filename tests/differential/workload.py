@@ -72,6 +72,24 @@ def loader(ds, case: dict):
     return torch.utils.data.DataLoader(ds, batch_size=case["batch_size"], shuffle=False)
 
 
+def deepspeed_16bit(case: dict) -> bool:
+    """ZeRO under bf16/fp16: DeepSpeed's policy (a 16-bit model, fp32 masters), not autocast."""
+    return case.get("sharding", "none") != "none" and case["mp"] != "no"
+
+
+# the fp16 section of a ZeRO case's DeepSpeed config: DeepSpeed's defaults but the initial scale
+# (at 2**16 this model's scaled gradients overflow on their own now and then, and whether an
+# element at fp16's limit does depends on the order three ranks' gradients are summed in)
+DEEPSPEED_FP16 = {"initial_scale_power": 8, "loss_scale_window": 1000, "min_loss_scale": 1, "hysteresis": 2,
+                  "consecutive_hysteresis": False}
+
+
+def inputs(case: dict, x):
+    """What the loop feeds the model: under DeepSpeed's bf16 a DeepSpeed user casts the inputs
+    (its engine does not; under fp16 its auto_cast does, so they stay fp32)."""
+    return x.to(torch.bfloat16) if deepspeed_16bit(case) and case["mp"] == "bf16" else x
+
+
 def optimizers(case: dict, params) -> list:
     """One optimizer over every parameter, or (two_optimizers) one over the first half and one
     over the rest: each then covers part of a flat buffer."""
