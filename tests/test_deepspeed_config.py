@@ -327,18 +327,20 @@ def _run(kind, params, steps, base_lrs=(0.5,)):
 
 
 def _ds_lr(kind, p, it, group, base):
-    """DeepSpeed's documented schedules (deepspeed/runtime/lr_schedules.py), written out here."""
+    """DeepSpeed's schedules as deepspeed/runtime/lr_schedules.py runs them today (WarmupCosineLR:
+    every group at 0 before the first step, the cosine's progress clamped at 1), written out here."""
     w = max(2, p.get("warmup_num_steps", 1000))
     t = p.get("total_num_steps")
     log = p.get("warmup_type", "log") == "log"
     frac = (math.log(it + 1) / math.log(w) if log else it / w) if it >= 0 else None
     if kind == "WarmupCosineLR":
         if it < 0:
-            return 0.0 if group == 0 else base
+            return 0.0
         lo, cmin = p.get("warmup_min_ratio", 0.0), p.get("cos_min_ratio", 0.0001)
         if it < w:
             return base * (lo + frac * (1 - lo))
-        return base * max(0.0, cmin + (1 - cmin) * 0.5 * (1 + math.cos(math.pi * (it - w + 1) / (t - w))))
+        progress = min(1.0, (it - w + 1) / max(1, t - w))
+        return base * max(0.0, cmin + (1 - cmin) * 0.5 * (1 + math.cos(math.pi * progress)))
     lo, hi = p.get("warmup_min_lr", 0.0), p.get("warmup_max_lr", 0.001)
     if it < 0:
         return lo
@@ -356,7 +358,8 @@ def _ds_lr(kind, p, it, group, base):
     ("WarmupDecayLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.2, "warmup_num_steps": 3, "total_num_steps": 10}),
     ("WarmupCosineLR", {"total_num_steps": 12, "warmup_num_steps": 3, "warmup_min_ratio": 0.1,
                         "cos_min_ratio": 0.05, "warmup_type": "linear"}),
-    ("WarmupCosineLR", {"total_num_steps": 9, "warmup_num_steps": 4}),
+    ("WarmupCosineLR", {"total_num_steps": 9, "warmup_num_steps": 4}),  # 14 steps: past the end, held
+    ("WarmupCosineLR", {"total_num_steps": 4, "warmup_num_steps": 4}),  # no cosine part: at the floor
 ])
 def test_schedules_follow_deepspeeds_formulas(kind, params):
     bases = (0.5, 0.25)

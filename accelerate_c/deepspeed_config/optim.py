@@ -71,15 +71,16 @@ def schedule_lr(kind: str, params: dict, it: int, group: int, base_lr: float, mi
     first step), for schedule `kind` with its checked params (min_lr/max_lr: this group's)."""
     warmup = max(2, params.get("warmup_num_steps", 1000))
     wtype = params.get("warmup_type", "log")
-    if kind == "WarmupCosineLR":
-        if it < 0:
-            return 0.0 if group == 0 else base_lr  # DeepSpeed sets only the first group before step one
+    if kind == "WarmupCosineLR":  # current DeepSpeed (0.19.3 on): every group 0 before step one,
+        if it < 0:                  # the cosine's progress held at 1 once total_num_steps is reached
+            return 0.0
         if it < warmup:
             low = params.get("warmup_min_ratio", 0.0)
             return base_lr * (low + warmup_gamma(it, warmup, wtype) * (1.0 - low))
         total = params["total_num_steps"]
         floor = params.get("cos_min_ratio", 0.0001)
-        ratio = (1 + math.cos(math.pi * (it - warmup + 1) / (total - warmup))) / 2
+        progress = min(1.0, (it - warmup + 1) / max(1, total - warmup))
+        ratio = (1 + math.cos(math.pi * progress)) / 2
         return base_lr * max(0.0, floor + (1.0 - floor) * ratio)
     if it < 0:
         return min_lr
@@ -103,10 +104,6 @@ class DeepSpeedSchedule(torch.optim.lr_scheduler.LRScheduler):
         n = len(optimizer.param_groups)
         self.min_lrs = _per_group(self.params.get("warmup_min_lr", 0.0), n, "warmup_min_lr")
         self.max_lrs = _per_group(self.params.get("warmup_max_lr", 0.001), n, "warmup_max_lr")
-        if kind == "WarmupCosineLR" and self.params["total_num_steps"] == max(2, self.params.get("warmup_num_steps",
-                                                                                                  1000)):
-            raise ValueError("DeepSpeed config: WarmupCosineLR needs total_num_steps different from warmup_num_steps "
-                             "(the cosine part would have no steps)")
         super().__init__(optimizer)
 
     def get_lr(self):
