@@ -15,24 +15,25 @@ from test_launch import SCRIPTS, launch
 from timeouts import wait_s
 
 
+def _script_passes(world, script, *args, says):
+    res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, script), *args], timeout=wait_s(120))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert says in res.stdout
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 def test_zero1_16bit_is_deepspeeds_policy(kind, world):
     """A 16-bit model with fp32 masters sharded (fp16: DeepSpeed's loss scaler, overflows
     skipped everywhere): against the same policy in torch, one process under autocast, and the
     bytes of 4Ψ + 12Ψ/N (tests/scripts/zero_16bit.py)."""
-    res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "zero_16bit.py"), kind], timeout=wait_s(120))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"zero1 {kind} OK on {world} processes" in res.stdout
+    _script_passes(world, "zero_16bit.py", kind, says=f"zero1 {kind} OK on {world} processes")
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_zero1_trains_as_torch_ddp_with_the_optimizer_state_sharded(world):
-    res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "zero_stage1.py")], timeout=wait_s(120))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"zero1 OK on {world} processes" in res.stdout
+    _script_passes(world, "zero_stage1.py", says=f"zero1 OK on {world} processes")
 
 
 def test_what_is_not_built_is_refused_by_name():
