@@ -78,7 +78,7 @@ def run(case: dict) -> dict:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if case["mp"] == "fp16" else None
     amp = _AMP.get(case["mp"])
     batches = batches_of(case, W.dataset(case), world, rank)
-    trace = {"steps": []}
+    trace = {"steps": [], "initial": [p.detach().float().clone() for p in params]}
     with Join(nets) if case["uneven"] else contextlib.nullcontext():
         _train(case, nets, models, params, opts, sched, scaler, amp, batches, world, rank, trace)
     trace["final"] = [p.detach().float().clone() for p in params]

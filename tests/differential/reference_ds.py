@@ -44,7 +44,7 @@ def run(case: dict) -> dict:
         scaler = ReferenceScaler(2.0 ** fp16["initial_scale_power"], fp16["loss_scale_window"],
                                  fp16["min_loss_scale"], fp16["hysteresis"], fp16["consecutive_hysteresis"])
     batches = batches_of(case, W.dataset(case), world, rank)
-    trace = {"steps": []}
+    trace = {"steps": [], "initial": [p.detach().float().clone() for p in params]}
     for epoch in range(case["epochs"]):
         epoch_batches = batches[case["skip_first"]:] if epoch == 0 else batches
         n = len(epoch_batches)
