@@ -18,6 +18,7 @@ from .deepspeed_config import sharding_from_config
 from .deepspeed_config.prepare import prepare_args
 from .strategies.ddp import DDPStrategy
 from .strategies.zero import Zero1Strategy
+from .strategies.zero2 import Zero2Strategy
 from .grads import GradManager, clip_coef
 from .optimizer import AcceleratedOptimizer
 from .plugins import check_kind, kind_of, refuse_features, resolve_deepspeed_plugin, resolve_dynamo_plugin
@@ -417,8 +418,9 @@ class Accelerator:
                 model._ds_input_cast = model.register_forward_pre_hook(_cast_inputs_half, with_kwargs=True)
         if self.use_distributed and not self._grads.distributed:
             h = self.ddp_handler
-            if self._zero_stage == 1:
-                strategy = Zero1Strategy(self._grads, h, fp32_masters=self._compute_dtype is not None)
+            if self._zero_stage in (1, 2):
+                kind = Zero1Strategy if self._zero_stage == 1 else Zero2Strategy
+                strategy = kind(self._grads, h, fp32_masters=self._compute_dtype is not None)
             else:
                 strategy = DDPStrategy(self._grads, h)
             self._grads.configure(strategy, h.bucket_cap_mb if h is not None else None)
@@ -649,6 +651,9 @@ class Accelerator:
         """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
         trainable = [p for p in params if p.requires_grad]
         self._grads.prepare_step()
+        held = self._grads.strategy.sharded_norm(trainable, max_norm, norm_type)
+        if held is not None:  # ZeRO-2: the gradients are shards the strategy holds
+            return held
         groups = self._grads.full_groups(trainable) if trainable else None
         if groups is not None and norm_type in (2.0, math.inf):
             # under DeepSpeed nothing is unscaled in place: its engine unscales the fp32 copies
@@ -794,6 +799,15 @@ class Accelerator:
         index), written by the main process, atomically."""
         return checkpointing.save_model(self, model, save_directory, max_shard_size=max_shard_size,
                                         safe_serialization=safe_serialization)
+
+    def get_full_grad(self, param):
+        """The whole gradient of `param` as the optimizer step will read it (averaged over the
+        processes, before the engine's clip; under DeepSpeed's fp16 still carrying the loss
+        scale), or None. Under ZeRO stage 2 no process holds it whole (`param.grad` is None):
+        it is gathered, a collective that every process must call for the same parameter, as
+        DeepSpeed's `safe_get_full_grad`. Elsewhere it is `param.grad`."""
+        self._grads.prepare_step()
+        return self._grads.strategy.full_grad(param)
 
     def get_state_dict(self, model, unwrap: bool = True):
         return checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap)

@@ -225,7 +225,7 @@ class GradManager:
         """Accelerator.prepare_model: the strategy's part, then (unless the model is prepared
         for evaluation only) buffers for its trainable parameters."""
         self.strategy.prepare_model(model, self)
-        if trainable:
+        if trainable and self.strategy.buffers_gradients:
             self.add_model(model)
 
     def add_model(self, model: torch.nn.Module):
@@ -290,6 +290,7 @@ class GradManager:
         """After a backward that raised: forget half-marked buckets so the next one starts clean."""
         for g in self.groups:
             g.abort_backward()
+        self.strategy.abort_held()
 
     def _unbuffered_hook(self, model_key):
         if self.distributed and self.sync_now(model_key):
@@ -412,6 +413,7 @@ class GradManager:
         for p in outside:
             if not found and p.grad is not None:
                 found = not bool(torch.isfinite(p.grad).all())
+        found = found or self.strategy.held_nonfinite(outside)
         return self.strategy.any_found_inf(found)
 
     def unscale(self, touched: dict, outside, inv_scale: float) -> bool:

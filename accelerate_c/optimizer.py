@@ -127,6 +127,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.scaler.update(found_inf)
             if self._grads is not None:
                 self._grads.new_scaler_step(self.model_parameters())
+        if self._grads is not None:
+            self._grads.strategy.after_step(self.optimizer)
 
     def train(self):
         if callable(getattr(self.optimizer, "train", None)):

@@ -95,7 +95,7 @@ def test_mixed_precision_unset_leaves_the_launcher_setting(monkeypatch):
 @pytest.mark.parametrize("kw,error,match", [
     (dict(fsdp="full_shard"), NotImplementedError, "fsdp_plugin"),
     (dict(fsdp=["full_shard", "auto_wrap"], fsdp_config={"min_num_params": 10}), NotImplementedError, "fsdp_plugin"),
-    (dict(deepspeed={"zero_optimization": {"stage": 2}}), NotImplementedError, "ZeRO-2 sharding is being built"),
+    (dict(deepspeed={"zero_optimization": {"stage": 3}}), NotImplementedError, "ZeRO-3"),
     (dict(report_to="wandb"), NotImplementedError, "trackers are not supported yet"),
     (dict(report_to=["tensorboard"]), NotImplementedError, "trackers are not supported yet"),
     (dict(report_to="all"), NotImplementedError, "trackers are not supported yet"),

@@ -236,7 +236,7 @@ def sharding_from_config(plugin, *, mixed_precision: str = "no", gradient_accumu
                          num_processes: int = 1) -> ShardingConfig:
     """What Accelerator.__init__ calls with its DeepSpeed plugin: the configuration read and
     checked in full (each bad key with its own error), then refused where the engine does not
-    run it yet: stages other than 1."""
+    run: stages 0 and 3."""
     sharding = resolve_sharding(plugin, mixed_precision=mixed_precision,
                                 gradient_accumulation_steps=gradient_accumulation_steps, num_processes=num_processes)
     src = f" (DeepSpeed config {sharding.source})" if sharding.source else ""
@@ -246,8 +246,4 @@ def sharding_from_config(plugin, *, mixed_precision: str = "no", gradient_accumu
     if sharding.stage == 0:
         raise NotImplementedError(f"DeepSpeed ZeRO stage 0{src}: DeepSpeed without ZeRO is not supported by "
                                   "accelerate_c; use plain data parallelism (no DeepSpeed) or stage 1 or 2")
-    if sharding.stage != 1:
-        raise NotImplementedError(f"DeepSpeed ZeRO stage {sharding.stage}{src}: the configuration is valid, but "
-                                  f"ZeRO-{sharding.stage} sharding is being built in accelerate_c and is not available "
-                                  "yet; use zero_optimization.stage 1")
     return sharding

@@ -28,6 +28,10 @@ class GradStrategy:
     """Single process: every phase is local."""
 
     world = 1
+    # whether the prepared models' gradients live in GradManager's flat buffers; False: the
+    # strategy holds them itself (ZeRO-2's gradient shards) and answers sharded_norm,
+    # held_nonfinite and full_grad for them
+    buffers_gradients = True
     # the factor each gradient is multiplied by as it lands in its range on a backward that
     # reduces (1/world for a sum that averages)
     prescale = 1.0
@@ -118,6 +122,28 @@ class GradStrategy:
     def after_zero_grad(self, optimizer, set_to_none: bool) -> None:
         """`optimizer.zero_grad(set_to_none)` ran: a sharded optimizer's zero_grad only reached its
         views, and the strategy does the rest."""
+
+    def sharded_norm(self, params, max_norm, norm_type):
+        """clip_grad_norm_ over gradients the strategy holds itself (buffers_gradients False):
+        the total norm as a 0-dim tensor, the gradients clipped to max_norm unless it is None;
+        None when it holds none of `params`' gradients."""
+        return None
+
+    def held_nonfinite(self, params) -> bool:
+        """Whether this process's part of the gradients of `params` the strategy holds itself
+        has a NaN/Inf (then agreed by any_found_inf)."""
+        return False
+
+    def full_grad(self, p):
+        """The whole gradient of `p` as the optimizer will read it (a collective where the
+        gradients are sharded: every process calls it for the same parameter)."""
+        return p.grad
+
+    def after_step(self, optimizer) -> None:
+        """`optimizer`'s step on a sync step ended (taken, or skipped on an fp16 overflow)."""
+
+    def abort_held(self) -> None:
+        """A backward raised: the gradients the strategy holds itself forget what it started."""
 
     def refuse_checkpoint(self, doing: str) -> None:
         """Raises when `doing` (save_state, load_state) cannot be done under this strategy yet."""

@@ -200,9 +200,8 @@ class Zero1Strategy(DDPStrategy):
             return super().optimizer_step(optimizer, closure)
         factor, self._next_scale = self._next_scale, 1.0
         for view, p, o in book.views:
-            g = p.grad
+            g = self._grad_of(p, o)
             if g is not None:
-                g = g.detach().reshape(-1).narrow(0, o.param_offset, o.length)
                 if g.dtype != view.dtype:  # a master: the 16-bit gradient widened (a transient copy)
                     g = g.to(view.dtype)
                     if factor != 1.0:
@@ -215,6 +214,11 @@ class Zero1Strategy(DDPStrategy):
                 view.grad = None  # the gradient views must not outlive the step (zero_grad swaps .grad)
         self._gather_updated(book)  # a master reaches its parameter through the all-gather
         return out
+
+    def _grad_of(self, p, o):
+        """The gradient of the run `o` of `p` the optimizer reads (1-D), or None."""
+        g = p.grad
+        return None if g is None else g.detach().reshape(-1).narrow(0, o.param_offset, o.length)
 
     def after_zero_grad(self, optimizer, set_to_none: bool) -> None:
         """The rebuilt optimizer only knows the owned views: do to the model's gradients what its

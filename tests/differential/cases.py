@@ -18,11 +18,12 @@ COMM_HOOKS = ("no", "fp16", "bf16")
 ZERO_GRADS = ("opt_none", "opt_zeros", "model", "manual_none")
 SYNC_STYLES = ("accumulate", "no_sync")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adamw")
-SHARDINGS = ("none", "zero1")
+SHARDINGS = ("none", "zero1", "zero2")
 
 
-def draw(seed: int, world: int | None = None) -> dict:
-    """The case of `seed` (for `world` processes when given, else drawn too).
+def draw(seed: int, world: int | None = None, sharding: str | None = None) -> dict:
+    """The case of `seed` (for `world` processes and the `sharding` strategy when given, else
+    drawn too; a sharding needs several processes and even inputs, and is "none" otherwise).
 
     The world size is always drawn, then overridden: the draws after it do not depend on whether
     `world` was given, so `--replay SEED --world W` (the command a failure prints) is the case
@@ -100,7 +101,8 @@ def draw(seed: int, world: int | None = None) -> dict:
     # under bf16/fp16 DeepSpeed's policy in torch (reference_ds.py: a 16-bit model, fp32 masters,
     # DeepSpeed's loss scaler). Not under join_uneven_inputs (accelerate's join does nothing under
     # DeepSpeed, and the processes that ran out would miss the all-gathers)
-    c["sharding"] = r.choice(SHARDINGS) if c["world"] > 1 else "none"
+    drawn = r.choice(SHARDINGS)
+    c["sharding"] = (drawn if sharding is None else sharding) if c["world"] > 1 else "none"
     if c["uneven"]:
         c["sharding"] = "none"
     if c["sharding"] != "none" and c["mp"] != "no":
@@ -110,6 +112,14 @@ def draw(seed: int, world: int | None = None) -> dict:
         c["comm_hook"] = "no"
         if c["mp"] == "bf16":
             c["nan_grad_step"] = None
+    if c["sharding"] == "zero2":
+        # no full gradient exists between backward and the step (p.grad is None, as with
+        # DeepSpeed's stage 2): a loop cannot write one, and every backward is reduce-scattered,
+        # reentrant checkpointing's nested backwards included (a weight's second delivery in one
+        # backward is refused)
+        c["assign_grad"] = False
+        c["nan_grad_step"] = None
+        c["reentrant"] = False
     if c["sharding"] != "none":
         # under DeepSpeed the engine clips inside its step, at the configuration's
         # gradient_clipping: the 2-norm of the whole model, once (clip_grad_norm_ only reports
@@ -191,9 +201,9 @@ def describe(c: dict) -> str:
     return " ".join(parts)
 
 
-def lookup(seed: int, world: int | None = None) -> dict:
+def lookup(seed: int, world: int | None = None, sharding: str | None = None) -> dict:
     """The case a replay command names: a regression case by its seed, else a drawn one."""
     for c in REGRESSIONS.values():
-        if c["seed"] == seed and world in (None, c["world"]):
+        if c["seed"] == seed and world in (None, c["world"]) and sharding in (None, c["sharding"]):
             return dict(c)
-    return draw(seed, world)
+    return draw(seed, world, sharding)

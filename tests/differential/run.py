@@ -21,7 +21,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from differential.cases import REGRESSIONS, describe, lookup  # noqa: E402
+from differential.cases import REGRESSIONS, SHARDINGS, describe, lookup  # noqa: E402
 
 BATCH = 150  # cases per launch: a launch costs 10-20 s here, a case 0.01-0.2 s
 
@@ -82,9 +82,9 @@ def _read(path: str) -> dict[int, list[str]]:
     return out
 
 
-def run_seeds(seeds, world=None, **kw) -> list[tuple[dict, list[str]]]:
-    """Runs the cases of these seeds (drawn for `world` processes when given)."""
-    return run_cases([lookup(s, world) for s in seeds], **kw)
+def run_seeds(seeds, world=None, sharding=None, **kw) -> list[tuple[dict, list[str]]]:
+    """Runs the cases of these seeds (drawn for `world` processes and `sharding` when given)."""
+    return run_cases([lookup(s, world, sharding) for s in seeds], **kw)
 
 
 def run_cases(cases, timeout: float = 900.0, log=print) -> list[tuple[dict, list[str]]]:
@@ -110,7 +110,8 @@ def run_cases(cases, timeout: float = 900.0, log=print) -> list[tuple[dict, list
 def report(case: dict, errors: list[str]) -> str:
     lines = [f"FAILED case {case['seed']}: {describe(case)}"]
     lines += ["  " + e for e in errors[:8]]
-    lines.append(f"  replay: {sys.executable} tests/differential/run.py --replay {case['seed']} --world {case['world']}")
+    lines.append(f"  replay: {sys.executable} tests/differential/run.py --replay {case['seed']} --world {case['world']}"
+                 f" --sharding {case['sharding']}")
     return "\n".join(lines)
 
 
@@ -121,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, help="soak: run batches of new seeds until this much time has passed")
     ap.add_argument("--replay", type=int, nargs="+", help="run just these seeds")
     ap.add_argument("--world", type=int, choices=(1, 2, 3), help="draw every case for this many processes")
+    ap.add_argument("--sharding", choices=SHARDINGS, help="draw every case with this sharding strategy (on 2+ processes)")
     ap.add_argument("--regressions", action="store_true", help="run the cases of the defects found so far")
     args = ap.parse_args(argv)
     start = time.monotonic()
@@ -129,20 +131,20 @@ def main(argv=None) -> int:
         total = len(REGRESSIONS)
     elif args.replay:
         for s in args.replay:
-            print(describe(lookup(s, args.world)))
-        failures = run_seeds(args.replay, world=args.world)
+            print(describe(lookup(s, args.world, args.sharding)))
+        failures = run_seeds(args.replay, world=args.world, sharding=args.sharding)
         total = len(args.replay)
     elif args.seconds:
         seed, total, failures = args.seed if args.seed != 1 else int(time.time()) % 10_000_000 * 1000, 0, []
         while time.monotonic() - start < args.seconds:
             chunk = range(seed, seed + 3 * BATCH)
-            failures += run_seeds(chunk, world=args.world)
+            failures += run_seeds(chunk, world=args.world, sharding=args.sharding)
             total += len(chunk)
             seed += len(chunk)
             print(f"soak: {total} cases, {len(failures)} failed, {time.monotonic() - start:.0f} s", flush=True)
     else:
         seeds = range(args.seed, args.seed + args.cases)
-        failures = run_seeds(seeds, world=args.world)
+        failures = run_seeds(seeds, world=args.world, sharding=args.sharding)
         total = len(seeds)
     print(f"differential: {total - len(failures)} passed, {len(failures)} failed in {time.monotonic() - start:.0f} s")
     return 1 if failures else 0

@@ -37,9 +37,10 @@ def run(case: dict) -> dict:
                                               comm_hook=case["comm_hook"])]
     ga = case["ga"] if case["sync_style"] == "accumulate" else 1
     sharding = {}
-    if case.get("sharding", "none") == "zero1":
+    if case.get("sharding", "none") in ("zero1", "zero2"):
         clip = case["max_norm"] if case["clip"] == "norm2" else 0.0  # the engine clips inside its step
-        plugin = DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=ga, gradient_clipping=clip)
+        plugin = DeepSpeedPlugin(zero_stage=int(case["sharding"][-1]), gradient_accumulation_steps=ga,
+                                 gradient_clipping=clip)
         if case["mp"] == "fp16":  # DeepSpeed's fp16 section as a user writes it (workload.py says why)
             plugin.deepspeed_config["fp16"] = {"enabled": True, "auto_cast": True, **W.DEEPSPEED_FP16}
         sharding["deepspeed_plugin"] = plugin
@@ -92,6 +93,8 @@ def _train(case, acc, models, params, opts, dl, sched, trace):
                 if case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0:
                     loss = loss * float("inf")
                 acc.backward(loss)
+                if case["sharding"] == "zero2":  # no full gradient exists, as with DeepSpeed's stage 2
+                    assert all(p.grad is None for p in params), "ZeRO-2 left a full gradient in p.grad"
                 # accumulate(): accelerate decides; no_sync: the loop does (its Accelerator has ga=1)
                 sync = acc.sync_gradients if case["sync_style"] == "accumulate" else window_end
                 if sync:
@@ -99,8 +102,10 @@ def _train(case, acc, models, params, opts, dl, sched, trace):
                     if case["unscale_first"]:
                         acc.unscale_gradients()
                     norm = _clip(acc, case, W.clipped(case, params))
-                if sync:  # what the optimizer is about to read (None kept apart from zeros)
-                    grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
+                if sync:  # what the optimizer is about to read (None kept apart from zeros); under
+                    # ZeRO-2 no process holds it whole: gathered (a collective, every rank calls it)
+                    full = [acc.get_full_grad(p) for p in params]
+                    grads = [None if g is None else g.detach().float().clone() for g in full]
                 # under accumulate() the wrapped optimizer and scheduler skip non-sync steps
                 # themselves; with no_sync the loop only calls them at a window's end
                 if sync or case["sync_style"] == "accumulate":

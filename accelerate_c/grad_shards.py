@@ -1,0 +1,282 @@
+"""ZeRO-2's gradients: each process keeps only its shard of them (docs/sharding.md).
+
+One GradShard per shard group (shard_plan.ShardGroup: the trainable parameters of one prepared
+model that share a dtype and device). Its parameters' post-accumulate-grad hooks are the C
+reducer's (_C.Reducer built with the plan's own arguments, so its buckets are the plan's:
+csrc/include/ac/shard.h): each gradient autograd produces is copied (divided by the world
+size, torch DDP's average) into its place in a bucket-sized staging buffer laid out as the
+plan's full buffer, and `.grad` is set back to None at once, so no full gradient outlives its
+hook. When a bucket's last gradient has landed the C hook launches its reduce-scatter, bucket
+after bucket in plan order on every process; this process's chunk of the sum lands in (or, on
+later micro-batches, is added to) its gradient shard. Every backward is reduce-scattered,
+accumulation micro-batches included, as DeepSpeed's stage 2 does: memory stays 1/N, so
+no_sync() does not skip communication here.
+
+Staging: at most MAX_INFLIGHT buckets' reduce-scatters are in flight; a hook that needs a
+buffer beyond that waits for the oldest (inside backward, as DeepSpeed waits for its bucket).
+The buffers are kept between backwards (like DeepSpeed's reduce bucket): about two buckets of
+memory beside the 1/N shard.
+
+Which parameters hold a gradient (`has`) follows torch's None rule: set by a backward that gave
+the parameter one (with find_unused_parameters, by any process's), cleared by clear().
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from . import collectives
+from .shard_plan import ShardGroup
+
+MAX_INFLIGHT = 2
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class GradShard:
+    """The gradient shard of one ShardGroup, the hooks that fill it and its bookkeeping."""
+
+    def __init__(self, group: ShardGroup, params, names, find_unused: bool, model_key=None):
+        plan = group.plan
+        self.group = group
+        self.params = list(params)  # in plan parameter order (group.indices)
+        self.names = names  # callable: param -> its name, for error messages
+        self.find_unused = find_unused
+        self.model_key = model_key
+        self.world = plan.world
+        self.dtype, self.device = group.dtype, group.device
+        self.is_cuda = torch.device(self.device).type == "cuda"
+        if self.dtype not in _KERNEL_DTYPES:
+            raise NotImplementedError(f"ZeRO stage 2: parameters of dtype {self.dtype} ({names(self.params[0])}) are "
+                                      "not supported; use float32, bfloat16 or float16 parameters")
+        self.shard = torch.zeros(plan.shard_numel, dtype=self.dtype, device=self.device)
+        self.empty = True  # the shard holds nothing since the last clear: the next sum is written, not added
+        self.has = [False] * len(self.params)
+        self.seen = [False] * len(self.params)  # gradients delivered by the backward now running
+        self.prescale = 1.0 / self.world
+        # per bucket: (start in the full layout, chunk, local offset in the shard, first, count)
+        self.buckets = list(plan.buckets())
+        where = {}
+        for b, (start, chunk, local, first, count) in enumerate(self.buckets):
+            for k in range(first, first + count):
+                where[plan.order[k]] = b
+        self.where = [where[i] for i in range(plan.nparams)]  # param index -> bucket
+        self.spans = [plan.param(i)[1:] for i in range(plan.nparams)]  # (offset in the full layout, numel)
+        self.runs = group.runs()  # (offset in the shard, offset in the parameter, length)
+        first_cap, cap = plan.first_cap_bytes, plan.cap_bytes
+        self.reducer = _C.Reducer([p.numel() for p in self.params], list(plan.order), plan.esize, first_cap, cap,
+                                  plan.align, self._on_first, self._launch, self._copy_in)
+        _, members = self.reducer.layout()
+        if list(members) != self.where:  # the two C plans promise the same buckets (shard.h)
+            raise RuntimeError(f"internal error: the reducer's buckets {members} are not the shard plan's {self.where}")
+        self.staging: dict = {}  # bucket -> its staging buffer while it is being filled or reduced
+        self.free: list = []  # staging buffers not in use (kept between backwards)
+        self.works: list = []  # (bucket, work, out, staging) in launch order
+        self.shard_buf = _C.Buffer(self.shard) if not self.is_cuda else None
+        self.hooks = [p.register_post_accumulate_grad_hook(self.reducer.hook(i, None))
+                      for i, p in enumerate(self.params)]
+
+    # ---- what the hooks call -------------------------------------------------------------
+    def _on_first(self):
+        """The first gradient of a backward: the end of backward is queued on the graph task
+        delivering it (a raw loss.backward() too)."""
+        self.reducer.launching = True
+        self.seen = [False] * len(self.params)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _stage(self, b):
+        """Bucket b's staging buffer (zeroed: its padding must read as zeros in the sum)."""
+        buf = self.staging.get(b)
+        if buf is None:
+            while len(self.works) >= MAX_INFLIGHT:
+                self._finish(self.works.pop(0))
+            start, chunk = self.buckets[b][0], self.buckets[b][1]
+            n = chunk * self.world
+            buf = next((t for t in self.free if t.numel() >= n), None)
+            if buf is None:
+                buf = torch.empty(max(n, max((c for _, c, *_ in self.buckets), default=0) * self.world),
+                                  dtype=self.dtype, device=self.device)
+            else:
+                self.free.remove(buf)
+            buf = buf[:n]
+            buf.zero_()
+            self.staging[b] = buf
+        return buf
+
+    def _copy_in(self, i, p) -> bool:
+        g = p.grad
+        if g.requires_grad:
+            raise RuntimeError("backward(create_graph=True) is not supported under ZeRO stage 2: the gradient of "
+                               f"{self.names(p)} carries a graph and cannot be reduce-scattered")
+        if p.dtype != self.dtype or p.device != self.device:
+            raise RuntimeError(f"ZeRO stage 2: parameter {self.names(p)} was cast or moved after prepare() "
+                               f"({p.dtype} on {p.device}, prepared as {self.dtype} on {self.device})")
+        b = self.where[i]
+        off, n = self.spans[i]
+        view = self._stage(b)[off - self.buckets[b][0]:off - self.buckets[b][0] + n].view(p.shape)
+        with torch.no_grad():
+            torch.mul(g, self.prescale, out=view)
+        p.grad = None  # the full gradient does not outlive its hook
+        self.seen[i] = True
+        return True
+
+    def _launch(self, first, last):
+        for b in range(first, last):
+            start, chunk, local = self.buckets[b][:3]
+            staging = self.staging.get(b)
+            if chunk == 0 or staging is None:
+                continue  # zero-element parameters only: nothing to reduce
+            # the first sum since a clear lands in the shard itself; later ones are added
+            out = self.shard[local:local + chunk] if self.empty else torch.empty(chunk, dtype=self.dtype,
+                                                                                  device=self.device)
+            try:
+                work = collectives.reduce_scatter_tensor(out, staging, async_op=True)
+            except RuntimeError as e:
+                raise RuntimeError(self._where(b) + f" could not start: {e}") from e
+            self.works.append((b, work, out, staging))
+
+    def _finish(self, item):
+        b, work, out, staging = item
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise RuntimeError(self._where(b) + f" failed or timed out: {e}") from e
+        if not self.empty:
+            local, chunk = self.buckets[b][2], self.buckets[b][1]
+            self.shard[local:local + chunk].add_(out)
+        del self.staging[b]
+        self.free.append(staging._base if staging._base is not None else staging)
+
+    def _where(self, b) -> str:
+        names = [self.names(self.params[i]) for i, wb in enumerate(self.where) if wb == b]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return (f"rank {dist.get_rank()}/{self.world}: the reduce-scatter of gradient bucket {b} "
+                f"({self.buckets[b][1] * self.world} {self.dtype} elements: {shown})")
+
+    def _end_of_backward(self):
+        """Every gradient of the backward has landed (or never will): the buckets of unused
+        parameters (zeros, with find_unused_parameters) are launched, every reduce-scatter is
+        waited for in order, and the parameters that now hold a gradient are agreed on."""
+        try:
+            pending = self.reducer.pending()
+            if pending and not self.find_unused:
+                names = [self.names(self.params[i]) for i in pending]
+                shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+                raise RuntimeError(
+                    f"rank {dist.get_rank()}: {len(names)} parameter(s) received no gradient in this backward: "
+                    f"{shown}. Every trainable parameter of a prepared model must take part in the loss under ZeRO "
+                    "stage 2 (every backward is reduce-scattered); pass kwargs_handlers=["
+                    "DistributedDataParallelKwargs(find_unused_parameters=True)] to Accelerator if some "
+                    "parameters are legitimately unused, or freeze them (requires_grad=False).")
+            for i in pending:  # zeros in the sum: the staging range is zeroed when the buffer is taken
+                b = self.where[i]
+                self._stage(b)
+                first, last = self.reducer.mark_ready(i)
+                self._launch(first, last)
+            while self.works:
+                self._finish(self.works.pop(0))
+            self.empty = False
+            seen = self.seen
+            if self.find_unused:
+                flags = torch.tensor(seen, dtype=torch.int32)
+                if self.is_cuda and dist.get_backend() == "nccl":
+                    flags = flags.to(self.device)
+                collectives.all_reduce(flags)
+                seen = [bool(v) for v in flags.tolist()]
+            self.has = [h or s for h, s in zip(self.has, seen)]
+        finally:
+            self.abort()
+
+    def abort(self):
+        """Forgets what a backward half did, so the next one starts clean."""
+        self.reducer.launching = False
+        self.reducer.reset()
+        for item in self.works:
+            try:
+                item[1].wait()
+            except RuntimeError:
+                pass
+        self.works = []
+        for b in list(self.staging):
+            buf = self.staging.pop(b)
+            self.free.append(buf._base if buf._base is not None else buf)
+
+    # ---- what the step reads ---------------------------------------------------------------
+    def run(self, i):
+        """Parameter i's owned run of the gradient shard (1-D), or None: no gradient since the
+        last clear (or this process owns none of it)."""
+        local, _, length = self.runs[i]
+        if not self.has[i] or self.empty or length == 0:
+            return None
+        return self.shard[local:local + length]
+
+    def local_stats(self, indices, inf_norm: bool):
+        """(sum of squares, max |g|, non-finite) of this process's runs of parameters `indices`."""
+        if self.empty:
+            return 0.0, 0.0, False
+        if len(set(indices)) == len(self.params) and self.shard_buf is not None:
+            if inf_norm:
+                return _C.stats(self.shard_buf)
+            s, nf = _C.sumsq(self.shard_buf)
+            return s, 0.0, nf
+        runs = [r for r in (self.run(i) for i in indices) if r is not None and r.numel()]
+        if not runs:
+            return 0.0, 0.0, False
+        flat = torch.cat(runs).double()
+        finite = bool(torch.isfinite(flat).all())
+        return float(flat.square().sum()), float(flat.abs().max()), not finite
+
+    def scale_(self, indices, factor: float):
+        """Multiplies this process's runs of parameters `indices` by `factor` (the clip)."""
+        if self.empty or factor == 1.0:
+            return
+        if len(set(indices)) == len(self.params) and factor == factor and self.shard_buf is not None:
+            _C.scale_(self.shard_buf, factor)  # the padding stays zero (finite factor)
+            return
+        for i in indices:
+            r = self.run(i)
+            if r is not None:
+                r.mul_(factor)
+
+    def nonfinite(self, indices) -> bool:
+        return self.local_stats(indices, inf_norm=False)[2]
+
+    def clear(self, indices=None, set_to_none=True):
+        """zero_grad for parameters `indices` (None: all): None again (set_to_none), or zeros
+        where they hold a gradient."""
+        if indices is None or len(set(indices)) == len(self.params):
+            if set_to_none:
+                self.empty = True
+                self.has = [False] * len(self.params)
+            elif not self.empty:
+                self.shard.zero_()
+            return
+        for i in indices:
+            r = self.run(i)
+            if r is not None:
+                r.zero_()
+            if set_to_none:
+                self.has[i] = False
+
+    def full_grad(self, i):
+        """Parameter i's whole gradient, gathered from every process (a collective every process
+        calls with the same i), or None when it has none."""
+        b = self.where[i]
+        start, chunk, local = self.buckets[b][:3]
+        if not self.has[i]:
+            return None
+        mine = self.shard[local:local + chunk] if not self.empty else torch.zeros(chunk, dtype=self.dtype,
+                                                                                   device=self.device)
+        full = torch.empty(chunk * self.world, dtype=self.dtype, device=self.device)
+        collectives.all_gather_into_tensor(full, mine.contiguous())
+        off, n = self.spans[i]
+        return full[off - start:off - start + n].view(self.params[i].shape).clone()
+
+    def nbytes(self) -> int:
+        """Bytes this object holds: the shard and the staging buffers."""
+        return sum(t.numel() * t.element_size() for t in [self.shard, *self.free, *self.staging.values()])
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
