@@ -1,6 +1,7 @@
-"""ZeRO stage 1 (strategies/zero.py) turned on the way a user does: accelerate's DeepSpeedPlugin.
-The training itself is held to torch DDP in tests/scripts/zero_stage1.py (and in the differential
-harness's sharding axis); here: that script on 2 and 3 processes, and what the plugin refuses."""
+"""ZeRO stages 1 and 2 (strategies/zero.py, zero2.py) turned on the way a user does: accelerate's
+DeepSpeedPlugin. The training itself is held to torch DDP in tests/scripts/zero_train.py and to
+DeepSpeed's 16-bit policy in torch in tests/scripts/zero_16bit.py (and in the differential
+harness's sharding axis); here: those scripts on 2, 3 and 4 processes, and what the plugin refuses."""
 from __future__ import annotations
 
 import os
@@ -22,18 +23,22 @@ def _script_passes(world, script, *args, says):
     assert says in res.stdout
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
-def test_zero1_16bit_is_deepspeeds_policy(kind, world):
+def test_zero_16bit_is_deepspeeds_policy(kind, world, stage):
     """A 16-bit model with fp32 masters sharded (fp16: DeepSpeed's loss scaler, overflows
     skipped everywhere): against the same policy in torch, one process under autocast, and the
-    bytes of 4Ψ + 12Ψ/N (tests/scripts/zero_16bit.py)."""
-    _script_passes(world, "zero_16bit.py", kind, says=f"zero1 {kind} OK on {world} processes")
+    bytes of 4Ψ + 12Ψ/N (stage 1) or 2Ψ + 14Ψ/N (stage 2) (tests/scripts/zero_16bit.py)."""
+    _script_passes(world, "zero_16bit.py", kind, str(stage), says=f"zero{stage} {kind} OK on {world} processes")
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world", [2, 3])
-def test_zero1_trains_as_torch_ddp_with_the_optimizer_state_sharded(world):
-    _script_passes(world, "zero_stage1.py", says=f"zero1 OK on {world} processes")
+def test_zero_trains_as_torch_ddp_with_the_state_sharded(world, stage):
+    """The optimizer state (stage 1), and the gradients too (stage 2), sharded: against torch DDP
+    (tests/scripts/zero_train.py)."""
+    _script_passes(world, "zero_train.py", str(stage), says=f"zero{stage} OK on {world} processes")
 
 
 def test_what_is_not_built_is_refused_by_name():

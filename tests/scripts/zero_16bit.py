@@ -1,7 +1,7 @@
-"""ZeRO stage 1 with DeepSpeed's 16-bit policy on N CPU processes (launched by tests/test_zero.py):
-`zero_16bit.py bf16` or `zero_16bit.py fp16`.
+"""ZeRO stage 1 or 2 with DeepSpeed's 16-bit policy on N CPU processes (launched by
+tests/test_zero.py): `zero_16bit.py bf16|fp16 [1|2]`.
 
-The subject is zero_stage1.py's loop with a DeepSpeed configuration that enables bf16 or fp16:
+The subject is zero_train.py's loop with a DeepSpeed configuration that enables bf16 or fp16:
 the model is trained in 16 bits (parameters and gradients), the optimizer steps fp32 master
 weights of the owned runs. Under fp16 the loss is scaled by DeepSpeed's rule (2**16 at first), the
 overflow check reads the scaled fp16 gradients, and the fp32 copies are unscaled; one micro-batch
@@ -15,7 +15,9 @@ Two references, both plain torch:
 - one process in fp32 under autocast (bf16 or fp16) with the global batch (the numbers a user moving from
   DDP compares with): within 2e-2 relative (per tensor, in norm) at the end.
 And the bytes each process holds: 2 (16-bit parameters) + 2 (16-bit gradients) per trainable
-element, 12 per owned element (fp32 master + Adam's two moments): 4Ψ + 12Ψ/N.
+element, 12 per owned element (fp32 master + Adam's two moments): 4Ψ + 12Ψ/N; under stage 2 the
+gradients are a 16-bit shard, 2 per owned element: 2Ψ + 14Ψ/N (the staging of the buckets being
+reduce-scattered counted apart, zero_train.py).
 """
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from accelerate.utils import DeepSpeedPlugin
 
 from accelerate_c import Accelerator
-from zero_stage1 import GA, MAX_NORM, STEPS, batches, build
+from zero_train import GA, MAX_NORM, STEPS, batches, build
 
 KIND = sys.argv[1] if len(sys.argv) > 1 else "bf16"
+STAGE = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[KIND]
 # initial_scale_power 8: at DeepSpeed's default 16 the scaled fp16 gradients of this model overflow
 # now and then on their own, and whether an element just at fp16's limit overflows depends on the
@@ -45,7 +48,7 @@ REF_SKIPS: list = []  # the steps the policy reference skipped
 
 def _config():
     section = {"enabled": True, "initial_scale_power": POWER} if KIND == "fp16" else {"enabled": True}
-    return {"zero_optimization": {"stage": 1}, KIND: section, "train_micro_batch_size_per_gpu": 4,
+    return {"zero_optimization": {"stage": STAGE}, KIND: section, "train_micro_batch_size_per_gpu": 4,
             "gradient_accumulation_steps": GA, "gradient_clipping": MAX_NORM}
 
 
@@ -65,12 +68,25 @@ def policy_reference(rank, world):
               for g in opt.param_groups]
     mopt = torch.optim.AdamW(groups)
     msched = torch.optim.lr_scheduler.LambdaLR(mopt, lambda s: 1.0 / (1 + s))
-    ddp = DDP(model)
+    ddp = DDP(model) if STAGE == 1 else model
+    acc: dict = {}  # stage 2: the averaged 16-bit gradients summed over the window's micro-batches
     trace = []
     for i, (x, y) in enumerate(batches(rank)):
         last = (i + 1) % GA == 0
-        with contextlib.nullcontext() if last else ddp.no_sync():
+        with contextlib.nullcontext() if last or STAGE == 2 else ddp.no_sync():
             (_loss(ddp(x), y, rank, i) / GA * SCALE).backward()
+        if STAGE == 2:
+            # DeepSpeed's stage 2 reduces every micro-batch (each gradient x 1/world, summed in
+            # 16 bits over the processes) and adds it to the window's 16-bit sum
+            with torch.no_grad():
+                for p in masters:
+                    r = torch.mul(p.grad, 1.0 / world)
+                    dist.all_reduce(r)
+                    acc[p] = r if p not in acc else acc[p] + r
+                    p.grad = None
+            if last:
+                for p in masters:
+                    p.grad = acc.pop(p)
         if last:
             if not all(bool(torch.isfinite(p.grad).all()) for p in masters):  # DeepSpeed skips the step
                 model.zero_grad()
@@ -145,6 +161,9 @@ def check_memory(acc, model, opt, world):
     psi = sum(p.numel() for p in trainable)
     param_bytes = sum(p.numel() * p.element_size() for p in trainable)
     grad_bytes = sum(g.flat.numel() * g.flat.element_size() for g in acc._grads.groups)
+    if STAGE == 2:
+        assert grad_bytes == 0, f"ZeRO-2 kept {grad_bytes} bytes of full gradient buffers"
+        grad_bytes = acc._grads.strategy.memory()["grad_shards"]
     owned = [p for g in opt.param_groups for p in g["params"]]
     assert all(p.dtype == torch.float32 for p in owned), "the optimizer steps fp32 masters"
     # the masters' own memory (the flat shards the optimizer's tensors are views of, padding included)
@@ -153,7 +172,7 @@ def check_memory(acc, model, opt, world):
     state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items()
                       if torch.is_tensor(v) and k in ("exp_avg", "exp_avg_sq"))
     held = param_bytes + grad_bytes + master_bytes + state_bytes
-    formula = 4 * psi + 12 * psi / world
+    formula = 4 * psi + 12 * psi / world if STAGE == 1 else 2 * psi + 14 * psi / world
     pad = 8 * world * 32 * 2  # each bucket rounds up to world x 32 16-bit elements (64-byte alignment)
     assert abs(held - formula) <= 0.05 * formula + pad, f"holds {held} bytes, the formula {formula:.0f}"
     return held, formula
@@ -196,7 +215,7 @@ def main():
     held, formula = check_memory(acc, model, opt, world)
     dist.barrier()
     if rank == 0:
-        print(f"zero1 {KIND} OK on {world} processes: {worst:.2e} from the policy in torch, {far:.2e} from "
+        print(f"zero{STAGE} {KIND} OK on {world} processes: {worst:.2e} from the policy in torch, {far:.2e} from "
               f"autocast on one process, bytes held {held} (formula {formula:.0f})")
     sys.stdout.flush()
     dist.destroy_process_group()

@@ -1,6 +1,7 @@
-"""ZeRO stage 1 on N CPU processes against torch DDP (launched by tests/test_zero.py).
+"""ZeRO stage 1 or 2 (argv[1], default 1) on N CPU processes against torch DDP (launched by
+tests/test_zero.py).
 
-The subject is a user's loop on accelerate_c with `DeepSpeedPlugin(zero_stage=1)`: AdamW with
+The subject is a user's loop on accelerate_c with `DeepSpeedPlugin(zero_stage=STAGE)`: AdamW with
 two param groups (weight decay on the weights only, a larger learning rate on the rest), a
 scheduler built before prepare, gradient accumulation 2, gradient_clipping in the plugin (the
 engine clips inside its step, as accelerate's DeepSpeed engine; clip_grad_norm_ reports the norm),
@@ -11,7 +12,8 @@ accelerate steps a torch scheduler under DeepSpeed (once per process per step).
 Checked: the parameters after every optimizer step, the norms clip returned (and that it left the
 gradients as they were), the learning rates;
 that each process keeps optimizer state for its owned elements only (summed over processes, the
-whole model once); the bytes each process holds against ZeRO-1's formula; and the refusals.
+whole model once); the bytes each process holds against the stage's formula; under stage 2 that
+no full gradient is left in p.grad after a backward; and the refusals.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from accelerate_c import Accelerator
 from accelerate.utils import DeepSpeedPlugin  # accelerate's own plugin, as a moved script keeps it
 
+STAGE = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 1
 STEPS = 6  # optimizer steps
 GA = 2
 MAX_NORM = 0.5
@@ -83,7 +86,7 @@ def reference(rank):
 
 
 def subject(rank, world):
-    plugin = DeepSpeedPlugin(zero_stage=1, gradient_accumulation_steps=GA, gradient_clipping=MAX_NORM)
+    plugin = DeepSpeedPlugin(zero_stage=STAGE, gradient_accumulation_steps=GA, gradient_clipping=MAX_NORM)
     # no data loader goes through prepare() here: the batch size "auto" cannot be filled from one
     # (accelerate's error says to set it, as here)
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
@@ -94,11 +97,15 @@ def subject(rank, world):
     for x, y in batches(rank):
         with acc.accumulate(model):
             acc.backward(torch.nn.functional.cross_entropy(model(x), y))
+            if STAGE == 2:  # only a shard of the gradients exists, as with DeepSpeed
+                assert all(p.grad is None for p in model.parameters()), "ZeRO-2 left a full gradient in p.grad"
             norm = None
             if acc.sync_gradients:
-                before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                # gathered under stage 2 (get_full_grad is a collective), p.grad under stage 1
+                trainable = [p for p in model.parameters() if p.requires_grad]
+                before = [acc.get_full_grad(p).clone() for p in trainable]
                 norm = acc.clip_grad_norm_(model.parameters(), 1e-9)  # max_norm is DeepSpeed's, not this
-                after = [p.grad for p in model.parameters() if p.grad is not None]
+                after = [acc.get_full_grad(p) for p in trainable]
                 assert isinstance(norm, float) and all(torch.equal(a, b) for a, b in zip(before, after)), \
                     "clip_grad_norm_ under DeepSpeed changed the gradients"
             opt.step()
@@ -111,8 +118,12 @@ def subject(rank, world):
 
 
 def check_memory(acc, model, opt, world):
-    """Optimizer state for the owned elements only, and ZeRO-1's bytes: 4 (parameters) + 4
-    (gradients) per trainable element, 8 per owned element (AdamW's two moments)."""
+    """Optimizer state for the owned elements only, and the stage's bytes: 4 per trainable
+    element (parameters), 8 per owned element (AdamW's two moments) and the gradients: 4 per
+    trainable element in the flat buffers (stage 1: 8Ψ + 8Ψ/N), or 4 per owned element in the
+    gradient shard (stage 2: 4Ψ + 12Ψ/N) with the staging buffers of the buckets being reduced
+    counted apart (at most two buckets and one being filled, kept between backwards as
+    DeepSpeed keeps its reduce bucket)."""
     trainable = {id(p): p for p in model.parameters() if p.requires_grad}
     psi = sum(p.numel() for p in trainable.values())
     state_elems = sum(v.numel() for s in opt.state.values() for k, v in s.items()
@@ -121,10 +132,18 @@ def check_memory(acc, model, opt, world):
     dist.all_reduce(total)
     assert int(total) == 2 * psi, f"optimizer state over all processes {int(total)} elements, want 2 x {psi}"
     param_bytes = sum(p.numel() * p.element_size() for p in trainable.values())
-    # the flat gradient buffers the library keeps (the .grad views are None after zero_grad)
+    # the flat gradient buffers the library keeps (the .grad views are None after zero_grad), or
+    # the gradient shards
     grad_bytes = sum(g.flat.numel() * g.flat.element_size() for g in acc._grads.groups)
+    strategy = acc._grads.strategy
+    if STAGE == 2:
+        assert grad_bytes == 0, f"ZeRO-2 kept {grad_bytes} bytes of full gradient buffers"
+        mem = strategy.memory()
+        grad_bytes = mem["grad_shards"]
+        largest = max(c for gs in strategy.grad_shards for _, c, *_ in gs.buckets) * world * 4
+        assert mem["grad_staging"] <= 3 * largest, f"staging {mem['grad_staging']} bytes, buckets of {largest}"
     held = param_bytes + grad_bytes + 4 * state_elems
-    formula = 8 * psi + 8 * psi / world
+    formula = 8 * psi + 8 * psi / world if STAGE == 1 else 4 * psi + 12 * psi / world
     # the padding: each bucket rounds up to world x 16 elements (64-byte alignment, fp32)
     pad = 8 * world * 16 * 4
     assert abs(held - formula) <= 0.05 * formula + pad, f"holds {held} bytes, ZeRO-1's formula {formula:.0f}"
@@ -147,7 +166,7 @@ def check_refusals(acc, model):
     except ValueError as e:
         assert "LBFGS" in str(e), str(e)
     else:
-        raise AssertionError("LBFGS was prepared under ZeRO-1")
+        raise AssertionError(f"LBFGS was prepared under ZeRO-{STAGE}")
     for name, call in (("save_state", lambda: acc.save_state("/nonexistent/zero1")),
                        ("load_state", lambda: acc.load_state("/nonexistent/zero1"))):
         try:
@@ -155,7 +174,7 @@ def check_refusals(acc, model):
         except NotImplementedError as e:
             assert name in str(e) and "ZeRO" in str(e), str(e)
         else:
-            raise AssertionError(f"{name} under ZeRO-1 did not refuse")
+            raise AssertionError(f"{name} under ZeRO-{STAGE} did not refuse")
     # as accelerate under DeepSpeed: a warning, and no effect
     import warnings
     with warnings.catch_warnings(record=True) as caught:
@@ -181,7 +200,7 @@ def check_dummies(rank, world):
     with DeepSpeed's WarmupLR written out, stepped once per optimizer step (the engine's)."""
     from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # accelerate's own, as a moved script has them
 
-    cfg = {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 0,
+    cfg = {"zero_optimization": {"stage": STAGE}, "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 0,
            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.95]}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                         "warmup_num_steps": "auto"}}}
@@ -243,7 +262,7 @@ def main():
     check_dummies(rank, world)
     dist.barrier()
     if rank == 0:
-        print(f"zero1 OK on {world} processes: max relative error {worst:.2e}, bytes held {held} "
+        print(f"zero{STAGE} OK on {world} processes: max relative error {worst:.2e}, bytes held {held} "
               f"(formula {formula:.0f})")
     sys.stdout.flush()
     dist.destroy_process_group()
