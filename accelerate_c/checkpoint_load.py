@@ -12,6 +12,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .checkpoint_layout import AUTO_NAME_RE, MARKER, complete_checkpoints, has_our_files, read_marker, sampler_of, suffix
+from . import zero_checkpoint
 from .model_io import find_aliases
 from .safetensors_io import DTYPES, list_tensors, load_into
 from .state_io import CheckpointError, StateFile, check_rng_state, set_rng_state, torch_load
@@ -266,7 +267,17 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             sd = reader.pickled(bin_name, f"weights of model {i}")
             _check_pickled_model(model, sd, path, strict)  # torch's load_state_dict copies until a mismatch
             plan.applies.append(lambda m=model, sd=sd: m.load_state_dict(sd, strict=strict))
-    for i, opt in enumerate(acc._optimizers):
+    strategy = acc._grads.strategy
+    # written under ZeRO: this process's shards resharded from whatever wrote them, or (no ZeRO
+    # here, one process) each parameter's state assembled from every old process's runs
+    zero_saved = zero_checkpoint.is_sharded(d)
+    if strategy.sharded_state or zero_saved:
+        load_plan = zero_checkpoint.plan_load if strategy.sharded_state else \
+            (lambda acc, _strategy, d: zero_checkpoint.plan_load_whole(acc, d))
+        reads, applies = load_plan(acc, strategy, d)
+        plan.reads += reads
+        plan.applies += applies
+    for i, opt in enumerate([] if (strategy.sharded_state or zero_saved) else acc._optimizers):
         stem, what = f"optimizer{suffix(i)}", f"state of optimizer {i}"
         if reader.has(f"{stem}.json"):
             sf = reader.open(stem, what)
@@ -312,8 +323,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
     if acc.scaler is not None:
         if reader.has("scaler.json") or reader.has("scaler.pt"):
             st, where = reader.either("scaler", "scaler.pt", "loss scaler state")
-            missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-                       if not isinstance(st, dict) or k not in st]
+            missing = [k for k in acc.scaler.STATE_KEYS if not isinstance(st, dict) or k not in st]
             if missing:
                 raise CheckpointError(f"{where}: loss scaler state lacks {missing}")
             plan.applies.append(lambda st=st: acc.scaler.load_state_dict(st))

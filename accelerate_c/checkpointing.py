@@ -34,7 +34,7 @@ from torch.utils import hooks
 from .checkpoint_layout import (AUTO_NAME_RE, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, complete_checkpoints,
                                 loader_state, suffix)
 from .checkpoint_load import load_state
-from . import collectives
+from . import collectives, zero_checkpoint
 from .model_io import find_aliases, save_model as _save_model
 from .durable import fsync_dir, write_durable
 from .safetensors_io import after_ready, record_ready, save_file
@@ -267,7 +267,8 @@ def _writer_jobs(acc, tmp: str, weights: list, safe: bool) -> list:
         else:
             name = f"pytorch_model{suffix(i)}.bin"
             jobs.append((name, lambda sd=sd, name=name: torch_save_durable(sd, os.path.join(tmp, name))))
-    for kind, objs in (("optimizer", acc._optimizers), ("scheduler", acc._schedulers)):
+    sharded = acc._grads.strategy.sharded_state  # each process writes its own optimizer shards
+    for kind, objs in (("optimizer", [] if sharded else acc._optimizers), ("scheduler", acc._schedulers)):
         for i, obj in enumerate(objs):
             add(kind, f"{kind}{suffix(i)}", obj.state_dict(), f"{kind}.state_dict()", f"{kind}{suffix(i)}.bin")
     for i, dl in enumerate(acc._dataloaders):
@@ -383,6 +384,8 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
         for hook in list(acc.__dict__.get("_save_model_state_pre_hook", {}).values()):
             hook(acc._models, weights, tmp)
         jobs = _writer_jobs(acc, tmp, weights, safe_serialization) if writer else []
+        if acc._grads.strategy.sharded_state:  # ZeRO: every process its own shard, the main one the plans
+            jobs += zero_checkpoint.save_jobs(acc, acc._grads.strategy, tmp, rank, acc.is_main_process)
         states = rng_state(acc.step)
         # per process, per data loader: the RNG states its epoch under way began with (None when
         # none is), which a resume replays to re-create that epoch's iterator (data_loader.py)
@@ -408,7 +411,12 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
     # 4. each leader checks that every rank of its group delivered, writes the marker, publishes
     def finish():
         rng_name = "random_states_{}." + ("json" if safe_serialization else "pkl")
-        absent = [rng_name.format(r) for r in group if not os.path.isfile(os.path.join(tmp, rng_name.format(r)))]
+        expected = [rng_name.format(r) for r in group]
+        if acc._grads.strategy.sharded_state:
+            expected += [f"{zero_checkpoint.shard_stem(i, r)}{ext}" for r in group
+                         for i in range(len(acc._optimizers)) for ext in (".safetensors", "_state.json")]
+            expected.append(zero_checkpoint.PLAN_FILE)
+        absent = [n for n in expected if not os.path.isfile(os.path.join(tmp, n))]
         if absent:
             raise CheckpointError(f"{tmp}: {', '.join(absent)} missing after every process reported its write done "
                                   "(a file system that does not show other nodes' files?)")

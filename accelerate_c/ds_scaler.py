@@ -48,6 +48,8 @@ class DeepSpeedScaler(ScalerBase):
     nothing. With `static=True` the scale never changes; overflowed steps are still skipped by
     the optimizer wrapper, as DeepSpeed skips them."""
 
+    STATE_KEYS = STATE_KEYS  # what a saved state must hold (checkpoint_load.py)
+
     def __init__(self, init_scale: float = 2.0 ** 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  consecutive_hysteresis: bool = False, min_loss_scale: float = 1.0, static: bool = False,
                  raise_error_at_min_scale: bool = True, enabled: bool = True):

@@ -45,6 +45,9 @@ class LossScaler(ScalerBase):
     """What `accelerator.scaler` is under fp16. The scale lives in C; gradients are unscaled
     and checked by the fused kernels on the flat buffers, not here."""
 
+    # what a saved state must hold (checkpoint_load.py): torch.amp.GradScaler's keys
+    STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
     def __init__(self, init_scale: float = 65536.0, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True):
         self._s = _C.LossScaler(init_scale, growth_factor, backoff_factor, growth_interval)
@@ -63,8 +66,7 @@ class LossScaler(ScalerBase):
         if not state:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled "
                                "instance of GradScaler.")
-        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-                   if k not in state]
+        missing = [k for k in self.STATE_KEYS if k not in state]
         if missing:
             raise KeyError(f"loss scaler state is missing {missing}")
         scale = state["scale"]

@@ -32,6 +32,9 @@ class GradStrategy:
     # strategy holds them itself (ZeRO-2's gradient shards) and answers sharded_norm,
     # held_nonfinite and full_grad for them
     buffers_gradients = True
+    # whether each process holds only its shard of the optimizers' state: checkpoints are then
+    # written by every process and resharded on load (zero_checkpoint.py)
+    sharded_state = False
     # the factor each gradient is multiplied by as it lands in its range on a backward that
     # reduces (1/world for a sum that averages)
     prescale = 1.0

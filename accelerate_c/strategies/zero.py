@@ -99,6 +99,7 @@ class Zero1Strategy(DDPStrategy):
     Adam's two moments), against DDP's 16Ψ under autocast."""
 
     stage = 1
+    sharded_state = True  # save_state / load_state go through zero_checkpoint.py
 
     def __init__(self, manager, handler=None, fp32_masters: bool = False):
         super().__init__(manager, handler)
@@ -293,7 +294,3 @@ class Zero1Strategy(DDPStrategy):
         raise NotImplementedError(f"join_uneven_inputs() under ZeRO stage {self.stage}: every process must take part "
                                   "in every optimizer step's all-gather; use even batches (the default)")
 
-    def refuse_checkpoint(self, doing: str) -> None:
-        raise NotImplementedError(f"{doing} under ZeRO stage {self.stage}: each process holds only its shard of "
-                                  "the optimizer's state, and sharded checkpoints are not built yet (saving the "
-                                  "main process's shard alone would lose the others')")

@@ -1,0 +1,64 @@
+"""Sharded checkpoints under ZeRO (accelerate_c/zero_checkpoint.py): saved on N processes, loaded on
+M, training continuing as the uninterrupted run did (tests/scripts/zero_checkpoint.py), the
+refusals, and a kill -9 of one process mid-save."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from accelerate_c.checkpoint_layout import is_complete
+from test_launch import SCRIPTS, launch
+from timeouts import wait_s
+
+SCRIPT = os.path.join(SCRIPTS, "zero_checkpoint.py")
+
+
+def _run(world, *args, says=None):
+    res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0", SCRIPT, *args],
+                 timeout=wait_s(180))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    if says is not None:
+        assert says in res.stdout, res.stdout[-2000:]
+
+
+@pytest.mark.parametrize("stage,precision,saved_on,loaded_on", [
+    (2, "no", 4, (2, 1)),
+    (1, "no", 2, (3, 1)),
+    (2, "bf16", 2, (2, 3)),
+])
+def test_saved_on_n_resumes_on_m(tmp_path, stage, precision, saved_on, loaded_on):
+    _run(saved_on, "save", str(tmp_path), str(stage), precision, says=f"saved on {saved_on}")
+    for m in loaded_on:
+        _run(m, "load", str(tmp_path), str(stage), precision, says=f"zero{stage} {precision} resumed on {m}")
+
+
+def test_kill_9_of_one_process_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "accelerate-c")
+    proc = subprocess.Popen([exe, "launch", "--num_processes", "2", "--cpu", "--main_process_port", "0", SCRIPT,
+                             "kill", str(tmp_path), "2", "no"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    paused = tmp_path / "paused"
+    try:
+        deadline = time.time() + wait_s(180)
+        while not paused.exists() or not paused.read_text():
+            assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+            assert time.time() < deadline, "the second save never paused"
+            time.sleep(0.1)
+        os.kill(int(paused.read_text()), signal.SIGKILL)  # process 1, after its first file
+        proc.wait(timeout=wait_s(120))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    entries = sorted(os.listdir(tmp_path))
+    assert "ckpt_b" not in entries, entries  # never published
+    assert [e for e in entries if e.startswith(".ckpt_b.tmp-")], entries  # the half-written one, left aside
+    assert is_complete(str(tmp_path / "ckpt"))
+    # the previous checkpoint still loads and resumes, on another number of processes
+    _run(3, "load", str(tmp_path), "2", "no", says="zero2 no resumed on 3")
