@@ -47,12 +47,17 @@ def shard_stem(i: int, rank: int) -> str:
 def _groups(strategy, book):
     """The shard groups an optimizer steps, in an order every process agrees on: (group, its
     parameters in plan order, the model's ModelShards)."""
+    return [(group, params, shards) for _, group, params, shards in _keyed_groups(strategy, book)]
+
+
+def _keyed_groups(strategy, book):
+    """_groups, each with id() of the model it belongs to first."""
     wanted = {id(p) for p in book.originals}
     out = []
-    for shards in strategy.models.values():
+    for key, shards in strategy.models.items():
         for group, params, _ in shards.gathers:
             if any(id(p) in wanted for p in params):
-                out.append((group, params, shards))
+                out.append((key, group, params, shards))
     return out
 
 
@@ -66,9 +71,11 @@ def plan_doc(acc, strategy) -> dict:
     for opt in acc._optimizers:
         book = strategy.optimizers[id(opt.optimizer)]
         index = {id(p): k for k, p in enumerate(book.originals)}
+        model_index = {id(m): k for k, m in enumerate(acc._models)}
         groups = []
-        for group, params, shards in _groups(strategy, book):
+        for key, group, params, shards in _keyed_groups(strategy, book):
             groups.append({"plan": plan_spec(group.plan), "dtype": str(group.dtype).replace("torch.", ""),
+                           "model": model_index.get(key),
                            "params": [index.get(id(p)) for p in params],
                            "names": [strategy.manager.name_of(p) for p in params],
                            "shapes": [list(p.shape) for p in params],
@@ -368,3 +375,47 @@ def plan_load_whole(acc, directory: str):
         reads.append(read)
         applies.append(apply)
     return reads, applies
+
+
+def merged_weights(directory: str, model_index: int = 0) -> dict:
+    """The weights of model `model_index` of a checkpoint as one state dict, without a process
+    group: its saved weights, with every parameter that has fp32 masters (DeepSpeed's 16-bit
+    policy) replaced by its fp32 master assembled from every process's shard (what DeepSpeed's
+    zero_to_fp32.py recovers)."""
+    from .checkpoint_layout import is_complete
+    from .safetensors_io import load_file
+
+    if not is_complete(directory):
+        raise CheckpointError(f"{directory}: not a complete accelerate_c checkpoint (no completion marker)")
+    weights = os.path.join(directory, f"model{suffix(model_index)}.safetensors")
+    if not os.path.isfile(weights):
+        raise FileNotFoundError(f"{weights}: missing from the checkpoint (weights of model {model_index})")
+    sd = load_file(weights)
+    if not is_sharded(directory):
+        return sd
+    path = os.path.join(directory, PLAN_FILE)
+    doc = read_json(path, "ZeRO shard plan")
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or not isinstance(doc.get("world"), int):
+        raise CheckpointError(f"{path}: not an accelerate_c ZeRO plan")
+    for i, odoc in enumerate(doc["optimizers"]):
+        files = None
+        for g, gdoc in enumerate(odoc["groups"]):
+            if not gdoc.get("master") or gdoc.get("model") != model_index:
+                continue
+            if files is None:
+                files = [_ShardFile(os.path.join(directory, f"{shard_stem(i, q)}.safetensors"))
+                         for q in range(doc["world"])]
+            plan = ShardPlan(**gdoc["plan"])
+            name = f"g{g}.master"
+            for q in range(doc["world"]):
+                files[q].check(name, plan.shard_numel, torch.float32)
+            for j, (pname, shape) in enumerate(zip(gdoc["names"], gdoc["shapes"])):
+                if pname not in sd or list(sd[pname].shape) != shape:
+                    raise CheckpointError(f"{path}: parameter {pname} {shape} is not in {weights} with that shape")
+                full = torch.empty(plan.param(j)[2], dtype=torch.float32)
+                for q in range(doc["world"]):
+                    local, poff, length = plan.param_shard(j, q)
+                    if length:
+                        files[q].read_into(name, local, full[poff:poff + length])
+                sd[pname] = full.view(shape)
+    return sd

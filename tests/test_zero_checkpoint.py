@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from accelerate_c.checkpoint_layout import is_complete
 from test_launch import SCRIPTS, launch
@@ -33,8 +34,39 @@ def _run(world, *args, says=None):
 ])
 def test_saved_on_n_resumes_on_m(tmp_path, stage, precision, saved_on, loaded_on):
     _run(saved_on, "save", str(tmp_path), str(stage), precision, says=f"saved on {saved_on}")
+    _merge_weights(tmp_path / "ckpt", tmp_path / "merged", precision)
     for m in loaded_on:
         _run(m, "load", str(tmp_path), str(stage), precision, says=f"zero{stage} {precision} resumed on {m}")
+
+
+def _merge_weights(ckpt, out, precision):
+    """`accelerate-c merge-weights`, no process group: Hugging Face safetensors (read here by the
+    safetensors package). fp32: the saved weights themselves. bf16: the fp32 masters, assembled
+    from every process's shard: each rounds to the bf16 weight the model held, and carries more
+    than it (not just the bf16 weights widened)."""
+    from safetensors.torch import load_file
+
+    exe = os.path.join(os.path.dirname(sys.executable), "accelerate-c")
+    res = subprocess.run([exe, "merge-weights", str(ckpt), str(out)], capture_output=True, text=True,
+                         timeout=wait_s(120))
+    assert res.returncode == 0, res.stderr[-3000:]
+    merged, saved = load_file(str(out / "model.safetensors")), load_file(str(ckpt / "model.safetensors"))
+    assert set(merged) == set(saved) - {"head.weight"}  # the tied weight once, under its first name
+    if precision == "no":
+        assert all(torch.equal(merged[k], saved[k]) for k in merged)
+    else:
+        assert all(merged[k].dtype == torch.float32 and torch.equal(merged[k].to(saved[k].dtype), saved[k])
+                   for k in merged)
+        assert any(not torch.equal(merged[k], saved[k].float()) for k in merged)
+
+
+def test_merge_weights_refuses_an_incomplete_checkpoint(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "accelerate-c")
+    (tmp_path / "ck").mkdir()
+    res = subprocess.run([exe, "merge-weights", str(tmp_path / "ck"), str(tmp_path / "out")], capture_output=True,
+                         text=True, timeout=wait_s(60))
+    assert res.returncode != 0 and "not a complete accelerate_c checkpoint" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
 
 
 def test_kill_9_of_one_process_mid_save_keeps_the_previous_checkpoint(tmp_path):
