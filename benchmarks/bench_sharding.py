@@ -1,0 +1,281 @@
+"""ZeRO on CPU processes: memory per rank and training-step throughput of accelerate_c's DDP,
+ZeRO-1 and ZeRO-2 beside torch's ZeroRedundancyOptimizer + DDP, on a ~100M-parameter GPT
+(vocabulary 8192, so the embedding is a small part of it), AdamW, fp32, 2 and 4 processes (gloo).
+
+    .venv/bin/python benchmarks/bench_sharding.py                  # 2 and 4 processes (~8 min here)
+    .venv/bin/python benchmarks/bench_sharding.py --worlds 2 --repeats 2 --steps 2
+
+It launches itself once per world size (`accelerate-c launch --num_processes N --cpu`, one OpenMP
+thread per process). Contenders, each built fresh from the same seed, on the same per-rank
+batches (rank r of step k: global batch k * N + r), one at a time (the previous one deleted):
+
+  ddp          accelerate_c's Accelerator(cpu=True): bucketed all-reduce, torch's AdamW
+  zero1        Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_clipping=0))
+  zero2        the same with zero_stage=2
+  torch_zero   torch DDP (gradient_as_bucket_view) + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
+
+Per contender and world size:
+  counted bytes  from the tensors the rank holds: parameters, gradients (the flat buffers, the
+                 ZeRO-2 gradient shard; torch's `.grad`), optimizer state (Adam's moments), against
+                 the formula for Ψ elements and N processes: DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ +
+                 12Ψ/N (torch_zero's optimizer state is sharded by whole parameters: its formula is
+                 ZeRO-1's, reported only). ZeRO-2's staging buffers (about two buckets) are printed apart.
+  RSS            the rank's peak resident set while the contender ran (VmHWM, reset before it) above
+                 its resident set just before it: what the process really took, torch's temporaries
+                 and the allocator included.
+  steps/s        median over --repeats of (timed steps / the slowest rank's time), a step being
+                 forward + backward + optimizer step + zero_grad, after --warmup untimed steps.
+The physical limit printed beside: one gloo all-reduce of the gradients' bytes, timed alone (the
+communication a DDP step cannot avoid, at loopback speed on this machine).
+
+Correctness guard (untimed check, the first repeat): after the same steps each contender's
+parameters against ddp's, per tensor ||a - b|| / ||b||, must be <= 1e-4 (AdamW's first steps move
+an element by ~lr whatever its gradient's size, so summation-order noise in a near-zero gradient
+is amplified to lr; a doubled or missing gradient is off by far more). A mismatch is an ERROR.
+
+Targets: counted bytes within 5% of the formula (plus padding) for ddp, zero1, zero2; zero1
+steps/s >= 0.95x ddp and >= 1.0x torch_zero.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import _targets  # noqa: E402
+from _common import print_table  # noqa: E402
+
+BENCH = "bench_sharding"
+NAMES = ["ddp", "zero1", "zero2", "torch_zero"]
+SEED, DATA_SEED = 1234, 4321
+PARAM_RTOL = 1e-4
+MEM_TOL = 0.05
+
+
+def launch(world: int, argv) -> int:
+    exe = shutil.which("accelerate-c", path=os.path.dirname(sys.executable)) or shutil.which("accelerate-c")
+    cmd = [exe, "launch", "--num_processes", str(world), "--cpu", "--main_process_port", "0",
+           os.path.abspath(__file__), "--worker", *argv]
+    print("launching: " + " ".join(cmd), flush=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    return subprocess.call(cmd, env=env)
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def worker(args) -> int:  # noqa: C901 (one linear script)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import accelerate_c.state
+    from accelerate.utils import DeepSpeedPlugin
+    from accelerate_c import Accelerator
+    from models import GPT, GPTConfig, make_tokens
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    cfg = GPTConfig(vocab_size=8192, block_size=args.seq, n_layer=args.layers, n_head=12, d_model=args.d_model)
+    total_steps = args.warmup + args.steps
+    tokens = make_tokens(total_steps * world, args.seq, cfg.vocab_size, seed=DATA_SEED)  # seq + 1 tokens each
+    batches = [(tokens[k * world + rank][None, :-1], tokens[k * world + rank][None, 1:]) for k in range(total_steps)]
+
+    def say(*a):
+        if rank == 0:
+            print(*a, flush=True)
+
+    def slowest(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0])
+
+    def fresh():
+        torch.manual_seed(SEED)
+        return GPT(cfg)
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+
+    def build(name):
+        accelerate_c.state.AcceleratorState._reset_state()  # a fresh Accelerator per contender
+        accelerate_c.state.GradientState._reset_state()
+        model = fresh()
+        if name == "torch_zero":
+            ddp = DDP(model, gradient_as_bucket_view=True)
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
+                                          weight_decay=0.01)
+            return {"model": ddp, "inner": model, "opt": opt, "backward": lambda loss: loss.backward(), "acc": None}
+        kw = {}
+        if name != "ddp":
+            plugin = DeepSpeedPlugin(zero_stage=int(name[-1]), gradient_clipping=0.0)
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+            kw["deepspeed_plugin"] = plugin
+        acc = Accelerator(cpu=True, **kw)
+        model, opt = acc.prepare(model, adamw(model.parameters()))
+        return {"model": model, "inner": model, "opt": opt, "backward": acc.backward, "acc": acc}
+
+    def step(c, x, y):
+        c["backward"](c["model"](x, y))
+        c["opt"].step()
+        c["opt"].zero_grad()
+
+    def counted(c):
+        """(bytes held, ZeRO-2 staging bytes) on this rank."""
+        inner, opt, acc = c["inner"], c["opt"], c["acc"]
+        params = {id(p): p for p in inner.parameters() if p.requires_grad}
+        pbytes = sum(p.numel() * p.element_size() for p in params.values())
+        staging = 0
+        if acc is None:  # torch: DDP's buckets (the .grad views of gradient_as_bucket_view, kept by
+            # its reducer whether .grad is set or not), the local optimizer's state
+            gbytes = pbytes
+            state = opt.optim.state
+        else:
+            strategy = acc._grads.strategy
+            gbytes = sum(g.flat.numel() * g.flat.element_size() for g in acc._grads.groups)
+            if hasattr(strategy, "memory"):
+                mem = strategy.memory()
+                gbytes += mem["grad_shards"]
+                staging = mem["grad_staging"]
+            state = opt.optimizer.state
+        sbytes = sum(v.numel() * v.element_size() for s in state.values() for k, v in s.items()
+                     if torch.is_tensor(v) and v.dim() > 0)
+        return pbytes + gbytes + sbytes, staging
+
+    psi = sum(p.numel() for p in fresh().parameters())
+    formula = {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi / world, "zero2": 4 * psi + 12 * psi / world,
+               "torch_zero": 8 * psi + 8 * psi / world}
+    say(f"bench_sharding on {world} processes: GPT {args.layers} x {args.d_model}, vocab {cfg.vocab_size}, "
+        f"{psi / 1e6:.1f}M parameters, {args.seq} tokens per rank and step, AdamW fp32, 1 thread per process")
+
+    # the physical limit: one all-reduce of the gradients' bytes, alone
+    buf = torch.zeros(psi, dtype=torch.float32)
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(slowest(time.perf_counter() - t0))
+    allreduce_s = statistics.median(times)
+    del buf
+    gc.collect()
+
+    rates = {n: [] for n in NAMES}
+    mem, ref_params, errors, bad = {}, None, {}, False
+    for r in range(args.repeats):
+        order = NAMES[r % len(NAMES):] + NAMES[:r % len(NAMES)]
+        if r == 0:
+            order = list(NAMES)  # ddp first: the correctness reference
+        for name in order:
+            gc.collect()
+            rss0 = _rss_kb("VmRSS")
+            _reset_peak()
+            c = build(name)
+            for k in range(args.warmup):
+                step(c, *batches[k])
+            dist.barrier()
+            gc.disable()
+            t0 = time.perf_counter()
+            for k in range(args.warmup, total_steps):
+                step(c, *batches[k])
+            elapsed = slowest(time.perf_counter() - t0)
+            gc.enable()
+            rates[name].append(args.steps / elapsed)
+            if r == 0:
+                held, staging = counted(c)
+                peak = (_rss_kb("VmHWM") - rss0) * 1024
+                mem[name] = (held, staging, peak)
+                final = [p.detach().clone() for p in c["inner"].parameters()]
+                if name == "ddp":
+                    ref_params = final
+                else:
+                    err = max(((a - b).norm() / b.norm().clamp_min(1e-12)).item() for a, b in zip(final, ref_params))
+                    errors[name] = slowest(err)
+                    bad = bad or errors[name] > PARAM_RTOL
+            del c
+            gc.collect()
+
+    med = {n: statistics.median(v) for n, v in rates.items()}
+    rows = []
+    for n in NAMES:
+        held, staging, peak = mem[n]
+        rows.append([n, f"{med[n]:.3f}", f"{held / 2**20:.0f}", f"{formula[n] / 2**20:.0f}",
+                     f"{held / formula[n]:.3f}", f"{staging / 2**20:.0f}", f"{peak / 2**20:.0f}",
+                     "-" if n == "ddp" else f"{errors[n]:.1e}"])
+    if rank == 0:
+        print_table(["contender", "steps/s", "counted MiB", "formula MiB", "counted/formula", "staging MiB",
+                     "peak RSS above start MiB", "params vs ddp"], rows)
+        ddp_s = 1 / med["ddp"]
+        print(f"limit: one all-reduce of the {4 * psi / 2**20:.0f} MiB of gradients alone takes {allreduce_s:.2f} s "
+              f"(gloo, loopback) = {allreduce_s / ddp_s:.0%} of a ddp step ({ddp_s:.2f} s)")
+    if bad:
+        say(f"ERROR: a contender's parameters differ from ddp's by more than {PARAM_RTOL} (above): timings not recorded")
+        return 1
+    if rank == 0:
+        limit = f"all-reduce of the gradients {allreduce_s:.2f} s vs ddp step {1 / med['ddp']:.2f} s"
+        for n in ("ddp", "zero1", "zero2"):
+            held = mem[n][0]
+            pad = 4 * 64 * world * 64  # each bucket's padding to N x 16 fp32 elements, a few dozen buckets
+            within = abs(held - formula[n]) <= MEM_TOL * formula[n] + pad
+            _targets.target(BENCH, f"{n} counted bytes vs formula, |1 - ratio| <= 0.05 (N={world})",
+                            1.0 - abs(1.0 - held / formula[n]), 1.0 - MEM_TOL,
+                            note=f"{held} bytes held, formula {formula[n]:.0f}, {'within' if within else 'beyond'} 5% + padding")
+        _targets.target(BENCH, f"zero1 steps/s vs our ddp (N={world})", med["zero1"] / med["ddp"], 0.95, limit=limit)
+        _targets.target(BENCH, f"zero1 steps/s vs torch ZeroRedundancyOptimizer (N={world})",
+                        med["zero1"] / med["torch_zero"], 1.0, limit=limit)
+        _targets.info(BENCH, f"zero2 steps/s vs our ddp (N={world})", med["zero2"] / med["ddp"], limit=limit)
+        _targets.info(BENCH, f"zero2 counted bytes / ddp's (N={world})", mem["zero2"][0] / mem["ddp"][0])
+        for n in NAMES:
+            print(f"{n}: steps/s over the repeats {', '.join(f'{v:.3f}' for v in rates[n])}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worlds", default="2,4", help="process counts, comma-separated (default 2,4)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=13)
+    ap.add_argument("--d-model", type=int, default=768)
+    ap.add_argument("--seq", type=int, default=64, help="tokens per rank and step")
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    forward = ["--repeats", str(args.repeats), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--layers", str(args.layers), "--d-model", str(args.d_model), "--seq", str(args.seq)]
+    rc = 0
+    for w in (int(x) for x in args.worlds.split(",")):
+        rc = max(rc, launch(w, forward))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
