@@ -420,7 +420,9 @@ class Accelerator:
             h = self.ddp_handler
             if self._zero_stage in (1, 2):
                 kind = Zero1Strategy if self._zero_stage == 1 else Zero2Strategy
-                strategy = kind(self._grads, h, fp32_masters=self._compute_dtype is not None)
+                zero_cfg = self.sharding.config.get("zero_optimization") or {}
+                strategy = kind(self._grads, h, fp32_masters=self._compute_dtype is not None,
+                                ignore_unused=bool(zero_cfg.get("ignore_unused_parameters", True)))
             else:
                 strategy = DDPStrategy(self._grads, h)
             self._grads.configure(strategy, h.bucket_cap_mb if h is not None else None)

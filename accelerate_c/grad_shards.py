@@ -14,8 +14,10 @@ no_sync() does not skip communication here.
 
 Staging: at most MAX_INFLIGHT buckets' reduce-scatters are in flight; a hook that needs a
 buffer beyond that waits for the oldest (inside backward, as DeepSpeed waits for its bucket).
-The buffers are kept between backwards (like DeepSpeed's reduce bucket): about two buckets of
-memory beside the 1/N shard.
+Up to MAX_INFLIGHT + 1 buffers are kept between backwards (like DeepSpeed's reduce bucket):
+about three buckets beside the 1/N shard. Buckets launch in plan order (reverse registration
+order, about backward's); a model whose gradients arrive in another order keeps more buckets
+open at once during its backward, up to the whole gradient (not kept after it).
 
 Which parameters hold a gradient (`has`) follows torch's None rule: set by a backward that gave
 the parameter one (with find_unused_parameters, by any process's), cleared by clear().
@@ -31,6 +33,13 @@ from .shard_plan import ShardGroup
 
 MAX_INFLIGHT = 2
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _stats_device(device) -> torch.device:
+    """Where this shard's small collective tensors live: NCCL moves CUDA tensors only."""
+    if torch.device(device).type == "cuda" and dist.get_backend() == "nccl":
+        return torch.device(device)
+    return torch.device("cpu")
 
 
 class GradShard:
@@ -73,15 +82,27 @@ class GradShard:
         self.free: list = []  # staging buffers not in use (kept between backwards)
         self.works: list = []  # (bucket, work, out, staging) in launch order
         self.shard_buf = _C.Buffer(self.shard) if not self.is_cuda else None
-        self.hooks = [p.register_post_accumulate_grad_hook(self.reducer.hook(i, None))
+        self.stats_device = _stats_device(self.device)
+        # the C hook's fast path is for a gradient that already is the parameter's view of a flat
+        # buffer; here no gradient ever is, so each hook gets an object no .grad can be (None
+        # would match the .grad a second hook on the same parameter sees after the first cleared it)
+        self._never = object()
+        self.hooks = [p.register_post_accumulate_grad_hook(self.reducer.hook(i, self._never))
                       for i, p in enumerate(self.params)]
 
     # ---- what the hooks call -------------------------------------------------------------
     def _on_first(self):
         """The first gradient of a backward: the end of backward is queued on the graph task
-        delivering it (a raw loss.backward() too)."""
-        self.reducer.launching = True
-        self.seen = [False] * len(self.params)
+        delivering it (a raw loss.backward() too). Under reentrant activation checkpointing
+        that task may be a checkpointed segment's inner backward, which ends while the outer one
+        still has gradients of this shard to deliver: then the end waits (requeue) and the next
+        hook queues it again on the task then running, as grads.GradGroup does; finish_awaiting
+        completes a backward that delivers no more."""
+        if self.reducer.requeue:
+            self.reducer.requeue = False
+        else:
+            self.reducer.launching = True
+            self.seen = [False] * len(self.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _stage(self, b):
@@ -105,6 +126,12 @@ class GradShard:
 
     def _copy_in(self, i, p) -> bool:
         g = p.grad
+        if g is None or self.seen[i]:
+            # a second hook on this parameter, or its gradient delivered twice in one backward (a
+            # weight in two reentrant-checkpointed segments): refused before anything is written
+            raise RuntimeError(f"ZeRO stage 2: the gradient of {self.names(p)} arrived twice in one backward (a "
+                               "parameter used by two reentrant-checkpointed segments, or prepared twice); each "
+                               "gradient is reduce-scattered once per backward")
         if g.requires_grad:
             raise RuntimeError("backward(create_graph=True) is not supported under ZeRO stage 2: the gradient of "
                                f"{self.names(p)} carries a graph and cannot be reduce-scattered")
@@ -154,9 +181,20 @@ class GradShard:
                 f"({self.buckets[b][1] * self.world} {self.dtype} elements: {shown})")
 
     def _end_of_backward(self):
+        """The autograd engine's callback: finishes the backward unless gradients are still
+        missing (then it may be a checkpointed segment's end: the shard waits, see _on_first)."""
+        if self.reducer.launching and self.reducer.pending():
+            self.reducer.requeue = True
+            return
+        self.finish_backward()
+
+    def finish_backward(self):
         """Every gradient of the backward has landed (or never will): the buckets of unused
         parameters (zeros, with find_unused_parameters) are launched, every reduce-scatter is
         waited for in order, and the parameters that now hold a gradient are agreed on."""
+        self.reducer.requeue = False
+        if not self.reducer.launching:
+            return
         try:
             pending = self.reducer.pending()
             if pending and not self.find_unused:
@@ -178,18 +216,20 @@ class GradShard:
             self.empty = False
             seen = self.seen
             if self.find_unused:
-                flags = torch.tensor(seen, dtype=torch.int32)
-                if self.is_cuda and dist.get_backend() == "nccl":
-                    flags = flags.to(self.device)
+                flags = torch.tensor(seen, dtype=torch.int32, device=self.stats_device)
                 collectives.all_reduce(flags)
                 seen = [bool(v) for v in flags.tolist()]
             self.has = [h or s for h, s in zip(self.has, seen)]
+            # the buckets launch in plan order: gradients arriving in another order keep more
+            # buckets open at once (up to all of them); what that took is not kept beyond this
+            del self.free[MAX_INFLIGHT + 1:]
         finally:
             self.abort()
 
     def abort(self):
         """Forgets what a backward half did, so the next one starts clean."""
         self.reducer.launching = False
+        self.reducer.requeue = False
         self.reducer.reset()
         for item in self.works:
             try:
@@ -214,17 +254,21 @@ class GradShard:
         """(sum of squares, max |g|, non-finite) of this process's runs of parameters `indices`."""
         if self.empty:
             return 0.0, 0.0, False
-        if len(set(indices)) == len(self.params) and self.shard_buf is not None:
+        whole = len(set(indices)) == len(self.params)
+        if whole and self.shard_buf is not None:  # CPU: one fused C pass
             if inf_norm:
                 return _C.stats(self.shard_buf)
             s, nf = _C.sumsq(self.shard_buf)
             return s, 0.0, nf
-        runs = [r for r in (self.run(i) for i in indices) if r is not None and r.numel()]
+        runs = [self.shard] if whole else [r for r in (self.run(i) for i in indices) if r is not None and r.numel()]
         if not runs:
             return 0.0, 0.0, False
-        flat = torch.cat(runs).double()
-        finite = bool(torch.isfinite(flat).all())
-        return float(flat.square().sum()), float(flat.abs().max()), not finite
+        # per run, on its device, accumulated in fp32 (no wide copy of the shard); one sync
+        parts = torch.stack([torch.stack([torch.linalg.vector_norm(r, dtype=torch.float32).square(),
+                                          r.abs().max().float(), (~torch.isfinite(r)).any().float()]) for r in runs])
+        s, m, nf = parts[:, 0].sum(), parts[:, 1].max(), parts[:, 2].max()
+        s, m, nf = torch.stack([s, m, nf]).tolist()
+        return s, m, bool(nf)
 
     def scale_(self, indices, factor: float):
         """Multiplies this process's runs of parameters `indices` by `factor` (the clip)."""
@@ -251,10 +295,12 @@ class GradShard:
             elif not self.empty:
                 self.shard.zero_()
             return
-        for i in indices:
-            r = self.run(i)
-            if r is not None:
-                r.zero_()
+        if self.empty:
+            return
+        for i in indices:  # every owned run, whatever `has` says: a failed backward may have left sums there
+            local, _, length = self.runs[i]
+            if length:
+                self.shard[local:local + length].zero_()
             if set_to_none:
                 self.has[i] = False
 
@@ -273,8 +319,9 @@ class GradShard:
         return full[off - start:off - start + n].view(self.params[i].shape).clone()
 
     def nbytes(self) -> int:
-        """Bytes this object holds: the shard and the staging buffers."""
-        return sum(t.numel() * t.element_size() for t in [self.shard, *self.free, *self.staging.values()])
+        """Bytes this object holds: the shard and the staging buffers (whole, not the views in use)."""
+        bufs = [self.shard, *self.free, *((t._base if t._base is not None else t) for t in self.staging.values())]
+        return sum(t.numel() * t.element_size() for t in bufs)
 
     def remove(self):
         for h in self.hooks:

@@ -225,8 +225,11 @@ class GradManager:
         """Accelerator.prepare_model: the strategy's part, then (unless the model is prepared
         for evaluation only) buffers for its trainable parameters."""
         self.strategy.prepare_model(model, self)
-        if trainable and self.strategy.buffers_gradients:
-            self.add_model(model)
+        if trainable:
+            if self.strategy.buffers_gradients:
+                self.add_model(model)
+            else:  # ZeRO-2: the strategy keeps the gradients as shards
+                self.strategy.adopt_gradients(model, self)
 
     def add_model(self, model: torch.nn.Module):
         """Flat buffers for the trainable parameters of `model`."""
@@ -285,11 +288,16 @@ class GradManager:
         for g in list(self.groups):
             if g.reducer.requeue:
                 g.finish_backward()
+        self.strategy.finish_awaiting()
 
     def abort_backward(self):
         """After a backward that raised: forget half-marked buckets so the next one starts clean."""
         for g in self.groups:
             g.abort_backward()
+            # what the aborted backward started is forgotten: its bucketed reduction must not be
+            # redone by the next step's fallback over gradients a later backward reduced itself
+            g.pending_sync = False
+        self.unbuffered_pending = False
         self.strategy.abort_held()
 
     def _unbuffered_hook(self, model_key):
@@ -329,6 +337,7 @@ class GradManager:
             self._add_params(g.params, model_key=g.model_key, replaced=g)
 
     def clear(self):
+        self.strategy.clear_held()
         for g in self.groups:
             g.remove()
         for _, hook in self.outside.values():

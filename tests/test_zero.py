@@ -41,6 +41,13 @@ def test_zero_trains_as_torch_ddp_with_the_state_sharded(world, stage):
     _script_passes(world, "zero_train.py", str(stage), says=f"zero{stage} OK on {world} processes")
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_edge_loops_match_torch_ddp(stage):
+    """free_memory() and prepare again, model.zero_grad(), a failed backward, reentrant
+    checkpointing (tests/scripts/zero_edges.py): what a review found wrong, against torch DDP."""
+    _script_passes(2, "zero_edges.py", str(stage), says=f"zero{stage} edges OK")
+
+
 def test_what_is_not_built_is_refused_by_name():
     with pytest.raises(NotImplementedError, match="ZeRO stage 3"):
         Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=3))

@@ -175,13 +175,14 @@ def _zero(c, path, section):
                       "write zero_optimization.offload_optimizer: {\"device\": \"cpu\"} instead")
         else:
             c.unknown(p, value, {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size",
-                                 "allgather_bucket_size", "sub_group_size", *_ZERO_NOOP, "stage3_*"})
+                                 "allgather_bucket_size", "sub_group_size", "ignore_unused_parameters", *_ZERO_NOOP,
+                                 "stage3_*"})
 
 
 # switches of DeepSpeed's communication and memory layout: the gradients and updates are the same
 _ZERO_NOOP = ("contiguous_gradients", "overlap_comm", "reduce_scatter", "allgather_partitions",
               "round_robin_gradients", "use_multi_rank_bucket_allreduce", "load_from_fp32_weights",
-              "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear", "override_module_apply",
+              "elastic_checkpoint", "memory_efficient_linear", "override_module_apply",
               "log_trace_cache_warnings")
 # offload settings that only exist for NVMe
 _NVME_ONLY = ("buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline", "pipeline_read",

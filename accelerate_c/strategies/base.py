@@ -145,6 +145,17 @@ class GradStrategy:
     def after_step(self, optimizer) -> None:
         """`optimizer`'s step on a sync step ended (taken, or skipped on an fp16 overflow)."""
 
+    def adopt_gradients(self, model, manager) -> None:
+        """prepare_model of a trainable model when buffers_gradients is False: the strategy's
+        own gradient storage for its parameters."""
+        raise NotImplementedError("a strategy that does not use the flat buffers must adopt the gradients")
+
+    def finish_awaiting(self) -> None:
+        """GradManager.finish_awaiting for the gradients the strategy holds itself."""
+
+    def clear_held(self) -> None:
+        """GradManager.clear: forget the gradients the strategy holds itself (and their hooks)."""
+
     def abort_held(self) -> None:
         """A backward raised: the gradients the strategy holds itself forget what it started."""
 

@@ -189,6 +189,14 @@ class DDPStrategy(GradStrategy):
         return True
 
     def abort_backward(self, g):
+        """A backward raised: the all-reduces it launched still finish (every process launched
+        the same ones, and a dropped one would still be writing the buffer, or pair with the next
+        backward's collectives on a process that launched more)."""
+        for _, work, _, _ in g.strategy_state.works:
+            try:
+                work.wait()
+            except RuntimeError:
+                pass
         g.strategy_state.works = []
 
     def start_join(self, model, manager):

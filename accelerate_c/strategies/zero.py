@@ -101,8 +101,11 @@ class Zero1Strategy(DDPStrategy):
     stage = 1
     sharded_state = True  # save_state / load_state go through zero_checkpoint.py
 
-    def __init__(self, manager, handler=None, fp32_masters: bool = False):
+    def __init__(self, manager, handler=None, fp32_masters: bool = False, ignore_unused: bool = False):
         super().__init__(manager, handler)
+        # DeepSpeed's zero_optimization.ignore_unused_parameters (its default: True): a parameter
+        # that gets no gradient counts as zeros, as find_unused_parameters makes DDP count it
+        self.find_unused = self.find_unused or ignore_unused
         self.fp32_masters = fp32_masters
         self._next_scale = 1.0  # scale_next_step's factor
         self.models: dict = {}  # id(model) -> ModelShards

@@ -30,25 +30,59 @@ class Zero2Strategy(Zero1Strategy):
     stage = 2
     buffers_gradients = False
 
-    def __init__(self, manager, handler=None, fp32_masters: bool = False):
-        super().__init__(manager, handler, fp32_masters)
+    def __init__(self, manager, handler=None, fp32_masters: bool = False, ignore_unused: bool = False):
+        super().__init__(manager, handler, fp32_masters, ignore_unused)
         self.grad_shards: list = []
         self.held: dict = {}  # id(param) -> (GradShard, index)
 
     # ---- prepare ------------------------------------------------------------------------
-    def prepare_model(self, model, manager):
-        super().prepare_model(model, manager)
+    def adopt_gradients(self, model, manager):
+        """GradManager.prepare_model for a trainable model (buffers_gradients is False): a
+        GradShard per shard group of its parameters not held already (a parameter shared with
+        a model prepared before stays with that model's shard), and model.zero_grad() reaching
+        the shards (it would only see `p.grad`, which is None)."""
         for name, p in model.named_parameters():
             manager.names.setdefault(id(p), name)
-        for group, params, _ in self.models[id(model)].gathers:
-            gs = GradShard(group, params, self.manager.name_of, self.find_unused, model_key=id(model))
-            self.grad_shards.append(gs)
-            for i, p in enumerate(params):
-                if p.grad is not None:
+        gathers = self.models[id(model)].gathers
+        for _, params, _ in gathers:  # checked before anything is installed
+            for p in params:
+                if p.grad is not None and id(p) not in self.held:
                     raise ValueError(f"ZeRO stage 2: parameter {self.manager.name_of(p)} has a gradient from before "
                                      "prepare(); under stage 2 each process keeps only its shard of the gradients, "
                                      "built by the backwards after prepare(): zero the gradients first")
+        for group, params, _ in gathers:
+            if any(id(p) in self.held for p in params):
+                if all(id(p) in self.held for p in params):
+                    continue  # prepared again (after free_memory(), say): its shards are in place
+                names = ", ".join(self.manager.name_of(p) for p in params if id(p) in self.held)
+                raise NotImplementedError(f"ZeRO stage 2: parameters {names} belong to a model prepared before and "
+                                          "to this one; prepare models that share parameters as one module")
+            gs = GradShard(group, params, self.manager.name_of, self.find_unused, model_key=id(model))
+            self.grad_shards.append(gs)
+            for i, p in enumerate(params):
                 self.held[id(p)] = (gs, i)
+        if not hasattr(model, "_zero2_zero_grad"):
+            original = model.zero_grad
+
+            def zero_grad(set_to_none: bool = True, _original=original, _key=id(model)):
+                _original(set_to_none=set_to_none)
+                for gs in self.grad_shards:
+                    if gs.model_key == _key:
+                        gs.clear(None, set_to_none)
+
+            model._zero2_zero_grad = original
+            model.zero_grad = zero_grad
+
+    def finish_awaiting(self) -> None:
+        for gs in self.grad_shards:
+            if gs.reducer.requeue:
+                gs.finish_backward()
+
+    def clear_held(self) -> None:
+        """GradManager.clear (free_memory()): the hooks go; a model prepared again gets new shards."""
+        for gs in self.grad_shards:
+            gs.remove()
+        self.grad_shards, self.held = [], {}
 
     def _split(self, params):
         """{GradShard: [indices]} of the params whose gradients this strategy holds, and whether
@@ -70,9 +104,6 @@ class Zero2Strategy(Zero1Strategy):
         touched, outside = self._split(params)
         if not touched:
             return None
-        if outside:
-            raise NotImplementedError("clip_grad_norm_ under ZeRO stage 2 over parameters of a prepared model "
-                                      "together with parameters outside it that have gradients; clip them apart")
         inf_norm = norm_type == math.inf
         if norm_type not in (2.0, math.inf):
             raise NotImplementedError(f"clip_grad_norm_(norm_type={norm_type}) under ZeRO stage 2: the 2-norm and the "
@@ -81,16 +112,23 @@ class Zero2Strategy(Zero1Strategy):
         for gs, idx in touched.items():
             s, m, nf = gs.local_stats(idx, inf_norm)
             sumsq, maxabs, nonfinite = sumsq + s, max(maxabs, m), nonfinite or nf
+        # one SUM of (sum of squares, non-finite count, processes with gradients outside), the
+        # same collective on every process whatever it found; the inf-norm adds a MAX
+        device = next(iter(touched)).stats_device
+        t = torch.tensor([sumsq, float(nonfinite), float(outside)], dtype=torch.float64, device=device)
+        collectives.all_reduce(t)
+        total_sumsq, any_nonfinite, any_outside = t.tolist()
+        if any_outside:
+            raise NotImplementedError("clip_grad_norm_ under ZeRO stage 2 over parameters of a prepared model "
+                                      "together with parameters outside it that have gradients; clip them apart")
         if inf_norm:
-            t = torch.tensor([maxabs, float(nonfinite)], dtype=torch.float64)
-            collectives.all_reduce(t, op=dist.ReduceOp.MAX)
-            total = float(t[0])
+            m = torch.tensor([maxabs], dtype=torch.float64, device=device)
+            collectives.all_reduce(m, op=dist.ReduceOp.MAX)
+            total = float(m[0])
         else:
-            t = torch.tensor([sumsq, float(nonfinite)], dtype=torch.float64)
-            collectives.all_reduce(t)
-            total = math.sqrt(float(t[0])) if float(t[0]) >= 0 else math.nan
-        if float(t[1]) > 0:  # squares are >= 0: only a NaN makes their sum NaN
-            total = math.nan if math.isnan(float(t[0])) else math.inf
+            total = math.sqrt(total_sumsq) if total_sumsq >= 0 else math.nan
+        if any_nonfinite > 0:  # squares are >= 0: only a NaN makes their sum NaN (torch's norms say NaN then)
+            total = math.nan if math.isnan(total_sumsq) else math.inf
         if max_norm is None:
             return torch.tensor(total, dtype=torch.float32)
         dtypes = {gs.dtype for gs in touched}
@@ -105,7 +143,8 @@ class Zero2Strategy(Zero1Strategy):
 
     def any_found_inf(self, found: bool) -> bool:
         """Each process checked its own shard: every process skips when any found one."""
-        t = torch.tensor([float(bool(found))])
+        device = self.grad_shards[0].stats_device if self.grad_shards else torch.device("cpu")
+        t = torch.tensor([float(bool(found))], device=device)
         collectives.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t[0] > 0)
 

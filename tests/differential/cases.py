@@ -114,12 +114,11 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None) -> di
             c["nan_grad_step"] = None
     if c["sharding"] == "zero2":
         # no full gradient exists between backward and the step (p.grad is None, as with
-        # DeepSpeed's stage 2): a loop cannot write one, and every backward is reduce-scattered,
-        # reentrant checkpointing's nested backwards included (a weight's second delivery in one
-        # backward is refused)
+        # DeepSpeed's stage 2): a loop cannot write one. DDP's comm hooks are not DeepSpeed's (stage
+        # 2 reduce-scatters in the gradients' dtype)
         c["assign_grad"] = False
+        c["comm_hook"] = "no"
         c["nan_grad_step"] = None
-        c["reentrant"] = False
     if c["sharding"] != "none":
         # under DeepSpeed the engine clips inside its step, at the configuration's
         # gradient_clipping: the 2-norm of the whole model, once (clip_grad_norm_ only reports
@@ -173,6 +172,8 @@ REGRESSIONS = {
         _case(REGRESSION_SEED + 11, world=3, uneven=True, param_dtype="mixed", unused=True, dataset_extra=1),
     "join_uneven_inputs on a model with bf16 and fp32 layers (the shadow reduced groups out of order)":
         _case(REGRESSION_SEED + 9, world=2, uneven=True, param_dtype="mixed", tiny_buckets=True, dataset_extra=1),
+    "ZeRO-2, reentrant checkpointing with the output layer in a segment (the backward ended at the segment's end)":
+        _case(REGRESSION_SEED + 13, world=2, reentrant="separate", ga=2, sharding="zero2"),
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
