@@ -811,6 +811,19 @@ class Accelerator:
         self._grads.prepare_step()
         return self._grads.strategy.full_grad(param)
 
+    def full_optimizer_state_dict(self, optimizer, timeout_s: float = 60.0) -> dict:
+        """The whole optimizer state in torch's layout (what the unsharded optimizer's
+        state_dict() gives; loadable into a plain torch optimizer over the model's parameters).
+        Under ZeRO `optimizer.state_dict()` is this process's shard, without a collective, as
+        DeepSpeed's; this gathers every process's: a collective every process must call (one
+        that calls it alone gets an error naming the missing processes after `timeout_s`).
+        Without sharding it is `optimizer.state_dict()`."""
+        opt = getattr(optimizer, "optimizer", optimizer)
+        strategy = self._grads.strategy
+        if not strategy.sharded_state:
+            return opt.state_dict()
+        return strategy.full_optimizer_state_dict(opt, timeout_s)
+
     def get_state_dict(self, model, unwrap: bool = True):
         return checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap)
 

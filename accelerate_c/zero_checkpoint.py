@@ -33,6 +33,7 @@ from ._C import ShardPlan
 from .checkpoint_layout import suffix
 from .safetensors_io import list_tensors, save_file, torch_dtype_of
 from .shard_plan import plan_spec
+from .strategies.zero import elementwise_state
 from .state_io import CheckpointError, StateFile, read_json, write_json_durable, write_state
 
 PLAN_FILE = "zero_plan.json"
@@ -47,22 +48,7 @@ def shard_stem(i: int, rank: int) -> str:
 def _groups(strategy, book):
     """The shard groups an optimizer steps, in an order every process agrees on: (group, its
     parameters in plan order, the model's ModelShards)."""
-    return [(group, params, shards) for _, group, params, shards in _keyed_groups(strategy, book)]
-
-
-def _keyed_groups(strategy, book):
-    """_groups, each with id() of the model it belongs to first."""
-    wanted = {id(p) for p in book.originals}
-    out = []
-    for key, shards in strategy.models.items():
-        for group, params, _ in shards.gathers:
-            if any(id(p) in wanted for p in params):
-                out.append((key, group, params, shards))
-    return out
-
-
-def _is_run(v, view) -> bool:
-    return torch.is_tensor(v) and v.dim() == 1 and v.numel() == view.numel()
+    return [(group, params, shards) for _, group, params, shards in strategy.optimizer_groups(book)]
 
 
 # ---- save ----------------------------------------------------------------------------------------------
@@ -73,7 +59,7 @@ def plan_doc(acc, strategy) -> dict:
         index = {id(p): k for k, p in enumerate(book.originals)}
         model_index = {id(m): k for k, m in enumerate(acc._models)}
         groups = []
-        for key, group, params, shards in _keyed_groups(strategy, book):
+        for key, group, params, shards in strategy.optimizer_groups(book):
             groups.append({"plan": plan_spec(group.plan), "dtype": str(group.dtype).replace("torch.", ""),
                            "model": model_index.get(key),
                            "params": [index.get(id(p)) for p in params],
@@ -109,7 +95,7 @@ def save_jobs(acc, strategy, tmp: str, rank: int, is_main: bool) -> list:
                 state = torch_opt.state.get(view, {})
                 entry = params_doc.setdefault(str(index[id(p)]), {"keys": [], "other": {}})
                 for k, v in state.items():
-                    if _is_run(v, view):
+                    if elementwise_state(v, view):
                         flat = flats.get(k)
                         if flat is None:
                             flat = flats[k] = torch.zeros(n, dtype=v.dtype, device="cpu")

@@ -1,6 +1,7 @@
 """ZeRO on CPU processes: memory per rank and training-step throughput of accelerate_c's DDP,
 ZeRO-1 and ZeRO-2 beside torch's ZeroRedundancyOptimizer + DDP, on a ~100M-parameter GPT
-(vocabulary 8192, so the embedding is a small part of it), AdamW, fp32, 2 and 4 processes (gloo).
+(vocabulary 8192, so the embedding is a small part of it), AdamW (foreach=False: see adamw()),
+fp32, 2 and 4 processes (gloo).
 
     .venv/bin/python benchmarks/bench_sharding.py                  # 2 and 4 processes (~8 min here)
     .venv/bin/python benchmarks/bench_sharding.py --worlds 2 --repeats 2 --steps 2
@@ -118,8 +119,11 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         torch.manual_seed(SEED)
         return GPT(cfg)
 
+    # foreach=False for every contender: torch's multi-tensor AdamW makes whole-model temporaries
+    # (~4 x the parameters' bytes at once), which on 4 processes of a ~100M model exceed this
+    # machine's 24 GiB (measured: the OOM killer at 6 GB per process)
     def adamw(params):
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=False)
 
     def build(name):
         accelerate_c.state.AcceleratorState._reset_state()  # a fresh Accelerator per contender
@@ -128,7 +132,7 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         if name == "torch_zero":
             ddp = DDP(model, gradient_as_bucket_view=True)
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
-                                          weight_decay=0.01)
+                                          weight_decay=0.01, foreach=False)
             return {"model": ddp, "inner": model, "opt": opt, "backward": lambda loss: loss.backward(), "acc": None}
         kw = {}
         if name != "ddp":

@@ -20,9 +20,11 @@ and any other class is refused at prepare.
 """
 from __future__ import annotations
 
+import datetime
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from .. import collectives
 from ..shard_plan import ShardGroup, ShardLayout
@@ -34,6 +36,11 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
 
 ALIGN_BYTES = 64  # each parameter and chunk starts on a cache line
+
+
+def elementwise_state(v, view) -> bool:
+    """A state value with one entry per element of the run (Adam's moments), not a scalar."""
+    return torch.is_tensor(v) and v.dim() == 1 and v.numel() == view.numel()
 
 
 class Owned(NamedTuple):
@@ -82,11 +89,12 @@ class ModelShards:
 class ShardedOptimizer:
     """The bookkeeping of one optimizer rebuilt over owned runs."""
 
-    __slots__ = ("originals", "views")
+    __slots__ = ("originals", "views", "listed")
 
     def __init__(self):
         self.originals = []  # every model parameter the user's optimizer listed, in order
         self.views = []  # (view, parameter, Owned) for the runs this process owns
+        self.listed = []  # per param group, every parameter it listed at prepare (frozen ones too)
 
 
 class Zero1Strategy(DDPStrategy):
@@ -138,6 +146,7 @@ class Zero1Strategy(DDPStrategy):
         old_state = optimizer.state
         new_state = type(old_state)() if isinstance(old_state, dict) else {}
         for gi, group in enumerate(optimizer.param_groups):
+            book.listed.append(list(group["params"]))
             kept = []
             for p in group["params"]:
                 if not p.requires_grad:
@@ -289,6 +298,82 @@ class Zero1Strategy(DDPStrategy):
                 inflight.append((work, full, members))
             while inflight:
                 finish(inflight.pop(0))
+
+    # ---- the whole optimizer state --------------------------------------------------------
+    def optimizer_groups(self, book):
+        """The shard groups an optimizer steps, in an order every process agrees on: (id of the
+        model, group, its parameters in plan order, the model's ModelShards)."""
+        wanted = {id(p) for p in book.originals}
+        out = []
+        for key, shards in self.models.items():
+            for group, params, _ in shards.gathers:
+                if any(id(p) in wanted for p in params):
+                    out.append((key, group, params, shards))
+        return out
+
+    def full_optimizer_state_dict(self, optimizer, timeout_s: float = 60.0) -> dict:
+        """`optimizer.state_dict()` as the unsharded optimizer would give it (torch's layout:
+        per-parameter state, parameters numbered across param_groups in order), gathered from
+        every process's shard: a collective every process must call. A process that calls it
+        alone gets an error naming the processes that did not, after `timeout_s`, not a hang."""
+        book = self.optimizers.get(id(optimizer))
+        if book is None:
+            return optimizer.state_dict()
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+        except RuntimeError as e:
+            raise RuntimeError(f"full_optimizer_state_dict is a collective: every process must call it; not every "
+                               f"one did within {timeout_s:g} s ({e})") from None
+        by_param = {id(p): (view, o) for view, p, o in book.views}
+        # scalars and the keys each process's runs hold, from every process (small)
+        mine = {}
+        for view, p, o in book.views:
+            st = optimizer.state.get(view, {})
+            mine[id(p)] = ({k for k, v in st.items() if elementwise_state(v, view)},
+                           {k: v for k, v in st.items() if not elementwise_state(v, view)})
+        numbered = [p for ps in book.listed for p in ps]
+        index = {id(p): k for k, p in enumerate(numbered)}
+        local = [(index[pid], sorted(keys), other) for pid, (keys, other) in mine.items()]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, local)
+        keys_of, other_of = {}, {}
+        for rows in everyone:
+            for k, keys, other in rows:
+                keys_of.setdefault(k, set()).update(keys)
+                other_of.setdefault(k, other)
+        state = {}
+        for _, group, params, _ in self.optimizer_groups(book):
+            n = group.plan.shard_numel
+            keys = sorted({kk for p in params if id(p) in index for kk in keys_of.get(index[id(p)], ())})
+            for key in keys:
+                dtype = next(optimizer.state[v][key].dtype for v, p, _ in book.views
+                             if id(p) in {id(q) for q in params} and key in optimizer.state.get(v, {}))
+                flat = torch.zeros(n, dtype=dtype, device=group.device)
+                for p in params:
+                    hit = by_param.get(id(p))
+                    if hit is not None and key in optimizer.state.get(hit[0], {}):
+                        flat[hit[1].local_offset:hit[1].local_offset + hit[1].length].copy_(optimizer.state[hit[0]][key])
+                full = torch.empty(n * self.world, dtype=dtype, device=group.device)
+                collectives.all_gather_into_tensor(full, flat)
+                for j, p in enumerate(params):
+                    k = index.get(id(p))
+                    if k is None or key not in keys_of.get(k, ()):
+                        continue
+                    t = torch.empty(p.numel(), dtype=dtype, device=group.device)
+                    for q in range(self.world):
+                        l_off, p_off, length = group.plan.param_shard(j, q)
+                        if length:
+                            t[p_off:p_off + length].copy_(full[q * n + l_off:q * n + l_off + length])
+                    state.setdefault(k, dict(other_of.get(k, {})))[key] = t.view(p.shape)
+        for k, other in other_of.items():
+            state.setdefault(k, dict(other))
+        groups = []
+        start = 0
+        for pg, listed in zip(optimizer.param_groups, book.listed):
+            groups.append({**{kk: v for kk, v in pg.items() if kk != "params"},
+                           "params": list(range(start, start + len(listed)))})
+            start += len(listed)
+        return {"state": {k: state[k] for k in sorted(state)}, "param_groups": groups}
 
     # ---- what is not built yet under sharding --------------------------------------------
     def start_join(self, model, manager):

@@ -82,7 +82,42 @@ def reference(rank):
             opt.zero_grad()
             trace.append((float(norm), [p.detach().clone() for p in model.parameters()],
                           [g["lr"] for g in opt.param_groups]))
+    REF_STATE.update(opt.state_dict())
     return trace
+
+
+REF_STATE: dict = {}  # the reference optimizer's state_dict() after training
+
+
+def check_full_state(acc, opt):
+    """full_optimizer_state_dict: the unsharded torch optimizer's state_dict(), gathered from
+    every process's shard; a process that calls it alone gets an error, not a hang."""
+    full = acc.full_optimizer_state_dict(opt)
+    assert [g["params"] for g in full["param_groups"]] == [g["params"] for g in REF_STATE["param_groups"]], \
+        (full["param_groups"], REF_STATE["param_groups"])
+    assert sorted(full["state"]) == sorted(REF_STATE["state"]), (sorted(full["state"]), sorted(REF_STATE["state"]))
+    for k, ref in REF_STATE["state"].items():
+        got = full["state"][k]
+        assert sorted(got) == sorted(ref), (k, sorted(got), sorted(ref))
+        for key, v in ref.items():
+            a, b = torch.as_tensor(got[key]).float(), torch.as_tensor(v).float()
+            err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+            assert a.shape == b.shape and err <= 1e-4, f"state {k} {key}: off by {err:.3g}"
+    # and loads into the plain torch optimizer of an unsharded copy (torch checks the groups' sizes)
+    _, plain, _ = build()
+    plain.load_state_dict(full)
+    assert all(torch.equal(plain.state_dict()["state"][k]["exp_avg"], full["state"][k]["exp_avg"])
+               for k in full["state"])
+
+
+def check_alone(acc, opt):
+    if dist.get_rank() == 0:
+        try:
+            acc.full_optimizer_state_dict(opt, timeout_s=2)
+        except RuntimeError as e:
+            assert "every process must call it" in str(e), str(e)
+        else:
+            raise AssertionError("full_optimizer_state_dict on one process alone returned")
 
 
 def subject(rank, world):
@@ -249,10 +284,12 @@ def main():
     sd_elems = sum(v.numel() for s in sd["state"].values() for k, v in s.items() if k == "exp_avg")
     assert 0 < sd_elems < sum(p.numel() for p in model.parameters() if p.requires_grad), sd_elems
     assert [g["weight_decay"] for g in sd["param_groups"]] == [0.1, 0.0]
+    check_full_state(acc, opt)
     check_frozen_in_optimizer(acc, model)
     check_refusals(acc, model)
     check_dummies(rank, world)
     dist.barrier()
+    check_alone(acc, opt)  # last: the process left out never joins that barrier
     if rank == 0:
         print(f"zero{STAGE} OK on {world} processes: max relative error {worst:.2e}, bytes held {held} "
               f"(formula {formula:.0f})")
