@@ -6,9 +6,11 @@ fp32, 2 and 4 processes (gloo).
     .venv/bin/python benchmarks/bench_sharding.py                  # 2 and 4 processes (~8 min here)
     .venv/bin/python benchmarks/bench_sharding.py --worlds 2 --repeats 2 --steps 2
 
-It launches itself once per world size (`accelerate-c launch --num_processes N --cpu`, one OpenMP
-thread per process). Contenders, each built fresh from the same seed, on the same per-rank
-batches (rank r of step k: global batch k * N + r), one at a time (the previous one deleted):
+It launches itself once per world size and contender (`accelerate-c launch --num_processes N
+--cpu`, one OpenMP thread per process): each contender runs in processes of its own, so none
+inherits another's heap (four processes of this model in one heap each ran this 24 GiB machine
+out of memory). Contenders, each built fresh from the same seed for every repeat, on the same
+per-rank batches (rank r of step k: global batch k * N + r):
 
   ddp          accelerate_c's Accelerator(cpu=True): bucketed all-reduce, torch's AdamW
   zero1        Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=1, gradient_clipping=0))
@@ -29,7 +31,7 @@ Per contender and world size:
 The physical limit printed beside: one gloo all-reduce of the gradients' bytes, timed alone (the
 communication a DDP step cannot avoid, at loopback speed on this machine).
 
-Correctness guard (untimed check, the first repeat): after the same steps each contender's
+Correctness guard (the first repeat): after the same steps each contender's
 parameters against ddp's, per tensor ||a - b|| / ||b||, must be <= 1e-4 (AdamW's first steps move
 an element by ~lr whatever its gradient's size, so summation-order noise in a near-zero gradient
 is amplified to lr; a doubled or missing gradient is off by far more). A mismatch is an ERROR.
@@ -44,8 +46,10 @@ import gc
 import os
 import shutil
 import statistics
+import json
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -176,87 +180,101 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
     say(f"bench_sharding on {world} processes: GPT {args.layers} x {args.d_model}, vocab {cfg.vocab_size}, "
         f"{psi / 1e6:.1f}M parameters, {args.seq} tokens per rank and step, AdamW fp32, 1 thread per process")
 
-    # the physical limit: one all-reduce of the gradients' bytes, alone
-    buf = torch.zeros(psi, dtype=torch.float32)
-    times = []
-    for _ in range(3):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(buf)
-        times.append(slowest(time.perf_counter() - t0))
-    allreduce_s = statistics.median(times)
-    del buf
-    gc.collect()
-
-    rates = {n: [] for n in NAMES}
-    mem, ref_params, errors, bad = {}, None, {}, False
-    for r in range(args.repeats):
-        order = NAMES[r % len(NAMES):] + NAMES[:r % len(NAMES)]
-        if r == 0:
-            order = list(NAMES)  # ddp first: the correctness reference
-        for name in order:
-            gc.collect()
-            rss0 = _rss_kb("VmRSS")
-            _reset_peak()
-            c = build(name)
-            for k in range(args.warmup):
-                step(c, *batches[k])
+    name = args.contender
+    result = {"world": world, "psi": psi, "formula": formula}
+    if name == "ddp":  # the physical limit: one all-reduce of the gradients' bytes, alone
+        buf = torch.zeros(psi, dtype=torch.float32)
+        times = []
+        for _ in range(3):
             dist.barrier()
-            gc.disable()
             t0 = time.perf_counter()
-            for k in range(args.warmup, total_steps):
-                step(c, *batches[k])
-            elapsed = slowest(time.perf_counter() - t0)
-            gc.enable()
-            rates[name].append(args.steps / elapsed)
-            if r == 0:
-                held, staging = counted(c)
-                peak = (_rss_kb("VmHWM") - rss0) * 1024
-                mem[name] = (held, staging, peak)
-                final = [p.detach().clone() for p in c["inner"].parameters()]
-                if name == "ddp":
-                    ref_params = final
-                else:
-                    err = max(((a - b).norm() / b.norm().clamp_min(1e-12)).item() for a, b in zip(final, ref_params))
-                    errors[name] = slowest(err)
-                    bad = bad or errors[name] > PARAM_RTOL
-            del c
-            gc.collect()
-
-    med = {n: statistics.median(v) for n, v in rates.items()}
-    rows = []
-    for n in NAMES:
-        held, staging, peak = mem[n]
-        rows.append([n, f"{med[n]:.3f}", f"{held / 2**20:.0f}", f"{formula[n] / 2**20:.0f}",
-                     f"{held / formula[n]:.3f}", f"{staging / 2**20:.0f}", f"{peak / 2**20:.0f}",
-                     "-" if n == "ddp" else f"{errors[n]:.1e}"])
+            dist.all_reduce(buf)
+            times.append(slowest(time.perf_counter() - t0))
+        result["allreduce_s"] = statistics.median(times)
+        del buf
+        gc.collect()
+    rates = []
+    for r in range(args.repeats):
+        gc.collect()
+        rss0 = _rss_kb("VmRSS")
+        _reset_peak()
+        c = build(name)
+        for k in range(args.warmup):
+            step(c, *batches[k])
+        dist.barrier()
+        gc.disable()
+        t0 = time.perf_counter()
+        for k in range(args.warmup, total_steps):
+            step(c, *batches[k])
+        elapsed = slowest(time.perf_counter() - t0)
+        gc.enable()
+        rates.append(args.steps / elapsed)
+        if r == 0:
+            held, staging = counted(c)
+            result["mem"] = (held, staging, (_rss_kb("VmHWM") - rss0) * 1024)
+            final = [p.detach().clone() for p in c["inner"].parameters()]
+            ref_path = os.path.join(args.out, f"ddp_rank{rank}.pt")
+            if name == "ddp":
+                torch.save(final, ref_path)
+            else:
+                ref = torch.load(ref_path)
+                err = max(((a - b).norm() / b.norm().clamp_min(1e-12)).item() for a, b in zip(final, ref))
+                result["error"] = slowest(err)
+                del ref
+        del c
+        gc.collect()
+    result["rates"] = rates
     if rank == 0:
-        print_table(["contender", "steps/s", "counted MiB", "formula MiB", "counted/formula", "staging MiB",
-                     "peak RSS above start MiB", "params vs ddp"], rows)
-        ddp_s = 1 / med["ddp"]
-        print(f"limit: one all-reduce of the {4 * psi / 2**20:.0f} MiB of gradients alone takes {allreduce_s:.2f} s "
-              f"(gloo, loopback) = {allreduce_s / ddp_s:.0%} of a ddp step ({ddp_s:.2f} s)")
-    if bad:
-        say(f"ERROR: a contender's parameters differ from ddp's by more than {PARAM_RTOL} (above): timings not recorded")
-        return 1
-    if rank == 0:
-        limit = f"all-reduce of the gradients {allreduce_s:.2f} s vs ddp step {1 / med['ddp']:.2f} s"
-        for n in ("ddp", "zero1", "zero2"):
-            held = mem[n][0]
-            pad = 4 * 64 * world * 64  # each bucket's padding to N x 16 fp32 elements, a few dozen buckets
-            within = abs(held - formula[n]) <= MEM_TOL * formula[n] + pad
-            _targets.target(BENCH, f"{n} counted bytes vs formula, |1 - ratio| <= 0.05 (N={world})",
-                            1.0 - abs(1.0 - held / formula[n]), 1.0 - MEM_TOL,
-                            note=f"{held} bytes held, formula {formula[n]:.0f}, {'within' if within else 'beyond'} 5% + padding")
-        _targets.target(BENCH, f"zero1 steps/s vs our ddp (N={world})", med["zero1"] / med["ddp"], 0.95, limit=limit)
-        _targets.target(BENCH, f"zero1 steps/s vs torch ZeroRedundancyOptimizer (N={world})",
-                        med["zero1"] / med["torch_zero"], 1.0, limit=limit)
-        _targets.info(BENCH, f"zero2 steps/s vs our ddp (N={world})", med["zero2"] / med["ddp"], limit=limit)
-        _targets.info(BENCH, f"zero2 counted bytes / ddp's (N={world})", mem["zero2"][0] / mem["ddp"][0])
-        for n in NAMES:
-            print(f"{n}: steps/s over the repeats {', '.join(f'{v:.3f}' for v in rates[n])}")
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+            json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
+    return 0
+
+
+def report(out: str) -> int:
+    """The table and the targets of one world size, from the contenders' result files."""
+    res = {}
+    for n in NAMES:
+        path = os.path.join(out, f"{n}.json")
+        if not os.path.isfile(path):
+            print(f"ERROR: {n} left no result (it failed: see above)")
+            return 1
+        with open(path) as f:
+            res[n] = json.load(f)
+    world, psi, formula = res["ddp"]["world"], res["ddp"]["psi"], res["ddp"]["formula"]
+    med = {n: statistics.median(r["rates"]) for n, r in res.items()}
+    rows = []
+    for n in NAMES:
+        held, staging, peak = res[n]["mem"]
+        rows.append([n, f"{med[n]:.3f}", f"{held / 2**20:.0f}", f"{formula[n] / 2**20:.0f}",
+                     f"{held / formula[n]:.3f}", f"{staging / 2**20:.0f}", f"{peak / 2**20:.0f}",
+                     "-" if n == "ddp" else f"{res[n]['error']:.1e}"])
+    print(f"\nbench_sharding, N={world}:")
+    print_table(["contender", "steps/s", "counted MiB", "formula MiB", "counted/formula", "staging MiB",
+                 "peak RSS above start MiB", "params vs ddp"], rows)
+    allreduce_s, ddp_s = res["ddp"]["allreduce_s"], 1 / med["ddp"]
+    print(f"limit: one all-reduce of the {4 * psi / 2**20:.0f} MiB of gradients alone takes {allreduce_s:.2f} s "
+          f"(gloo, loopback) = {allreduce_s / ddp_s:.0%} of a ddp step ({ddp_s:.2f} s)")
+    for n in NAMES:
+        print(f"{n}: steps/s over the repeats {', '.join(f'{v:.3f}' for v in res[n]['rates'])}")
+    bad = [n for n in NAMES if n != "ddp" and res[n]["error"] > PARAM_RTOL]
+    if bad:
+        print(f"ERROR: {', '.join(bad)}: parameters differ from ddp's by more than {PARAM_RTOL}: timings not recorded")
+        return 1
+    limit = f"all-reduce of the gradients {allreduce_s:.2f} s vs ddp step {ddp_s:.2f} s"
+    for n in ("ddp", "zero1", "zero2"):
+        held = res[n]["mem"][0]
+        pad = 4 * 64 * world * 64  # each bucket's padding to N x 16 fp32 elements, a few dozen buckets
+        within = abs(held - formula[n]) <= MEM_TOL * formula[n] + pad
+        _targets.target(BENCH, f"{n} counted bytes vs formula, |1 - ratio| <= 0.05 (N={world})",
+                        1.0 - abs(1.0 - held / formula[n]), 1.0 - MEM_TOL,
+                        note=f"{held} bytes held, formula {formula[n]:.0f}, {'within' if within else 'beyond'} 5% + padding")
+    _targets.target(BENCH, f"zero1 steps/s vs our ddp (N={world})", med["zero1"] / med["ddp"], 0.95, limit=limit)
+    _targets.target(BENCH, f"zero1 steps/s vs torch ZeroRedundancyOptimizer (N={world})",
+                    med["zero1"] / med["torch_zero"], 1.0, limit=limit)
+    _targets.info(BENCH, f"zero2 steps/s vs our ddp (N={world})", med["zero2"] / med["ddp"], limit=limit)
+    _targets.info(BENCH, f"zero2 counted bytes / ddp's (N={world})", res["zero2"]["mem"][0] / res["ddp"]["mem"][0])
     return 0
 
 
@@ -270,6 +288,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=13)
     ap.add_argument("--d-model", type=int, default=768)
     ap.add_argument("--seq", type=int, default=64, help="tokens per rank and step")
+    ap.add_argument("--contender", choices=NAMES, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -277,7 +297,10 @@ def main(argv=None) -> int:
                "--layers", str(args.layers), "--d-model", str(args.d_model), "--seq", str(args.seq)]
     rc = 0
     for w in (int(x) for x in args.worlds.split(",")):
-        rc = max(rc, launch(w, forward))
+        with tempfile.TemporaryDirectory(prefix="bench_sharding_") as out:
+            for name in NAMES:  # each contender in processes of its own: none inherits another's heap
+                rc = max(rc, launch(w, forward + ["--contender", name, "--out", out]))
+            rc = max(rc, report(out))
     return rc
 
 
