@@ -1,6 +1,6 @@
 # make test  — set up .venv (pinned torch, tools), build the package, run the C and Python tests
 # make demo  — set up, then train the small example model (the main job)
-# make bench — set up, run every benchmark (~10 min on 2 cores), then one table of all targets
+# make bench — set up, run every benchmark (~20 min on 2 cores), then one table of all targets
 #              (benchmarks/run_all.py; BENCH_ARGS=--full for each benchmark's own defaults)
 # make soak SECONDS=N — set up, then run the differential harness on new seeds for N seconds
 VENV    ?= .venv

@@ -1,12 +1,12 @@
 """`make bench`: runs every benchmark, one after the other, then prints one table of all their
 targets (benchmarks/summary.py).
 
-    python benchmarks/run_all.py                 # the make-bench settings (~10 min on 2 cores)
+    python benchmarks/run_all.py                 # the make-bench settings (~20 min on 2 cores)
     python benchmarks/run_all.py --full          # each benchmark at its own defaults (~25 min)
     python benchmarks/run_all.py --only bench_step,bench_kernels
     python benchmarks/run_all.py --quick         # each benchmark's smoke test, where it has one
 
-The make-bench settings use fewer repeats than each benchmark's own defaults, to stay near ten
+The make-bench settings use fewer repeats than each benchmark's own defaults, to stay near twenty
 minutes on a 2-core machine: medians of 3 (the step benchmarks) are fine for a regression check,
 while a claim should come from the benchmark run on its own (its docstring says how). Every
 benchmark prints its own tables as it goes and appends its targets to
@@ -37,10 +37,12 @@ MAKE_BENCH = {
     "bench_checkpoint": [],
     "bench_step": ["--repeats", "3", "--steps", "6", "--fp16-repeats", "9"],
     "bench_ddp": ["--repeats", "3", "--steps", "4"],
+    "bench_sharding": ["--repeats", "2", "--steps", "2"],
 }
 QUICK = {"bench_kernels": ["--quick"], "bench_safetensors": ["--repeats", "1", "--mb", "40"],
          "bench_checkpoint": ["--repeats", "1", "--layers", "1", "--width", "512"],
-         "bench_step": ["--quick"], "bench_ddp": ["--quick"]}
+         "bench_step": ["--quick"], "bench_ddp": ["--quick"],
+         "bench_sharding": ["--worlds", "2", "--repeats", "1", "--steps", "1", "--layers", "2", "--d-model", "384"]}
 TIMEOUT_S = 3600  # a benchmark that hangs is stopped, recorded as failed, and the others run
 
 
