@@ -166,6 +166,22 @@ class _ShardFile:
                 done += got
 
 
+def _read_all(fills) -> None:
+    """Every (shard file, tensor name, element offset, destination) read, in order."""
+    for f, name, off, dest in fills:
+        f.read_into(name, off, dest)
+
+
+def _install(torch_opt, new_state: dict, groups_doc: list) -> None:
+    """The loaded state and param_groups settings into `torch_opt` (its parameters' devices)."""
+    state = type(torch_opt.state)() if isinstance(torch_opt.state, dict) else {}
+    for key, st in new_state.items():
+        state[key] = {k: (v.to(key.device) if torch.is_tensor(v) and v.dim() else v) for k, v in st.items()}
+    torch_opt.state = state
+    for pg, saved in zip(torch_opt.param_groups, groups_doc):
+        pg.update(saved)
+
+
 def _check_plan(doc, path, acc, strategy):
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
         raise CheckpointError(f"{path}: not an accelerate_c ZeRO plan")
@@ -273,22 +289,13 @@ def plan_load(acc, strategy, directory: str):
             raise CheckpointError(f"{files[0].path}: {len(groups_doc)} param groups saved, the optimizer has "
                                   f"{len(torch_opt.param_groups)}")
 
-        def read(fills=fills):
-            for f, name, off, dest in fills:
-                f.read_into(name, off, dest)
-
         def apply(torch_opt=torch_opt, new_state=new_state, groups_doc=groups_doc, master_fills=master_fills):
             with torch.no_grad():
                 for shards, group, mflat in master_fills:
                     shards.master(group).copy_(mflat.to(shards.master(group).device))
-            state = type(torch_opt.state)() if isinstance(torch_opt.state, dict) else {}
-            for view, st in new_state.items():
-                state[view] = {k: (v.to(view.device) if torch.is_tensor(v) and v.dim() else v) for k, v in st.items()}
-            torch_opt.state = state
-            for pg, saved in zip(torch_opt.param_groups, groups_doc):
-                pg.update(saved)
+            _install(torch_opt, new_state, groups_doc)
 
-        reads.append(read)
+        reads.append(lambda fills=fills: _read_all(fills))
         applies.append(apply)
     return reads, applies
 
@@ -346,20 +353,8 @@ def plan_load_whole(acc, directory: str):
                 new_state[p] = st
         groups_doc = docs[0]["param_groups"]
 
-        def read(fills=fills):
-            for f, name, off, dest in fills:
-                f.read_into(name, off, dest)
-
-        def apply(torch_opt=torch_opt, new_state=new_state, groups_doc=groups_doc):
-            state = type(torch_opt.state)() if isinstance(torch_opt.state, dict) else {}
-            for p, st in new_state.items():
-                state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() else v) for k, v in st.items()}
-            torch_opt.state = state
-            for pg, saved in zip(torch_opt.param_groups, groups_doc):
-                pg.update(saved)
-
-        reads.append(read)
-        applies.append(apply)
+        reads.append(lambda fills=fills: _read_all(fills))
+        applies.append(lambda o=torch_opt, st=new_state, g=groups_doc: _install(o, st, g))
     return reads, applies
 
 

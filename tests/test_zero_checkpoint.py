@@ -71,25 +71,37 @@ def test_merge_weights_refuses_an_incomplete_checkpoint(tmp_path):
 
 def test_kill_9_of_one_process_mid_save_keeps_the_previous_checkpoint(tmp_path):
     exe = os.path.join(os.path.dirname(sys.executable), "accelerate-c")
+    # the output goes to a file: a pipe nobody reads while waiting would fill and stall the processes
+    log_path = tmp_path / "kill.log"
+    log = open(log_path, "wb")
     proc = subprocess.Popen([exe, "launch", "--num_processes", "2", "--cpu", "--main_process_port", "0", SCRIPT,
-                             "kill", str(tmp_path), "2", "no"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "kill", str(tmp_path), "2", "no"], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     paused = tmp_path / "paused"
     try:
         deadline = time.time() + wait_s(180)
         while not paused.exists() or not paused.read_text():
-            assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
             assert time.time() < deadline, "the second save never paused"
             time.sleep(0.1)
         os.kill(int(paused.read_text()), signal.SIGKILL)  # process 1, after its first file
-        proc.wait(timeout=wait_s(120))
+        try:
+            proc.wait(timeout=wait_s(120))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError("the other process did not end after process 1 was killed:\n"
+                                 + log_path.read_text(errors="replace")[-3000:]) from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode != 0
+    log.close()
+    output = log_path.read_text(errors="replace")
+    assert proc.returncode != 0, output[-3000:]
     entries = sorted(os.listdir(tmp_path))
-    assert "ckpt_b" not in entries, entries  # never published
+    entries = [e for e in entries if e != "kill.log"]
+    assert "ckpt_b" not in entries, (entries, output[-3000:])  # never published
     assert [e for e in entries if e.startswith(".ckpt_b.tmp-")], entries  # the half-written one, left aside
     assert is_complete(str(tmp_path / "ckpt"))
     # the previous checkpoint still loads and resumes, on another number of processes
