@@ -53,6 +53,7 @@ class GradShard:
         self.find_unused = find_unused
         self.model_key = model_key
         self.world = plan.world
+        self.rank = group.rank
         self.dtype, self.device = group.dtype, group.device
         self.is_cuda = torch.device(self.device).type == "cuda"
         if self.dtype not in _KERNEL_DTYPES:
@@ -80,7 +81,7 @@ class GradShard:
             raise RuntimeError(f"internal error: the reducer's buckets {members} are not the shard plan's {self.where}")
         self.staging: dict = {}  # bucket -> its staging buffer while it is being filled or reduced
         self.free: list = []  # staging buffers not in use (kept between backwards)
-        self.works: list = []  # (bucket, work, out, staging) in launch order
+        self.works: list = []  # (bucket, work, staging) in launch order
         self.shard_buf = _C.Buffer(self.shard) if not self.is_cuda else None
         self.stats_device = _stats_device(self.device)
         # the C hook's fast path is for a gradient that already is the parameter's view of a flat
@@ -149,28 +150,28 @@ class GradShard:
 
     def _launch(self, first, last):
         for b in range(first, last):
-            start, chunk, local = self.buckets[b][:3]
+            chunk = self.buckets[b][1]
             staging = self.staging.get(b)
             if chunk == 0 or staging is None:
                 continue  # zero-element parameters only: nothing to reduce
-            # the first sum since a clear lands in the shard itself; later ones are added
-            out = self.shard[local:local + chunk] if self.empty else torch.empty(chunk, dtype=self.dtype,
-                                                                                  device=self.device)
-            try:
-                work = collectives.reduce_scatter_tensor(out, staging, async_op=True)
+            try:  # in place: this rank's chunk of the staging buffer becomes the sum
+                work = collectives.reduce_chunks(staging, self.rank, self.world, async_op=True)
             except RuntimeError as e:
                 raise RuntimeError(self._where(b) + f" could not start: {e}") from e
-            self.works.append((b, work, out, staging))
+            self.works.append((b, work, staging))
 
     def _finish(self, item):
-        b, work, out, staging = item
+        b, work, staging = item
         try:
             work.wait()
         except RuntimeError as e:
             raise RuntimeError(self._where(b) + f" failed or timed out: {e}") from e
-        if not self.empty:
-            local, chunk = self.buckets[b][2], self.buckets[b][1]
-            self.shard[local:local + chunk].add_(out)
+        local, chunk = self.buckets[b][2], self.buckets[b][1]
+        summed = staging[self.rank * chunk:(self.rank + 1) * chunk]
+        if self.empty:  # the first sum since a clear replaces the shard; later ones are added
+            self.shard[local:local + chunk].copy_(summed)
+        else:
+            self.shard[local:local + chunk].add_(summed)
         del self.staging[b]
         self.free.append(staging._base if staging._base is not None else staging)
 

@@ -258,11 +258,13 @@ def test_layout_views_over_mixed_dtypes():
         f32.owned_views(torch.zeros(f32.plan.shard_numel + 1))
 
 
-def test_reduce_scatter_and_all_gather_on_two_gloo_processes():
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_and_all_gather_on_gloo_processes(world):
     """tests/scripts/shard_collectives.py: per dtype group, the bucket-by-bucket reduce-scatter of
     every rank's gradients leaves each rank the mean at param_shard's positions (padding zero),
-    and the bucket-by-bucket all-gather of the stepped shards rebuilds every parameter."""
-    res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
+    and the bucket-by-bucket all-gather of the stepped shards rebuilds every parameter; the
+    chunk collectives (2 processes: all-reduce; 3: one reduce per rank) against torch's."""
+    res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0",
                   os.path.join(SCRIPTS, "shard_collectives.py")], timeout=wait_s(60))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "shard collectives OK on 2 processes" in res.stdout
+    assert f"shard collectives OK on {world} processes" in res.stdout

@@ -23,9 +23,10 @@ def _script_passes(world, script, *args, says):
     assert says in res.stdout
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+# every (kind, stage) on 2 processes; on 4 (15 s a launch: this issue's tests have a time
+# budget) each kind once, each stage once
+@pytest.mark.parametrize("kind,world,stage", [("bf16", 2, 1), ("bf16", 2, 2), ("fp16", 2, 1), ("fp16", 2, 2),
+                                              ("bf16", 4, 2), ("fp16", 4, 1)])
 def test_zero_16bit_is_deepspeeds_policy(kind, world, stage):
     """A 16-bit model with fp32 masters sharded (fp16: DeepSpeed's loss scaler, overflows
     skipped everywhere): against the same policy in torch, one process under autocast, and the

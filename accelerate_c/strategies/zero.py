@@ -11,8 +11,9 @@ hyperparameters and param_groups dicts (a scheduler built before prepare keeps w
 per-parameter state (Adam's moments) exists for the owned part only. Without mixed precision the
 views are the parameters' own memory: the update writes the model directly, no master copy.
 
-After each step the owned runs are all-gathered bucket by bucket (all_gather_into_tensor over a
-bucket's chunks, two buckets in flight), so every process has the whole updated model again.
+After each step the owned runs are all-gathered bucket by bucket (collectives.gather_chunks, in
+place in a bucket-sized buffer, two buckets in flight), so every process has the whole updated
+model again.
 
 Only elementwise optimizers can be sharded this way (an update that mixes elements of a tensor,
 as LBFGS's or a factored one's, would need the whole tensor): they are named in ELEMENTWISE,
@@ -118,7 +119,7 @@ class Zero1Strategy(DDPStrategy):
         self._next_scale = 1.0  # scale_next_step's factor
         self.models: dict = {}  # id(model) -> ModelShards
         self.optimizers: dict = {}  # id(torch optimizer) -> ShardedOptimizer
-        self._staging: dict = {}  # (dtype, device) -> [two (chunk, full) buffer pairs]
+        self._staging: dict = {}  # (dtype, device) -> two buffers of a bucket's full range
 
     # ---- prepare ------------------------------------------------------------------------
     def prepare_model(self, model, manager):
@@ -264,17 +265,15 @@ class Zero1Strategy(DDPStrategy):
                 if any(id(p) in wanted for p in params):
                     self._gather_group(group, params, buckets, shards.masters.get(id(group)))
 
-    def _pair(self, dtype, device, slot, chunk, full):
-        key = (dtype, device)
-        pairs = self._staging.setdefault(key, [None, None])
-        pair = pairs[slot]
-        if pair is None or pair[0].numel() < chunk:
-            pair = pairs[slot] = (torch.zeros(chunk, dtype=dtype, device=device),
-                                  torch.empty(full, dtype=dtype, device=device))
-        return pair[0][:chunk], pair[1][:full]
+    def _full(self, dtype, device, slot, n):
+        """Staging slot `slot` (two, for two buckets in flight) as n elements: a bucket's full range."""
+        pairs = self._staging.setdefault((dtype, device), [None, None])
+        if pairs[slot] is None or pairs[slot].numel() < n:
+            pairs[slot] = torch.empty(n, dtype=dtype, device=device)
+        return pairs[slot][:n]
 
     def _gather_group(self, group, params, buckets, master):
-        world = self.world
+        world, rank = self.world, self.rank
         inflight = []
 
         def finish(item):
@@ -287,14 +286,15 @@ class Zero1Strategy(DDPStrategy):
             for b, (local, chunk, members) in enumerate(buckets):
                 if len(inflight) == 2:
                     finish(inflight.pop(0))
-                inp, full = self._pair(group.dtype, group.device, b % 2, chunk, chunk * world)
+                full = self._full(group.dtype, group.device, b % 2, chunk * world)
+                mine = full[rank * chunk:(rank + 1) * chunk]  # gathered in place: no chunk-sized copy
                 if master is not None:  # one contiguous rounding copy (the padding is zeros)
-                    inp.copy_(master[local:local + chunk])
-                else:
+                    mine.copy_(master[local:local + chunk])
+                else:  # the padding between runs is never copied out: left as it is
                     for i, _, _, (rel, p_off, length) in members:
                         if length:
-                            inp[rel:rel + length].copy_(params[i].view(-1)[p_off:p_off + length])
-                work = collectives.all_gather_into_tensor(full, inp, async_op=True)
+                            mine[rel:rel + length].copy_(params[i].view(-1)[p_off:p_off + length])
+                work = collectives.gather_chunks(full, rank, world, async_op=True)
                 inflight.append((work, full, members))
             while inflight:
                 finish(inflight.pop(0))

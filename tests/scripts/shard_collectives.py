@@ -4,13 +4,15 @@ into the full buffer, reduce-scatters bucket by bucket into its shard, and must 
 every rank's gradients at the positions param_shard names (padding still zero); then it steps
 its owned part of the parameters and all-gathers bucket by bucket, and every rank must hold
 every updated parameter. Expected values are computed locally from every rank's gradients (each
-rank regenerates them from the seeds). Prints "shard collectives OK on N processes"."""
+rank regenerates them from the seeds). Then collectives.gather_chunks / reduce_chunks against
+torch's all-gather / reduce-scatter. Prints "shard collectives OK on N processes"."""
 import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from accelerate_c import collectives
 from accelerate_c.shard_plan import ShardLayout
 
 # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn); older
@@ -31,7 +33,8 @@ params = [torch.randn(s, generator=g).to(dt) for s, dt in zip(shapes, dtypes)]
 
 def grads_of(k):
     gk = torch.Generator().manual_seed(100 + k)
-    return [torch.randn(p.shape, generator=gk).to(p.dtype) for p in params]
+    # small integers: their sum is exact in any order, so the expected mean is bitwise on 3+ ranks too
+    return [torch.randint(-8, 9, p.shape, generator=gk).to(p.dtype) for p in params]
 
 
 grads = [grads_of(k) for k in range(world)]
@@ -79,6 +82,34 @@ for group in layout:
             fails.append(f"rank {rank}: {group.dtype} parameter {j}: all-gathered parameter differs")
     if bool(gathered.isnan().any()):
         fails.append(f"rank {rank}: {group.dtype}: the all-gather left elements unwritten")
+
+# accelerate_c's in-place chunk collectives (gloo: broadcasts and reduces, not gloo's all-gather /
+# reduce-scatter) against torch's own all-gather / reduce-scatter of the same buffers; the values
+# are small integers, so every summation order gives the same bits
+for dtype in (torch.float32, torch.bfloat16):
+    for chunk in (1, 7, 1000, 40_001):
+        for async_op in (False, True):
+            gk = torch.Generator().manual_seed(chunk * 10 + rank)
+            mine = torch.randint(-8, 9, (chunk * world,), generator=gk).to(dtype)
+            want = torch.empty(chunk, dtype=dtype)
+            reduce_scatter(want, mine.clone())
+            got = mine.clone()
+            work = collectives.reduce_chunks(got, rank, world, async_op=async_op)
+            if async_op:
+                work.wait()
+            if not torch.equal(got[rank * chunk:(rank + 1) * chunk], want):
+                fails.append(f"rank {rank}: reduce_chunks {dtype} chunk {chunk} async={async_op} differs from "
+                             "reduce_scatter")
+            full = torch.full((chunk * world,), float("nan"), dtype=dtype)
+            full[rank * chunk:(rank + 1) * chunk] = mine[:chunk]
+            want = torch.empty(chunk * world, dtype=dtype)
+            all_gather(want, mine[:chunk].clone())
+            work = collectives.gather_chunks(full, rank, world, async_op=async_op)
+            if async_op:
+                work.wait()
+            if not torch.equal(full, want):
+                fails.append(f"rank {rank}: gather_chunks {dtype} chunk {chunk} async={async_op} differs from "
+                             "all_gather")
 
 # every rank agrees that every rank passed
 ok = torch.tensor([0 if fails else 1])
