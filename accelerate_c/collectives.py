@@ -16,7 +16,8 @@ dumps here, and each is kept out:
   (~AsyncBarrierWork -> ~AsyncAllgatherWork -> TensorImpl::decref_pyobject -> take_gil): the
   small tensors below stay referenced from a bounded deque that is never freed, so the worker's
   release is a plain count decrement (large ones are the reducer's buckets and wire buffers,
-  which live as long as the model).
+  which live as long as the model, or views of such buffers made for one collective, which are
+  kept too: _keep_views).
 torch's own temporaries (inside all_gather_object, say) are out of reach: state.py gives the
 workers a moment at exit for those.
 """
@@ -57,6 +58,13 @@ _KEEP_MAX_BYTES = 1 << 20
 
 def _keep(tensors):
     _RECENT.extend(t for t in tensors if t.numel() * t.element_size() <= _KEEP_MAX_BYTES)
+
+
+def _keep_views(tensors):
+    """Keeps views of long-lived buffers whatever their size: each is a Python object made for
+    one collective (a chunk of a bucket), which would otherwise die with the work on gloo's
+    thread; holding it costs no memory beyond the buffer's, which outlives it anyway."""
+    _RECENT.extend(tensors)
 
 
 def all_reduce(t, **kwargs):
@@ -135,9 +143,10 @@ def gather_chunks(full, rank: int, world: int, async_op: bool = False):
     chunk = full.numel() // world
     if full.is_cuda:
         return all_gather_into_tensor(full, full[rank * chunk:(rank + 1) * chunk], async_op=async_op)
-    _keep((full,))
+    parts = [full[q * chunk:(q + 1) * chunk] for q in range(world)]
+    _keep_views((full, *parts))
     with _outside_backward_tls():
-        works = [dist.broadcast(full[q * chunk:(q + 1) * chunk], src=q, async_op=async_op) for q in range(world)]
+        works = [dist.broadcast(part, src=q, async_op=async_op) for q, part in enumerate(parts)]
     return Works(works) if async_op else None
 
 
@@ -147,9 +156,12 @@ def reduce_chunks(full, rank: int, world: int, async_op: bool = False):
     chunk = full.numel() // world
     if full.is_cuda:
         return reduce_scatter_tensor(full[rank * chunk:(rank + 1) * chunk], full, async_op=async_op)
-    _keep((full,))
-    with _outside_backward_tls():
-        if world == 2:  # gloo's all-reduce beats two reduces on two processes (above)
+    if world == 2:  # gloo's all-reduce beats two reduces on two processes (above)
+        _keep_views((full,))
+        with _outside_backward_tls():
             return dist.all_reduce(full, async_op=async_op)
-        works = [dist.reduce(full[q * chunk:(q + 1) * chunk], dst=q, async_op=async_op) for q in range(world)]
+    parts = [full[q * chunk:(q + 1) * chunk] for q in range(world)]
+    _keep_views((full, *parts))
+    with _outside_backward_tls():
+        works = [dist.reduce(part, dst=q, async_op=async_op) for q, part in enumerate(parts)]
     return Works(works) if async_op else None

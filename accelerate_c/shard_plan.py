@@ -68,26 +68,6 @@ class ShardGroup:
         parameter's flattened elements, length; 0 when it owns none)."""
         return [self.plan.param_shard(i, self.rank) for i in range(self.plan.nparams)]
 
-    def bucket_members(self) -> list:
-        """Per bucket that has elements: (its chunk's offset in the shard, the chunk's length, and
-        per member parameter (its index, its offset in the bucket's full range, its numel, its
-        owned run as (offset in the chunk, offset in the parameter, length))). What an all-gather
-        of the updated shard into the parameters, bucket by bucket, reads from the plan, once."""
-        order = self.plan.order
-        runs = self.runs()
-        out = []
-        for start, chunk, local, first, count in self.plan.buckets():
-            if chunk == 0:
-                continue
-            members = []
-            for k in range(first, first + count):
-                i = order[k]
-                _, off, n = self.plan.param(i)
-                l_off, p_off, length = runs[i]
-                members.append((i, off - start, n, (l_off - local, p_off, length)))
-            out.append((local, chunk, members))
-        return out
-
     def owned_views(self, shard: torch.Tensor) -> list[Optional[OwnedPart]]:
         """Per parameter, its owned part as a view of `shard` (this rank's shard, or any 1-D tensor
         of the same length: fp32 master weights, optimizer state); None where the rank owns none."""

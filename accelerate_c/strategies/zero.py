@@ -11,9 +11,10 @@ hyperparameters and param_groups dicts (a scheduler built before prepare keeps w
 per-parameter state (Adam's moments) exists for the owned part only. Without mixed precision the
 views are the parameters' own memory: the update writes the model directly, no master copy.
 
-After each step the owned runs are all-gathered bucket by bucket (collectives.gather_chunks, in
-place in a bucket-sized buffer, two buckets in flight), so every process has the whole updated
-model again.
+The trainable parameters are views of one flat buffer per shard group in the plan's layout
+(ModelShards), so after each step the owned runs are all-gathered bucket by bucket in place
+(collectives.gather_chunks, two buckets in flight) and every process has the whole updated model
+again.
 
 Only elementwise optimizers can be sharded this way (an update that mixes elements of a tensor,
 as LBFGS's or a factored one's, would need the whole tensor): they are named in ELEMENTWISE,
@@ -56,8 +57,14 @@ class Owned(NamedTuple):
 class ModelShards:
     """The shard layout of one prepared model (shard_plan.ShardLayout: one plan per dtype and
     device of its trainable parameters), each parameter's owned run, what each step's all-gather
-    reads (per group: its parameters and ShardGroup.bucket_members()), and the fp32 masters
-    (one flat fp32 shard per 16-bit group, made when an optimizer first needs them)."""
+    reads (per group: its parameters and its flat buffer), and the fp32 masters
+    (one flat fp32 shard per 16-bit group, made when an optimizer first needs them).
+
+    The trainable parameters become views of one flat buffer per group in the plan's full layout
+    (`flats`; DeepSpeed's stage 1 and 2 flatten them the same way): bucket b's range of it is
+    `world` equal chunks, of which this process's is its owned runs, so the all-gather after the
+    step lands in place (no staging buffer, no copies out). The Parameter objects stay the same;
+    their storage moves (a reference to a parameter's old `.data` taken before prepare goes stale)."""
 
     def __init__(self, model, world: int, rank: int, caps):
         first_cap, cap = caps
@@ -68,14 +75,22 @@ class ModelShards:
                 trainable.append(p)
         layout = ShardLayout.from_params(trainable, world, rank, first_cap_bytes=first_cap, cap_bytes=cap,
                                          align_bytes=ALIGN_BYTES)
-        self.gathers = []  # per group: (group, its parameters in plan order, bucket_members())
+        self.gathers = []  # per group: (group, its parameters in plan order, its flat buffer)
         self.owned: dict = {}  # id(param) -> Owned
         self.masters: dict = {}  # id(group) -> its fp32 master shard
+        self.views: dict = {}  # id(group) -> the parameters' views of its flat buffer
         for group in layout:
             params = [trainable[j] for j in group.indices]
+            flat = torch.zeros(group.plan.total, dtype=group.dtype, device=group.device)
+            views = group.param_views(flat)
+            with torch.no_grad():
+                for p, v in zip(params, views):
+                    v.copy_(p.detach())
+                    p.data = v
+            self.views[id(group)] = views
             for p, run in zip(params, group.runs()):
                 self.owned[id(p)] = Owned(group, *run)
-            self.gathers.append((group, params, group.bucket_members()))
+            self.gathers.append((group, params, flat))
 
     def master(self, group) -> torch.Tensor:
         """The group's fp32 master shard, loaded from the parameters' owned runs when first made."""
@@ -119,7 +134,6 @@ class Zero1Strategy(DDPStrategy):
         self._next_scale = 1.0  # scale_next_step's factor
         self.models: dict = {}  # id(model) -> ModelShards
         self.optimizers: dict = {}  # id(torch optimizer) -> ShardedOptimizer
-        self._staging: dict = {}  # (dtype, device) -> two buffers of a bucket's full range
 
     # ---- prepare ------------------------------------------------------------------------
     def prepare_model(self, model, manager):
@@ -253,51 +267,41 @@ class Zero1Strategy(DDPStrategy):
                 p.grad.zero_()
 
     def _gather_updated(self, book):
-        """Every process gets every updated run: per shard group of the models this optimizer
-        updates, bucket by bucket, this process's chunk (its master shard's chunk rounded to 16
-        bits, or its owned runs copied out of the parameters) all-gathered into the bucket's full
-        layout and copied out into the parameters (two buckets in flight)."""
+        """Every process gets every updated run: each shard group of the models this optimizer
+        updates is all-gathered in place (_gather_group)."""
         # decided from the optimizer's full parameter list, the same on every process (what
         # this process owns is not: it may own nothing of a group)
         wanted = {id(p) for p in book.originals}
         for shards in self.models.values():
-            for group, params, buckets in shards.gathers:
+            for group, params, flat in shards.gathers:
                 if any(id(p) in wanted for p in params):
-                    self._gather_group(group, params, buckets, shards.masters.get(id(group)))
+                    self._gather_group(group, params, flat, shards.views[id(group)], shards.masters.get(id(group)))
 
-    def _full(self, dtype, device, slot, n):
-        """Staging slot `slot` (two, for two buckets in flight) as n elements: a bucket's full range."""
-        pairs = self._staging.setdefault((dtype, device), [None, None])
-        if pairs[slot] is None or pairs[slot].numel() < n:
-            pairs[slot] = torch.empty(n, dtype=dtype, device=device)
-        return pairs[slot][:n]
-
-    def _gather_group(self, group, params, buckets, master):
+    def _gather_group(self, group, params, flat, views, master):
+        """Bucket by bucket, this process's chunk of the group's flat buffer (its master shard's
+        chunk rounded to 16 bits, or already the updated parameters' owned runs) all-gathered in
+        place (two buckets in flight)."""
         world, rank = self.world, self.rank
+        for p, v in zip(params, views):
+            # a parameter whose storage was replaced after prepare (model.to(), p.data = ...) would
+            # silently stop receiving the updates
+            if p.data_ptr() != v.data_ptr() or p.dtype != v.dtype:
+                raise RuntimeError(f"ZeRO stage {self.stage}: parameter {self.manager.name_of(p)} no longer views the "
+                                   "flat buffer prepare() laid it in (its storage was replaced: model.to(), .data = "
+                                   "..., load_state_dict(assign=True)); do that before prepare()")
         inflight = []
-
-        def finish(item):
-            work, full, members = item
-            work.wait()
-            for i, off, n, _ in members:
-                params[i].view(-1).copy_(full[off:off + n])
-
         with torch.no_grad():
-            for b, (local, chunk, members) in enumerate(buckets):
+            for start, chunk, local, _, _ in group.plan.buckets():
+                if chunk == 0:
+                    continue
                 if len(inflight) == 2:
-                    finish(inflight.pop(0))
-                full = self._full(group.dtype, group.device, b % 2, chunk * world)
-                mine = full[rank * chunk:(rank + 1) * chunk]  # gathered in place: no chunk-sized copy
+                    inflight.pop(0).wait()
+                full = flat[start:start + chunk * world]
                 if master is not None:  # one contiguous rounding copy (the padding is zeros)
-                    mine.copy_(master[local:local + chunk])
-                else:  # the padding between runs is never copied out: left as it is
-                    for i, _, _, (rel, p_off, length) in members:
-                        if length:
-                            mine[rel:rel + length].copy_(params[i].view(-1)[p_off:p_off + length])
-                work = collectives.gather_chunks(full, rank, world, async_op=True)
-                inflight.append((work, full, members))
+                    full[rank * chunk:(rank + 1) * chunk].copy_(master[local:local + chunk])
+                inflight.append(collectives.gather_chunks(full, rank, world, async_op=True))
             while inflight:
-                finish(inflight.pop(0))
+                inflight.pop(0).wait()
 
     # ---- the whole optimizer state --------------------------------------------------------
     def optimizer_groups(self, book):

@@ -10,7 +10,8 @@ each against plain torch DDP run in the same process (launched by tests/test_zer
   model) zeroed, training going on: the same as skipping that batch (stage 2 once kept partial
   sums; DDP and stage 1 once re-reduced at the next step);
 - reentrant activation checkpointing whose first gradient lands inside a segment (stage 2 once
-  ended the backward at the segment's end).
+  ended the backward at the segment's end);
+- a parameter whose storage is replaced after prepare: refused by name at the step.
 """
 from __future__ import annotations
 
@@ -173,12 +174,30 @@ def reentrant_first_gradient_in_a_segment(rank):
     close(list(m.parameters()), list(ref.parameters()), "reentrant checkpointing")
 
 
+def replaced_storage_is_refused(rank):
+    """The parameters live in one flat buffer per shard group after prepare (as DeepSpeed lays
+    them); one whose storage is replaced later would silently stop receiving updates: refused."""
+    acc = make_acc()
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m, opt = acc.prepare(m, opt)
+    m.weight.data = m.weight.data.clone()
+    acc.backward(m(x_of(rank)).sum())
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert "weight no longer views the flat buffer" in str(e), e
+    else:
+        raise AssertionError("a parameter whose storage was replaced after prepare was not refused")
+
+
 def main():
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
     for check in (free_memory_then_prepare_again, model_zero_grad_discards, failed_backward_is_forgotten,
-                  reentrant_first_gradient_in_a_segment):
+                  reentrant_first_gradient_in_a_segment, replaced_storage_is_refused):
         check(rank)
     dist.barrier()
     if rank == 0:
