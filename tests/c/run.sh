@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds and runs the C unit tests of the core (CPU-only build: CUDA entry points come from
-# cuda_stub.c) under AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer.
+# cuda_stub.c) under AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer, and the
+# concurrent parts' tests (TSAN_TESTS below) under ThreadSanitizer as well.
 #
 #   bash tests/c/run.sh            # from the repository root (or anywhere: it cds there)
 #   CC=clang bash tests/c/run.sh   # another compiler
@@ -35,7 +36,7 @@ TESTS=(test_error test_pool
        test_bucket test_shard test_ds_scaler
        test_safetensors_header test_safetensors_roundtrip test_safetensors_publish
        test_safetensors_direct test_safetensors_gpu
-       test_comm)
+       test_comm test_comm_shm)
 
 # LeakSanitizer is part of ASan on x86-64 Linux (gcc and clang); detect_leaks=1 makes it
 # explicit. Caller-supplied options are kept (ours come first, theirs win).
@@ -147,6 +148,27 @@ for t in "${selected[@]}"; do
     echo "== AC_KERNELS_ISA=scalar $BIN/$t"
     run_one "$t with AC_KERNELS_ISA=scalar" env AC_KERNELS_ISA=scalar "$BIN/$t"
     echo
+  fi
+done
+
+# ThreadSanitizer for the concurrent code (it cannot be combined with ASan): the shared-memory
+# collectives, whose tests run ranks as threads. Only what the program needs is compiled again,
+# with -fsanitize=thread. (test_pool is not here: most of its cases fork a threaded process,
+# which ThreadSanitizer does not support.)
+TSAN_TESTS=(test_comm_shm)
+for t in "${selected[@]}"; do
+  case " ${TSAN_TESTS[*]} " in *" $t "*) ;; *) continue ;; esac
+  rm -f "$BIN/${t}_tsan"
+  srcs=(csrc/core/error.c)
+  case "$t" in test_comm_shm) srcs+=(csrc/core/comm_shm.c) ;; esac
+  if "${CCV[@]}" -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=thread -fno-omit-frame-pointer -pthread \
+      -Icsrc/include -Icsrc/core "tests/c/$t.c" "${srcs[@]}" -lm -ldl -o "$BIN/${t}_tsan"; then
+    echo "== ThreadSanitizer $BIN/${t}_tsan"
+    run_one "$t under ThreadSanitizer" env TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1" "$BIN/${t}_tsan"
+    echo
+  else
+    results+=("FAIL  ${t}_tsan (did not build)")
+    status=1
   fi
 done
 

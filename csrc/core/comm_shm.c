@@ -1,0 +1,602 @@
+/* comm_shm.c — collectives through one POSIX shared-memory segment per group (ac/comm_shm.h).
+ *
+ * Segment: a header (magic, sizes, the futex word, one cache line per rank: its arrival count,
+ * the collective it is in, its pid), then one slot per rank. A slot is two halves; consecutive
+ * pieces of a collective alternate between them. A rank writes a half again only two pieces
+ * later, after the first barrier of the piece in between, which no rank reaches before it has
+ * finished reading the half: so a piece of a broadcast, all-gather or reduce-scatter needs one
+ * barrier (the data is in the slots), and a piece of an all-reduce two (the data is in the
+ * slots; each rank's reduced slice is in place). Every collective ends with one more barrier,
+ * after which no rank reads a slot, so the next collective starts from a quiet segment.
+ *
+ * Barrier: a rank raises its own arrival count (seq_cst), bumps the futex word and wakes sleepers
+ * if any are registered; it then waits for every other rank's count to reach the same value:
+ * a short spin, a few sched_yield()s (ranks often outnumber cores), then futex sleeps of at most
+ * 10 ms, each followed by the deadline and dead-peer checks. The sleeper registers itself before
+ * it reads the futex word and re-checks the count after, and the waker bumps the word before it
+ * reads the sleeper count (all seq_cst), so a wake-up is never lost; the 10 ms cap is a second
+ * guard, not the mechanism. */
+#define _GNU_SOURCE
+#include "ac/comm_shm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "half.h"
+
+#define SHM_MAGIC 0x3176636d68735f61ULL /* "a_shmcv1" */
+#define SHM_VERSION 1u
+#define SPINS 256
+#define YIELDS 16
+#define SLEEP_NS 10000000L
+#define SMALL_BYTES 32768 /* at most this: every rank reduces the whole message itself */
+#define BLOCK 1024        /* elements accumulated at a time (on the stack) */
+#define ALIGN_ELEMS 16
+
+typedef struct {
+  _Atomic uint64_t arrive; /* barriers this rank has arrived at */
+  _Atomic uint64_t tag;    /* (collective number << 24) | a hash of its kind and arguments */
+  _Atomic int32_t pid;
+  char pad[64 - 2 * sizeof(uint64_t) - sizeof(int32_t)];
+} rank_line_t;
+
+typedef struct {
+  _Atomic uint64_t magic; /* written last by the creator (release) */
+  uint32_t version, nranks;
+  uint64_t slot_bytes, data_offset, total_bytes;
+  _Atomic uint32_t attached;
+  _Atomic uint32_t wake; /* the futex word */
+  _Atomic uint32_t sleepers;
+  char pad[64 - 8 - 8 - 24 - 12];
+  rank_line_t ranks[];
+} shm_header_t;
+
+struct ac_shm {
+  shm_header_t *h;
+  size_t map_bytes;
+  int nranks, rank;
+  size_t half_bytes;
+  uint64_t seq;   /* barriers passed */
+  uint64_t ncoll; /* collectives started */
+  int half;       /* the slot half the next piece uses */
+  int timeout_ms;
+  int broken;
+  const char *what; /* the collective now running, for messages */
+  char name[AC_SHM_NAME_MAX];
+};
+
+_Static_assert(sizeof(rank_line_t) == 64, "one cache line per rank");
+_Static_assert(sizeof(shm_header_t) == 64, "the header's fixed part is one cache line");
+
+size_t ac_shm_dtype_size(ac_shm_dtype_t dt) {
+  switch (dt) {
+    case AC_SHM_F32:
+    case AC_SHM_I32: return 4;
+    case AC_SHM_F64:
+    case AC_SHM_I64: return 8;
+    case AC_SHM_F16:
+    case AC_SHM_BF16: return 2;
+  }
+  return 0;
+}
+
+static const char *dtype_name(ac_shm_dtype_t dt) {
+  static const char *names[] = {"float32", "float64", "float16", "bfloat16", "int32", "int64"};
+  return (unsigned)dt < 6 ? names[dt] : "invalid";
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+static unsigned char *slot(const ac_shm_t *c, int q, int half) {
+  return (unsigned char *)c->h + c->h->data_offset + (size_t)q * 2 * c->half_bytes + (size_t)half * c->half_bytes;
+}
+
+/* ---- creation ---------------------------------------------------------------------------- */
+static ac_result_t check_name(const char *name) {
+  if (!name || name[0] != '/')
+    return AC_FAIL(AC_ERR_INVALID_ARG, "shm name must start with '/', got '%s'", name ? name : "(null)");
+  size_t n = strlen(name);
+  if (n < 2 || n >= AC_SHM_NAME_MAX)
+    return AC_FAIL(AC_ERR_INVALID_ARG, "shm name '%s' must have 1 to %d characters after '/'", name,
+                   AC_SHM_NAME_MAX - 2);
+  for (size_t i = 1; i < n; i++) {
+    char ch = name[i];
+    int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '.' ||
+             ch == '_' || ch == '-';
+    if (!ok) return AC_FAIL(AC_ERR_INVALID_ARG, "shm name '%s': character %zu ('%c') is not [A-Za-z0-9._-]", name, i, ch);
+  }
+  return AC_OK;
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Opens (rank 0: creates and sizes) the segment file; *fd on success. */
+static ac_result_t open_segment(const char *name, int rank, size_t total, double deadline, int *fd) {
+  if (rank == 0) {
+    int f = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (f < 0)
+      return AC_FAIL(errno == EEXIST ? AC_ERR_STATE : AC_ERR_IO, "shm_open('%s', create): %s%s", name, strerror(errno),
+                     errno == EEXIST ? " (another group uses this name)" : "");
+    /* posix_fallocate reserves the pages now: a full /dev/shm is an error here, not a SIGBUS
+     * at the first touch of a page in the middle of a collective */
+    int e = ftruncate(f, (off_t)total) < 0 ? errno : posix_fallocate(f, 0, (off_t)total);
+    if (e) {
+      close(f);
+      shm_unlink(name);
+      return AC_FAIL_HINT(e == ENOSPC || e == EFBIG ? AC_ERR_NOMEM : AC_ERR_IO,
+                          "enlarge /dev/shm (docker: --shm-size) or use a smaller slot",
+                          "shm segment '%s' of %zu bytes: %s", name, total, strerror(e));
+    }
+    *fd = f;
+    return AC_OK;
+  }
+  for (;;) {
+    int f = shm_open(name, O_RDWR, 0600);
+    if (f >= 0) {
+      struct stat st;
+      if (fstat(f, &st) == 0 && (size_t)st.st_size >= total) {
+        *fd = f;
+        return AC_OK;
+      }
+      close(f);
+    } else if (errno != ENOENT) {
+      return AC_FAIL(AC_ERR_IO, "shm_open('%s'): %s", name, strerror(errno));
+    }
+    if (now_s() > deadline)
+      return AC_FAIL(AC_ERR_TIMEOUT, "rank %d: shm segment '%s' was not created by rank 0 in time", rank, name);
+    sleep_ms(1);
+  }
+}
+
+ac_result_t ac_shm_create(ac_shm_t **out, const char *name, int nranks, int rank, size_t slot_bytes,
+                          int timeout_ms) {
+  if (!out) return AC_FAIL(AC_ERR_INVALID_ARG, "out is NULL");
+  *out = NULL;
+  AC_CHECK(check_name(name));
+  if (nranks < 1 || nranks > AC_SHM_MAX_RANKS)
+    return AC_FAIL(AC_ERR_INVALID_ARG, "nranks %d is not in 1..%d", nranks, AC_SHM_MAX_RANKS);
+  if (rank < 0 || rank >= nranks) return AC_FAIL(AC_ERR_INVALID_ARG, "rank %d is not in 0..%d", rank, nranks - 1);
+  if (slot_bytes < 4096 || slot_bytes % 128 != 0 || slot_bytes > ((size_t)1 << 34))
+    return AC_FAIL(AC_ERR_INVALID_ARG, "slot_bytes %zu must be a multiple of 128 in [4096, 2^34]", slot_bytes);
+  if (timeout_ms <= 0) return AC_FAIL(AC_ERR_INVALID_ARG, "timeout_ms %d must be positive", timeout_ms);
+  size_t header = sizeof(shm_header_t) + (size_t)nranks * sizeof(rank_line_t);
+  size_t data_offset = (header + 4095) & ~(size_t)4095;
+  size_t total = data_offset + (size_t)nranks * slot_bytes;
+  double deadline = now_s() + timeout_ms * 1e-3;
+
+  ac_shm_t *c = calloc(1, sizeof *c);
+  if (!c) return AC_FAIL(AC_ERR_NOMEM, "ac_shm_t");
+  snprintf(c->name, sizeof c->name, "%s", name);
+  c->nranks = nranks;
+  c->rank = rank;
+  c->half_bytes = slot_bytes / 2;
+  c->timeout_ms = timeout_ms;
+  int fd = -1;
+  ac_result_t r = open_segment(name, rank, total, deadline, &fd);
+  if (r != AC_OK) {
+    free(c);
+    return r;
+  }
+  void *map = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int map_errno = errno;
+  close(fd);
+  if (map == MAP_FAILED) {
+    if (rank == 0) shm_unlink(name);
+    free(c);
+    return AC_FAIL(AC_ERR_IO, "mmap of shm segment '%s' (%zu bytes): %s", name, total, strerror(map_errno));
+  }
+  c->h = map;
+  c->map_bytes = total;
+  shm_header_t *h = c->h;
+  if (rank == 0) {
+    h->version = SHM_VERSION;
+    h->nranks = (uint32_t)nranks;
+    h->slot_bytes = slot_bytes;
+    h->data_offset = data_offset;
+    h->total_bytes = total;
+    atomic_store_explicit(&h->magic, SHM_MAGIC, memory_order_release);
+  } else {
+    while (atomic_load_explicit(&h->magic, memory_order_acquire) != SHM_MAGIC) {
+      if (now_s() > deadline) {
+        r = AC_FAIL(AC_ERR_TIMEOUT, "rank %d: shm segment '%s' has no valid header", rank, name);
+        goto fail;
+      }
+      sleep_ms(1);
+    }
+    if (h->version != SHM_VERSION || h->nranks != (uint32_t)nranks || h->slot_bytes != slot_bytes ||
+        h->data_offset != data_offset || h->total_bytes != total) {
+      r = AC_FAIL(AC_ERR_INVALID_ARG,
+                  "rank %d: shm segment '%s' was made for %u ranks with %llu-byte slots (version %u); this rank "
+                  "asked for %d ranks with %zu-byte slots",
+                  rank, name, h->nranks, (unsigned long long)h->slot_bytes, h->version, nranks, slot_bytes);
+      goto fail;
+    }
+  }
+  atomic_store(&h->ranks[rank].pid, (int32_t)getpid());
+  if (atomic_fetch_add(&h->attached, 1) + 1 == (uint32_t)nranks) shm_unlink(name); /* every rank has it mapped */
+  while (atomic_load(&h->attached) < (uint32_t)nranks) {
+    if (now_s() > deadline) {
+      char who[256] = "";
+      size_t used = 0;
+      for (int q = 0; q < nranks && used < sizeof who - 12; q++)
+        if (atomic_load(&h->ranks[q].pid) == 0) used += (size_t)snprintf(who + used, sizeof who - used, " %d", q);
+      if (rank == 0) shm_unlink(name); /* the job is failing: leave nothing behind */
+      r = AC_FAIL(AC_ERR_TIMEOUT, "rank %d: shm group '%s': rank(s)%s did not join within %.1f s", rank, name, who,
+                  timeout_ms * 1e-3);
+      goto fail;
+    }
+    sleep_ms(1);
+  }
+  *out = c;
+  return AC_OK;
+fail:
+  munmap(c->h, c->map_bytes);
+  free(c);
+  return r;
+}
+
+void ac_shm_destroy(ac_shm_t *c) {
+  if (!c) return;
+  if (c->h) munmap(c->h, c->map_bytes);
+  free(c);
+}
+
+int ac_shm_size(const ac_shm_t *c) { return c ? c->nranks : 0; }
+int ac_shm_rank(const ac_shm_t *c) { return c ? c->rank : -1; }
+
+ac_result_t ac_shm_set_timeout(ac_shm_t *c, int timeout_ms) {
+  if (!c) return AC_FAIL(AC_ERR_INVALID_ARG, "communicator is NULL");
+  if (timeout_ms <= 0) return AC_FAIL(AC_ERR_INVALID_ARG, "timeout_ms %d must be positive", timeout_ms);
+  c->timeout_ms = timeout_ms;
+  return AC_OK;
+}
+
+/* ---- synchronisation ---------------------------------------------------------------------- */
+static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
+  return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
+}
+
+static int pid_dead(int32_t pid) { return pid > 0 && kill(pid, 0) < 0 && errno == ESRCH; }
+
+/* Fails the running collective: the ranks whose arrival count is below `target` are named. */
+static ac_result_t fail_wait(ac_shm_t *c, uint64_t target, int dead) {
+  char who[512] = "";
+  size_t used = 0;
+  for (int q = 0; q < c->nranks && used < sizeof who - 24; q++) {
+    if (atomic_load(&c->h->ranks[q].arrive) >= target) continue;
+    int32_t pid = atomic_load(&c->h->ranks[q].pid);
+    used += (size_t)snprintf(who + used, sizeof who - used, "%s%d%s", used ? ", " : "", q,
+                             pid_dead(pid) ? " (its process is gone)" : "");
+  }
+  c->broken = 1;
+  if (dead)
+    return AC_FAIL(AC_ERR_COMM, "shm %s (collective #%llu on rank %d of %d, group '%s'): peer rank %s died", c->what,
+                   (unsigned long long)c->ncoll, c->rank, c->nranks, c->name, who);
+  return AC_FAIL(AC_ERR_TIMEOUT, "shm %s (collective #%llu on rank %d of %d, group '%s'): rank %s did not arrive "
+                 "within %.1f s", c->what, (unsigned long long)c->ncoll, c->rank, c->nranks, c->name, who,
+                 c->timeout_ms * 1e-3);
+}
+
+static ac_result_t barrier(ac_shm_t *c) {
+  shm_header_t *h = c->h;
+  uint64_t target = ++c->seq;
+  atomic_store(&h->ranks[c->rank].arrive, target);
+  atomic_fetch_add(&h->wake, 1);
+  if (atomic_load(&h->sleepers)) futex(&h->wake, FUTEX_WAKE, INT_MAX, NULL);
+  double deadline = -1.0;
+  for (int q = 0; q < c->nranks; q++) {
+    if (q == c->rank) continue;
+    int spins = 0;
+    while (atomic_load_explicit(&h->ranks[q].arrive, memory_order_acquire) < target) {
+      if (spins < SPINS) {
+        spins++;
+        cpu_relax();
+        continue;
+      }
+      if (spins < SPINS + YIELDS) {
+        spins++;
+        sched_yield();
+        continue;
+      }
+      atomic_fetch_add(&h->sleepers, 1);
+      uint32_t w = atomic_load(&h->wake);
+      if (atomic_load(&h->ranks[q].arrive) < target) {
+        struct timespec ts = {0, SLEEP_NS};
+        futex(&h->wake, FUTEX_WAIT, w, &ts);
+      }
+      atomic_fetch_sub(&h->sleepers, 1);
+      double t = now_s();
+      if (deadline < 0) deadline = t + c->timeout_ms * 1e-3;
+      if (pid_dead(atomic_load(&h->ranks[q].pid))) return fail_wait(c, target, 1);
+      if (t > deadline) return fail_wait(c, target, 0);
+    }
+  }
+  return AC_OK;
+}
+
+enum { K_ALL_REDUCE = 1, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_BARRIER };
+
+/* Starts a collective: publishes what this rank is calling, so that the first barrier can check
+ * that every rank calls the same thing. */
+static ac_result_t begin(ac_shm_t *c, const char *what, uint64_t kind, uint64_t a, uint64_t b, uint64_t d) {
+  if (!c) return AC_FAIL(AC_ERR_INVALID_ARG, "communicator is NULL");
+  if (c->broken)
+    return AC_FAIL(AC_ERR_STATE, "shm group '%s': an earlier collective failed on rank %d; the group cannot be used "
+                   "any more", c->name, c->rank);
+  c->what = what;
+  c->ncoll++;
+  c->half = 0;
+  uint64_t x = kind * 0x9E3779B97F4A7C15ULL;
+  x = (x ^ a) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ b) * 0x94D049BB133111EBULL;
+  x = (x ^ d) * 0x9E3779B97F4A7C15ULL;
+  atomic_store(&c->h->ranks[c->rank].tag, (c->ncoll << 24) | ((x >> 40) & 0xffffffu));
+  return AC_OK;
+}
+
+/* After the first barrier of a collective: every rank that is still in it called the same. A rank
+ * already in a later one agreed (it made the same comparison against this rank's tag). */
+static ac_result_t check_tags(ac_shm_t *c) {
+  uint64_t mine = atomic_load(&c->h->ranks[c->rank].tag);
+  for (int q = 0; q < c->nranks; q++) {
+    uint64_t t = atomic_load(&c->h->ranks[q].tag);
+    if ((t >> 24) == (mine >> 24) && t != mine) {
+      c->broken = 1;
+      return AC_FAIL(AC_ERR_COMM, "shm %s (collective #%llu, group '%s'): rank %d called a different collective or "
+                     "passed different counts, dtype, op or root than rank %d", c->what,
+                     (unsigned long long)c->ncoll, c->name, q, c->rank);
+    }
+  }
+  return AC_OK;
+}
+
+/* The first barrier of a collective also checks the tags. */
+static ac_result_t first_barrier(ac_shm_t *c) {
+  AC_CHECK(barrier(c));
+  return check_tags(c);
+}
+
+/* ---- reductions ----------------------------------------------------------------------------- */
+#define MAXF(a, b) (((a) > (b) || (a) != (a)) ? (a) : (b))
+#define MINF(a, b) (((a) < (b) || (a) != (a)) ? (a) : (b))
+#define MAXI(a, b) ((a) > (b) ? (a) : (b))
+#define MINI(a, b) ((a) < (b) ? (a) : (b))
+
+/* dst[i] = op over q of src[q][i], i < n, accumulating in ACC and in rank order; the sources are
+ * read block by block before the block of dst is written, so dst may be one of them. */
+#define DEFINE_REDUCE(NAME, T, ACC, LOAD, STORE, ADD, MAX, MIN, AVG_OK)                                  \
+  static void NAME(void *dst_, const void *const *src, int nsrc, size_t n, ac_redop_t op) {          \
+    T *dst = dst_;                                                                                   \
+    ACC acc[BLOCK];                                                                                  \
+    for (size_t i0 = 0; i0 < n; i0 += BLOCK) {                                                       \
+      size_t m = n - i0 < BLOCK ? n - i0 : BLOCK;                                                    \
+      const T *s0 = (const T *)src[0] + i0;                                                          \
+      for (size_t j = 0; j < m; j++) acc[j] = LOAD(s0[j]);                                           \
+      for (int q = 1; q < nsrc; q++) {                                                               \
+        const T *s = (const T *)src[q] + i0;                                                         \
+        if (op == AC_RED_MAX)                                                                        \
+          for (size_t j = 0; j < m; j++) { ACC v = LOAD(s[j]); acc[j] = MAX(acc[j], v); }             \
+        else if (op == AC_RED_MIN)                                                                   \
+          for (size_t j = 0; j < m; j++) { ACC v = LOAD(s[j]); acc[j] = MIN(acc[j], v); }             \
+        else                                                                                         \
+          for (size_t j = 0; j < m; j++) acc[j] = ADD(acc[j], LOAD(s[j]));                           \
+      }                                                                                              \
+      if (AVG_OK && op == AC_RED_AVG)                                                                \
+        for (size_t j = 0; j < m; j++) acc[j] = (ACC)(acc[j] / (ACC)nsrc);                           \
+      for (size_t j = 0; j < m; j++) dst[i0 + j] = STORE(acc[j]);                                    \
+    }                                                                                                \
+  }
+
+#define ID(x) (x)
+#define ADDF(a, b) ((a) + (b))
+#define ADDI32(a, b) ((int32_t)((uint32_t)(a) + (uint32_t)(b)))
+#define ADDI64(a, b) ((int64_t)((uint64_t)(a) + (uint64_t)(b)))
+DEFINE_REDUCE(reduce_f32, float, float, ID, ID, ADDF, MAXF, MINF, 1)
+DEFINE_REDUCE(reduce_f64, double, double, ID, ID, ADDF, MAXF, MINF, 1)
+DEFINE_REDUCE(reduce_f16, uint16_t, float, ac_f16_to_f32, ac_f32_to_f16, ADDF, MAXF, MINF, 1)
+DEFINE_REDUCE(reduce_bf16, uint16_t, float, ac_bf16_to_f32, ac_f32_to_bf16, ADDF, MAXF, MINF, 1)
+DEFINE_REDUCE(reduce_i32, int32_t, int32_t, ID, ID, ADDI32, MAXI, MINI, 0)
+DEFINE_REDUCE(reduce_i64, int64_t, int64_t, ID, ID, ADDI64, MAXI, MINI, 0)
+
+typedef void (*reduce_fn)(void *, const void *const *, int, size_t, ac_redop_t);
+
+static ac_result_t check_op(ac_shm_dtype_t dt, ac_redop_t op, reduce_fn *fn) {
+  static const reduce_fn fns[] = {reduce_f32, reduce_f64, reduce_f16, reduce_bf16, reduce_i32, reduce_i64};
+  if (ac_shm_dtype_size(dt) == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "invalid dtype code %d", (int)dt);
+  if (op != AC_RED_SUM && op != AC_RED_MAX && op != AC_RED_MIN && op != AC_RED_AVG)
+    return AC_FAIL(AC_ERR_UNSUPPORTED, "reduction op %d: shm collectives do sum, max, min and avg", (int)op);
+  if (op == AC_RED_AVG && (dt == AC_SHM_I32 || dt == AC_SHM_I64))
+    return AC_FAIL(AC_ERR_INVALID_ARG, "avg of %s: an integer average would be truncated; sum and divide",
+                   dtype_name(dt));
+  *fn = fns[dt];
+  return AC_OK;
+}
+
+static ac_result_t check_buf(const void *p, size_t n, size_t es, const char *what) {
+  if (n > 0 && !p) return AC_FAIL(AC_ERR_INVALID_ARG, "%s is NULL for %zu elements", what, n);
+  if (n > SIZE_MAX / 8 / AC_SHM_MAX_RANKS) return AC_FAIL(AC_ERR_INVALID_ARG, "%s: %zu elements is too many", what, n);
+  (void)es;
+  return AC_OK;
+}
+
+/* Elements per piece that fit in a half slot, a multiple of `mult` * ALIGN_ELEMS. */
+static size_t piece_elems(const ac_shm_t *c, size_t es, size_t mult) {
+  size_t p = c->half_bytes / es / mult;
+  return p - p % ALIGN_ELEMS;
+}
+
+/* ---- the collectives -------------------------------------------------------------------------- */
+ac_result_t ac_shm_all_reduce(ac_shm_t *c, const void *send, void *recv, size_t count, ac_shm_dtype_t dt,
+                              ac_redop_t op) {
+  reduce_fn fn;
+  AC_CHECK(check_op(dt, op, &fn));
+  size_t es = ac_shm_dtype_size(dt);
+  AC_CHECK(check_buf(send, count, es, "send"));
+  AC_CHECK(check_buf(recv, count, es, "recv"));
+  AC_CHECK(begin(c, "all_reduce", K_ALL_REDUCE, count, (uint64_t)dt, (uint64_t)op));
+  int n = c->nranks;
+  const void *src[AC_SHM_MAX_RANKS];
+  if (count == 0) {
+    AC_CHECK(first_barrier(c));
+    return barrier(c);
+  }
+  if (count * es <= SMALL_BYTES && count * es <= c->half_bytes) {
+    /* latency path: one copy in, and every rank reduces the whole message itself (the same
+     * operations in the same order everywhere, so the same bits) */
+    memcpy(slot(c, c->rank, 0), send, count * es);
+    AC_CHECK(first_barrier(c));
+    for (int q = 0; q < n; q++) src[q] = slot(c, q, 0);
+    fn(recv, src, n, count, op);
+    return barrier(c);
+  }
+  size_t piece = piece_elems(c, es, 1);
+  for (size_t off = 0; off < count; off += piece) {
+    size_t m = count - off < piece ? count - off : piece;
+    int hf = c->half;
+    memcpy(slot(c, c->rank, hf), (const unsigned char *)send + off * es, m * es);
+    AC_CHECK(off == 0 ? first_barrier(c) : barrier(c));
+    /* this rank reduces its slice of the piece, in place in its own slot (no other rank reads
+     * that range of this slot until the next barrier) */
+    size_t sl = (m + (size_t)n - 1) / (size_t)n;
+    sl = (sl + ALIGN_ELEMS - 1) / ALIGN_ELEMS * ALIGN_ELEMS;
+    size_t lo = (size_t)c->rank * sl < m ? (size_t)c->rank * sl : m;
+    size_t hi = lo + sl < m ? lo + sl : m;
+    if (hi > lo) {
+      for (int q = 0; q < n; q++) src[q] = slot(c, q, hf) + lo * es;
+      fn(slot(c, c->rank, hf) + lo * es, src, n, hi - lo, op);
+    }
+    AC_CHECK(barrier(c));
+    for (int q = 0; q < n; q++) {
+      size_t a = (size_t)q * sl < m ? (size_t)q * sl : m, b = a + sl < m ? a + sl : m;
+      if (b > a) memcpy((unsigned char *)recv + (off + a) * es, slot(c, q, hf) + a * es, (b - a) * es);
+    }
+    c->half ^= 1;
+  }
+  return barrier(c);
+}
+
+ac_result_t ac_shm_reduce_scatter(ac_shm_t *c, const void *send, void *recv, size_t count, ac_shm_dtype_t dt,
+                                  ac_redop_t op) {
+  reduce_fn fn;
+  AC_CHECK(check_op(dt, op, &fn));
+  size_t es = ac_shm_dtype_size(dt);
+  AC_CHECK(check_buf(send, count, es, "send"));
+  AC_CHECK(check_buf(recv, count, es, "recv"));
+  AC_CHECK(begin(c, "reduce_scatter", K_REDUCE_SCATTER, count, (uint64_t)dt, (uint64_t)op));
+  int n = c->nranks;
+  const void *src[AC_SHM_MAX_RANKS];
+  if (count == 0) {
+    AC_CHECK(first_barrier(c));
+    return barrier(c);
+  }
+  size_t piece = piece_elems(c, es, (size_t)n);
+  if (piece == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "shm slot of %zu bytes is too small for %d ranks",
+                                 c->half_bytes * 2, n);
+  for (size_t off = 0; off < count; off += piece) {
+    size_t m = count - off < piece ? count - off : piece;
+    int hf = c->half;
+    unsigned char *mine = slot(c, c->rank, hf);
+    for (int q = 0; q < n; q++)
+      memcpy(mine + (size_t)q * m * es, (const unsigned char *)send + ((size_t)q * count + off) * es, m * es);
+    AC_CHECK(off == 0 ? first_barrier(c) : barrier(c));
+    for (int q = 0; q < n; q++) src[q] = slot(c, q, hf) + (size_t)c->rank * m * es;
+    fn((unsigned char *)recv + off * es, src, n, m, op);
+    c->half ^= 1;
+  }
+  return barrier(c);
+}
+
+ac_result_t ac_shm_all_gather(ac_shm_t *c, const void *send, void *recv, const size_t *counts, ac_shm_dtype_t dt) {
+  size_t es = ac_shm_dtype_size(dt);
+  if (es == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "invalid dtype code %d", (int)dt);
+  if (!c) return AC_FAIL(AC_ERR_INVALID_ARG, "communicator is NULL");
+  if (!counts) return AC_FAIL(AC_ERR_INVALID_ARG, "counts is NULL");
+  int n = c->nranks;
+  size_t total = 0, most = 0;
+  uint64_t hash = 0;
+  AC_CHECK(check_buf(send, counts[c->rank], es, "send"));
+  for (int q = 0; q < n; q++) {
+    if (counts[q] > SIZE_MAX / 8 / AC_SHM_MAX_RANKS)
+      return AC_FAIL(AC_ERR_INVALID_ARG, "counts[%d] = %zu is too many elements", q, counts[q]);
+    total += counts[q];
+    most = counts[q] > most ? counts[q] : most;
+    hash = (hash ^ counts[q]) * 0x100000001B3ULL;
+  }
+  AC_CHECK(check_buf(recv, total, es, "recv"));
+  AC_CHECK(begin(c, "all_gather", K_ALL_GATHER, hash, (uint64_t)dt, total));
+  size_t piece = piece_elems(c, es, 1);
+  if (most == 0) {
+    AC_CHECK(first_barrier(c));
+    return barrier(c);
+  }
+  for (size_t off = 0; off < most; off += piece) {
+    int hf = c->half;
+    size_t mine = counts[c->rank] > off ? counts[c->rank] - off : 0;
+    mine = mine < piece ? mine : piece;
+    if (mine) memcpy(slot(c, c->rank, hf), (const unsigned char *)send + off * es, mine * es);
+    AC_CHECK(off == 0 ? first_barrier(c) : barrier(c));
+    size_t displ = 0;
+    for (int q = 0; q < n; q++) {
+      size_t m = counts[q] > off ? counts[q] - off : 0;
+      m = m < piece ? m : piece;
+      if (m) memmove((unsigned char *)recv + (displ + off) * es, slot(c, q, hf), m * es);
+      displ += counts[q];
+    }
+    c->half ^= 1;
+  }
+  return barrier(c);
+}
+
+ac_result_t ac_shm_broadcast(ac_shm_t *c, void *buf, size_t count, ac_shm_dtype_t dt, int root) {
+  size_t es = ac_shm_dtype_size(dt);
+  if (es == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "invalid dtype code %d", (int)dt);
+  if (!c) return AC_FAIL(AC_ERR_INVALID_ARG, "communicator is NULL");
+  if (root < 0 || root >= c->nranks) return AC_FAIL(AC_ERR_INVALID_ARG, "root %d is not in 0..%d", root, c->nranks - 1);
+  AC_CHECK(check_buf(buf, count, es, "buf"));
+  AC_CHECK(begin(c, "broadcast", K_BROADCAST, count, (uint64_t)dt, (uint64_t)root));
+  if (count == 0) {
+    AC_CHECK(first_barrier(c));
+    return barrier(c);
+  }
+  size_t piece = piece_elems(c, es, 1);
+  for (size_t off = 0; off < count; off += piece) {
+    size_t m = count - off < piece ? count - off : piece;
+    int hf = c->half;
+    if (c->rank == root) memcpy(slot(c, root, hf), (unsigned char *)buf + off * es, m * es);
+    AC_CHECK(off == 0 ? first_barrier(c) : barrier(c));
+    if (c->rank != root) memcpy((unsigned char *)buf + off * es, slot(c, root, hf), m * es);
+    c->half ^= 1;
+  }
+  return barrier(c);
+}
+
+ac_result_t ac_shm_barrier(ac_shm_t *c) {
+  AC_CHECK(begin(c, "barrier", K_BARRIER, 0, 0, 0));
+  return first_barrier(c);
+}

@@ -1,0 +1,82 @@
+/* comm_shm.h — collectives between the processes of one host through one POSIX shared-memory
+ * segment (docs/collectives.md).
+ *
+ * Joining: every rank calls ac_shm_create with the same `name` (unique per job and process
+ * group: the Python side makes it from the rendezvous), its rank and the group's size. Rank 0
+ * creates the segment (O_EXCL: a name in use is an error, never shared by accident) and lays its
+ * header; the others open it, wait for the header and map it. Every rank counts itself in, and
+ * the last one to map the segment unlinks its name, so nothing is left in /dev/shm once the group
+ * is formed, whatever happens to the processes later.
+ *
+ * Each rank owns one slot of `slot_bytes` in the segment; a collective moves its data through the
+ * slots in pieces, so any size works with a bounded segment. Every collective is blocking, must
+ * be called by every rank of the group in the same order with matching arguments (a mismatch of
+ * kind, count or dtype is detected and is an error on every rank), and synchronises with C11
+ * atomics (acquire/release) and futex waits after a short spin. A rank that has not arrived
+ * within `timeout_ms`, or whose process has died, ends the collective with an error naming the
+ * collective and the silent ranks (AC_ERR_TIMEOUT / AC_ERR_COMM); the communicator then refuses
+ * further work (AC_ERR_STATE), since its peers are at an unknown point.
+ *
+ * Reductions: sum, max, min, avg. fp32 and fp64 accumulate in their own type in rank order
+ * (every rank gets the same bits); fp16 and bf16 accumulate in fp32 and are rounded once, to
+ * nearest even; NaN propagates (max/min too, as torch.maximum); int32/int64 are exact (wrapping
+ * on overflow); avg of integers is refused. A reduction is computed once per element, by the
+ * rank that owns the element's slice, and copied to every rank. */
+#ifndef AC_COMM_SHM_H
+#define AC_COMM_SHM_H
+
+#include "ac/ac.h"
+#include "ac/comm.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  AC_SHM_F32 = 0,
+  AC_SHM_F64 = 1,
+  AC_SHM_F16 = 2,
+  AC_SHM_BF16 = 3,
+  AC_SHM_I32 = 4,
+  AC_SHM_I64 = 5
+} ac_shm_dtype_t;
+
+#define AC_SHM_MAX_RANKS 256
+#define AC_SHM_NAME_MAX 200
+
+typedef struct ac_shm ac_shm_t;
+
+/* Bytes per element of `dt`; 0 for a value outside the enum. */
+size_t ac_shm_dtype_size(ac_shm_dtype_t dt);
+
+/* Joins the group `name` (a POSIX shm name: "/" then at most AC_SHM_NAME_MAX - 1 characters of
+ * [A-Za-z0-9._-]) as `rank` of `nranks`. slot_bytes: each rank's slot (>= 4096, a multiple of
+ * 64). Blocks until every rank has mapped the segment or timeout_ms passes (AC_ERR_TIMEOUT).
+ * A segment too big for /dev/shm is AC_ERR_NOMEM naming the size. *out: ac_shm_destroy. */
+ac_result_t ac_shm_create(ac_shm_t **out, const char *name, int nranks, int rank, size_t slot_bytes,
+                          int timeout_ms);
+/* Unmaps the segment; NULL is a no-op. Never blocks. */
+void ac_shm_destroy(ac_shm_t *c);
+int ac_shm_size(const ac_shm_t *c);
+int ac_shm_rank(const ac_shm_t *c);
+/* The timeout of later collectives (ms, > 0). */
+ac_result_t ac_shm_set_timeout(ac_shm_t *c, int timeout_ms);
+
+/* recv[i] = op over ranks of send[i], i < count (send == recv: in place). */
+ac_result_t ac_shm_all_reduce(ac_shm_t *c, const void *send, void *recv, size_t count, ac_shm_dtype_t dt,
+                              ac_redop_t op);
+/* recv (count elements) = this rank's slice of op over ranks of send (nranks * count elements). */
+ac_result_t ac_shm_reduce_scatter(ac_shm_t *c, const void *send, void *recv, size_t count, ac_shm_dtype_t dt,
+                                  ac_redop_t op);
+/* recv = the concatenation over ranks q of counts[q] elements from each rank's send (this rank
+ * sends counts[rank]); counts: one entry per rank, the same on every rank. send may alias this
+ * rank's part of recv. */
+ac_result_t ac_shm_all_gather(ac_shm_t *c, const void *send, void *recv, const size_t *counts, ac_shm_dtype_t dt);
+/* buf on every rank = buf of `root` (count elements). */
+ac_result_t ac_shm_broadcast(ac_shm_t *c, void *buf, size_t count, ac_shm_dtype_t dt, int root);
+ac_result_t ac_shm_barrier(ac_shm_t *c);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* AC_COMM_SHM_H */

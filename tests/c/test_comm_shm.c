@@ -1,0 +1,443 @@
+/* test_comm_shm.c — the shared-memory collectives (csrc/core/comm_shm.c) with threads standing in
+ * for processes: each thread joins the group by name as one rank. Expected values are computed
+ * here from every rank's inputs (each rank's data is a function of its rank and the index):
+ * integer results exactly, fp32/fp64 sums against a double-precision sum, fp16/bf16 against the
+ * fp32 sum in rank order rounded once. Small slots make every size cross many pieces. Run under
+ * ASan/UBSan by tests/c/run.sh, and under ThreadSanitizer by the same script. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <unistd.h>
+
+#include "ac/comm_shm.h"
+#include "half.h"
+#include "test_util.h"
+
+#define SLOT 8192 /* bytes: a piece is at most 4 KiB, so most sizes below take many */
+
+static int name_counter;
+
+static void fresh_name(char *buf, size_t n) {
+  snprintf(buf, n, "/ac_test_shm_%d_%d", (int)getpid(), __atomic_add_fetch(&name_counter, 1, __ATOMIC_SEQ_CST));
+}
+
+typedef struct job job_t;
+typedef ac_result_t (*rank_fn)(ac_shm_t *c, job_t *j, int rank);
+
+struct job {
+  char name[64];
+  int nranks;
+  size_t slot;
+  int timeout_ms;
+  rank_fn fn;
+  void *arg;
+  ac_result_t result[8];
+  char error[8][512];
+};
+
+typedef struct {
+  job_t *j;
+  int rank;
+} rank_arg_t;
+
+static void *rank_main(void *p) {
+  rank_arg_t *a = p;
+  job_t *j = a->j;
+  ac_shm_t *c = NULL;
+  ac_result_t r = ac_shm_create(&c, j->name, j->nranks, a->rank, j->slot, j->timeout_ms);
+  if (r == AC_OK) r = j->fn(c, j, a->rank);
+  j->result[a->rank] = r;
+  snprintf(j->error[a->rank], sizeof j->error[a->rank], "%s", r == AC_OK ? "" : ac_last_error());
+  ac_shm_destroy(c);
+  return NULL;
+}
+
+/* Runs fn on nranks threads; returns how many ranks failed. */
+static int run_job(job_t *j) {
+  pthread_t th[8];
+  rank_arg_t args[8];
+  fresh_name(j->name, sizeof j->name);
+  if (!j->slot) j->slot = SLOT;
+  if (!j->timeout_ms) j->timeout_ms = 20000;
+  for (int r = 0; r < j->nranks; r++) {
+    args[r] = (rank_arg_t){j, r};
+    pthread_create(&th[r], NULL, rank_main, &args[r]);
+  }
+  int failed = 0;
+  for (int r = 0; r < j->nranks; r++) {
+    pthread_join(th[r], NULL);
+    if (j->result[r] != AC_OK) failed++;
+  }
+  return failed;
+}
+
+/* every rank's input: small integers (exact in every dtype and any order), or values of both signs */
+static double value(int rank, size_t i, int integral) {
+  if (integral) return (double)((int)((i * 7 + (size_t)rank * 13) % 17) - 8);
+  return sin((double)i * 0.37 + rank) * (1.0 + (double)(i % 5)) * 1e-1;
+}
+
+static void fill(void *buf, ac_shm_dtype_t dt, size_t n, int rank, int integral) {
+  for (size_t i = 0; i < n; i++) {
+    double v = value(rank, i, integral);
+    switch (dt) {
+      case AC_SHM_F32: ((float *)buf)[i] = (float)v; break;
+      case AC_SHM_F64: ((double *)buf)[i] = v; break;
+      case AC_SHM_F16: ((uint16_t *)buf)[i] = ac_f32_to_f16((float)v); break;
+      case AC_SHM_BF16: ((uint16_t *)buf)[i] = ac_f32_to_bf16((float)v); break;
+      case AC_SHM_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
+      case AC_SHM_I64: ((int64_t *)buf)[i] = (int64_t)v * 1000000007LL; break;
+    }
+  }
+}
+
+static double get(const void *buf, ac_shm_dtype_t dt, size_t i) {
+  switch (dt) {
+    case AC_SHM_F32: return ((const float *)buf)[i];
+    case AC_SHM_F64: return ((const double *)buf)[i];
+    case AC_SHM_F16: return ac_f16_to_f32(((const uint16_t *)buf)[i]);
+    case AC_SHM_BF16: return ac_bf16_to_f32(((const uint16_t *)buf)[i]);
+    case AC_SHM_I32: return ((const int32_t *)buf)[i];
+    case AC_SHM_I64: return (double)((const int64_t *)buf)[i];
+  }
+  return 0;
+}
+
+/* The expected reduction of element i over nranks inputs, as a double (16-bit: the fp32 sum in
+ * rank order, rounded once). */
+static double expected(ac_shm_dtype_t dt, ac_redop_t op, int nranks, size_t i, int integral) {
+  double acc = 0;
+  float accf = 0;
+  for (int q = 0; q < nranks; q++) {
+    double v = 0;
+    /* value of rank q at index i in dt */
+    switch (dt) {
+      case AC_SHM_F32: v = (float)value(q, i, integral); break;
+      case AC_SHM_F64: v = value(q, i, integral); break;
+      case AC_SHM_F16: v = ac_f16_to_f32(ac_f32_to_f16((float)value(q, i, integral))); break;
+      case AC_SHM_BF16: v = ac_bf16_to_f32(ac_f32_to_bf16((float)value(q, i, integral))); break;
+      case AC_SHM_I32: v = (int32_t)value(q, i, integral); break;
+      case AC_SHM_I64: v = (double)((int64_t)value(q, i, integral) * 1000000007LL); break;
+    }
+    if (op == AC_RED_MAX) acc = q == 0 || v > acc ? v : acc;
+    else if (op == AC_RED_MIN) acc = q == 0 || v < acc ? v : acc;
+    else {
+      acc += v;
+      accf = q == 0 ? (float)v : accf + (float)v;
+    }
+  }
+  if (op == AC_RED_AVG) {
+    acc /= nranks;
+    accf /= (float)nranks;
+  }
+  if ((dt == AC_SHM_F16 || dt == AC_SHM_BF16) && (op == AC_RED_SUM || op == AC_RED_AVG))
+    return dt == AC_SHM_F16 ? ac_f16_to_f32(ac_f32_to_f16(accf)) : ac_bf16_to_f32(ac_f32_to_bf16(accf));
+  return acc;
+}
+
+typedef struct {
+  ac_shm_dtype_t dt;
+  ac_redop_t op;
+  size_t count;
+  int in_place;
+  int integral;
+  long bad[8]; /* mismatching elements per rank */
+} reduce_case_t;
+
+static ac_result_t all_reduce_rank(ac_shm_t *c, job_t *j, int rank) {
+  reduce_case_t *k = j->arg;
+  size_t es = ac_shm_dtype_size(k->dt);
+  unsigned char *send = malloc(k->count * es + 1), *recv = k->in_place ? send : malloc(k->count * es + 1);
+  fill(send, k->dt, k->count, rank, k->integral);
+  ac_result_t r = ac_shm_all_reduce(c, send, recv, k->count, k->dt, k->op);
+  long bad = 0;
+  for (size_t i = 0; r == AC_OK && i < k->count; i++) {
+    double want = expected(k->dt, k->op, j->nranks, i, k->integral), got = get(recv, k->dt, i);
+    double tol = (k->dt == AC_SHM_F32 && !k->integral && (k->op == AC_RED_SUM || k->op == AC_RED_AVG))
+                     ? 1e-6 * (1 + fabs(want)) : 0;
+    if (fabs(got - want) > tol) bad++;
+  }
+  k->bad[rank] = bad;
+  if (!k->in_place) free(recv);
+  free(send);
+  return r;
+}
+
+TEST(all_reduce_matches_the_reference) {
+  static const ac_shm_dtype_t dts[] = {AC_SHM_F32, AC_SHM_F64, AC_SHM_F16, AC_SHM_BF16, AC_SHM_I32, AC_SHM_I64};
+  static const ac_redop_t ops[] = {AC_RED_SUM, AC_RED_MAX, AC_RED_MIN, AC_RED_AVG};
+  static const size_t counts[] = {0, 1, 17, 1000, 4099, 30001};
+  for (int nr = 2; nr <= 4; nr++)
+    for (size_t d = 0; d < 6; d++)
+      for (size_t o = 0; o < 4; o++)
+        for (size_t s = 0; s < 6; s++) {
+          if (ops[o] == AC_RED_AVG && (dts[d] == AC_SHM_I32 || dts[d] == AC_SHM_I64)) continue;
+          reduce_case_t k = {dts[d], ops[o], counts[s], (int)(s % 2), dts[d] >= AC_SHM_F16, {0}};
+          job_t j = {.nranks = nr, .fn = all_reduce_rank, .arg = &k};
+          int failed = run_job(&j);
+          CHECK_MSG(failed == 0, "%d ranks, %s, op %d, %zu elements: %s", nr, dts[d] == AC_SHM_F32 ? "f32" : "other",
+                    (int)ops[o], counts[s], j.error[0]);
+          for (int r = 0; r < nr; r++)
+            CHECK_MSG(k.bad[r] == 0, "%d ranks, dtype %d, op %d, %zu elements: rank %d has %ld wrong", nr, (int)dts[d],
+                      (int)ops[o], counts[s], r, k.bad[r]);
+        }
+}
+
+typedef struct {
+  int nan_rank;
+  int ok[8];
+} nan_case_t;
+
+static ac_result_t nan_rank_fn(ac_shm_t *c, job_t *j, int rank) {
+  nan_case_t *k = j->arg;
+  float v[40000];
+  for (int i = 0; i < 40000; i++) v[i] = (rank == k->nan_rank && i % 3 == 0) ? NAN : (float)rank;
+  ac_result_t r = ac_shm_all_reduce(c, v, v, 40000, AC_SHM_F32, AC_RED_MAX);
+  int ok = 1;
+  for (int i = 0; i < 40000; i++) ok &= (i % 3 == 0) ? isnan(v[i]) : v[i] == (float)(j->nranks - 1);
+  float w[5] = {1, 2, 3, 4, 5};
+  if (rank == k->nan_rank) w[2] = NAN;
+  if (r == AC_OK) r = ac_shm_all_reduce(c, w, w, 5, AC_SHM_F32, AC_RED_MIN);
+  ok &= isnan(w[2]) && w[0] == 1;
+  k->ok[rank] = ok;
+  return r;
+}
+
+TEST(max_and_min_keep_nan_from_any_rank) {
+  for (int who = 0; who < 3; who++) {
+    nan_case_t k = {who, {0}};
+    job_t j = {.nranks = 3, .fn = nan_rank_fn, .arg = &k};
+    CHECK_EQ_INT(run_job(&j), 0);
+    for (int r = 0; r < 3; r++) CHECK_MSG(k.ok[r], "NaN on rank %d lost on rank %d", who, r);
+  }
+}
+
+typedef struct {
+  size_t count;
+  int in_place;
+  long bad[8];
+} rs_case_t;
+
+static ac_result_t reduce_scatter_rank(ac_shm_t *c, job_t *j, int rank) {
+  rs_case_t *k = j->arg;
+  int n = j->nranks;
+  float *send = malloc(sizeof(float) * (k->count * n + 1)), *own = malloc(sizeof(float) * (k->count + 1));
+  for (size_t i = 0; i < k->count * n; i++) send[i] = (float)value(rank, i, 1);
+  float *recv = k->in_place ? send + (size_t)rank * k->count : own;
+  ac_result_t r = ac_shm_reduce_scatter(c, send, recv, k->count, AC_SHM_F32, AC_RED_SUM);
+  long bad = 0;
+  for (size_t i = 0; r == AC_OK && i < k->count; i++) {
+    double want = 0;
+    for (int q = 0; q < n; q++) want += value(q, (size_t)rank * k->count + i, 1);
+    bad += recv[i] != (float)want;
+  }
+  k->bad[rank] = bad;
+  free(send);
+  free(own);
+  return r;
+}
+
+TEST(reduce_scatter_gives_each_rank_its_slice) {
+  static const size_t counts[] = {0, 1, 5, 700, 3001};
+  for (int nr = 2; nr <= 4; nr++)
+    for (size_t s = 0; s < 5; s++)
+      for (int ip = 0; ip < 2; ip++) {
+        rs_case_t k = {counts[s], ip, {0}};
+        job_t j = {.nranks = nr, .fn = reduce_scatter_rank, .arg = &k};
+        CHECK_MSG(run_job(&j) == 0, "%d ranks, %zu: %s", nr, counts[s], j.error[0]);
+        for (int r = 0; r < nr; r++) CHECK_MSG(k.bad[r] == 0, "%d ranks, count %zu, rank %d: %ld wrong", nr, counts[s], r, k.bad[r]);
+      }
+}
+
+typedef struct {
+  size_t counts[8];
+  int in_place;
+  long bad[8];
+} ag_case_t;
+
+static ac_result_t all_gather_rank(ac_shm_t *c, job_t *j, int rank) {
+  ag_case_t *k = j->arg;
+  int n = j->nranks;
+  size_t total = 0, displ = 0;
+  for (int q = 0; q < n; q++) {
+    if (q < rank) displ += k->counts[q];
+    total += k->counts[q];
+  }
+  int64_t *recv = malloc(sizeof(int64_t) * (total + 1)), *own = malloc(sizeof(int64_t) * (k->counts[rank] + 1));
+  int64_t *send = k->in_place ? recv + displ : own;
+  for (size_t i = 0; i < k->counts[rank]; i++) send[i] = (int64_t)rank * 1000000 + (int64_t)i;
+  ac_result_t r = ac_shm_all_gather(c, send, recv, k->counts, AC_SHM_I64);
+  long bad = 0;
+  size_t at = 0;
+  for (int q = 0; r == AC_OK && q < n; q++)
+    for (size_t i = 0; i < k->counts[q]; i++) bad += recv[at++] != (int64_t)q * 1000000 + (int64_t)i;
+  k->bad[rank] = bad;
+  free(recv);
+  free(own);
+  return r;
+}
+
+TEST(all_gather_equal_and_unequal_sizes) {
+  static const size_t sizes[][4] = {{0, 0, 0, 0}, {1, 1, 1, 1}, {700, 700, 700, 700}, {3, 0, 2000, 1},
+                                    {1500, 1, 0, 999}};
+  for (int nr = 2; nr <= 4; nr++)
+    for (int s = 0; s < 5; s++)
+      for (int ip = 0; ip < 2; ip++) {
+        ag_case_t k = {{0}, ip, {0}};
+        for (int q = 0; q < nr; q++) k.counts[q] = sizes[s][q];
+        job_t j = {.nranks = nr, .fn = all_gather_rank, .arg = &k};
+        CHECK_MSG(run_job(&j) == 0, "%d ranks, case %d: %s", nr, s, j.error[0]);
+        for (int r = 0; r < nr; r++) CHECK_MSG(k.bad[r] == 0, "%d ranks, case %d, rank %d: %ld wrong", nr, s, r, k.bad[r]);
+      }
+}
+
+typedef struct {
+  size_t count;
+  int root;
+  long bad[8];
+} bc_case_t;
+
+static ac_result_t broadcast_rank(ac_shm_t *c, job_t *j, int rank) {
+  bc_case_t *k = j->arg;
+  uint16_t *buf = malloc(2 * (k->count + 1));
+  for (size_t i = 0; i < k->count; i++) buf[i] = (uint16_t)(rank == k->root ? i * 3 + 1 : 0xffff);
+  ac_result_t r = ac_shm_broadcast(c, buf, k->count, AC_SHM_BF16, k->root);
+  long bad = 0;
+  for (size_t i = 0; r == AC_OK && i < k->count; i++) bad += buf[i] != (uint16_t)(i * 3 + 1);
+  k->bad[rank] = bad;
+  free(buf);
+  return r;
+}
+
+TEST(broadcast_from_every_root) {
+  for (int nr = 2; nr <= 4; nr++)
+    for (int root = 0; root < nr; root++)
+      for (size_t count = 0; count < 20000; count = count * 7 + 3) {
+        bc_case_t k = {count, root, {0}};
+        job_t j = {.nranks = nr, .fn = broadcast_rank, .arg = &k};
+        CHECK_MSG(run_job(&j) == 0, "%s", j.error[0]);
+        for (int r = 0; r < nr; r++) CHECK_MSG(k.bad[r] == 0, "root %d, %zu elements, rank %d: %ld wrong", root, count, r, k.bad[r]);
+      }
+}
+
+/* many collectives of mixed kinds back to back (the pieces' halves and the tags across calls) */
+static ac_result_t mixed_rank(ac_shm_t *c, job_t *j, int rank) {
+  long *bad = j->arg;
+  for (int it = 0; it < 200; it++) {
+    int32_t v[3] = {rank + it, 1, -rank};
+    AC_CHECK(ac_shm_all_reduce(c, v, v, 3, AC_SHM_I32, AC_RED_SUM));
+    int n = j->nranks;
+    bad[rank] += v[0] != n * it + n * (n - 1) / 2 || v[1] != n || v[2] != -n * (n - 1) / 2;
+    AC_CHECK(ac_shm_barrier(c));
+    int64_t b = rank == it % n ? it : -1;
+    AC_CHECK(ac_shm_broadcast(c, &b, 1, AC_SHM_I64, it % n));
+    bad[rank] += b != it;
+  }
+  return AC_OK;
+}
+
+TEST(back_to_back_collectives_of_mixed_kinds) {
+  long bad[8] = {0};
+  job_t j = {.nranks = 4, .fn = mixed_rank, .arg = bad};
+  CHECK_MSG(run_job(&j) == 0, "%s", j.error[0]);
+  for (int r = 0; r < 4; r++) CHECK_EQ_INT(bad[r], 0);
+}
+
+/* rank 1 passes another count: every rank gets an error naming the mismatch, not a hang or garbage */
+static ac_result_t mismatch_rank(ac_shm_t *c, job_t *j, int rank) {
+  (void)j;
+  float v[16] = {0};
+  return ac_shm_all_reduce(c, v, v, rank == 1 ? 11 : 10, AC_SHM_F32, AC_RED_SUM);
+}
+
+TEST(mismatched_calls_fail_on_every_rank) {
+  job_t j = {.nranks = 3, .fn = mismatch_rank};
+  CHECK_EQ_INT(run_job(&j), 3);
+  for (int r = 0; r < 3; r++) {
+    CHECK_EQ_INT(j.result[r], AC_ERR_COMM);
+    CHECK_MSG(strstr(j.error[r], "different") != NULL, "rank %d: %s", r, j.error[r]);
+  }
+}
+
+/* rank 2 never calls the collective: the others time out naming it, and refuse more work */
+static ac_result_t silent_rank(ac_shm_t *c, job_t *j, int rank) {
+  (void)j;
+  if (rank == 2) return AC_OK;
+  float v[4] = {0};
+  ac_result_t r = ac_shm_all_reduce(c, v, v, 4, AC_SHM_F32, AC_RED_SUM);
+  if (r != AC_ERR_TIMEOUT) return r == AC_OK ? AC_ERR_INTERNAL : r;
+  char(*first)[512] = j->arg;
+  snprintf(first[rank], 512, "%s", ac_last_error());
+  ac_result_t again = ac_shm_barrier(c);
+  return again == AC_ERR_STATE ? AC_ERR_TIMEOUT : AC_ERR_INTERNAL;
+}
+
+TEST(a_silent_rank_is_named_after_the_timeout) {
+  char first[8][512] = {{0}};
+  job_t j = {.nranks = 3, .fn = silent_rank, .timeout_ms = 300, .arg = first};
+  run_job(&j);
+  CHECK_EQ_INT(j.result[2], AC_OK);
+  for (int r = 0; r < 2; r++) {
+    CHECK_EQ_INT(j.result[r], AC_ERR_TIMEOUT); /* and then AC_ERR_STATE for the next call */
+    CHECK_MSG(strstr(first[r], "rank 2 did not arrive") != NULL, "rank %d: %s", r, first[r]);
+    CHECK_MSG(strstr(first[r], "all_reduce") != NULL, "rank %d: %s", r, first[r]);
+  }
+}
+
+static ac_result_t noop_rank(ac_shm_t *c, job_t *j, int rank) {
+  (void)c;
+  (void)rank;
+  char path[128];
+  snprintf(path, sizeof path, "/dev/shm%s", j->name);
+  ((int *)j->arg)[rank] = access(path, F_OK) == 0; /* after create returned the name is gone */
+  return AC_OK;
+}
+
+TEST(the_name_is_unlinked_once_every_rank_has_joined) {
+  int left[4] = {1, 1, 1, 1};
+  job_t j = {.nranks = 4, .fn = noop_rank, .arg = left};
+  CHECK_EQ_INT(run_job(&j), 0);
+  for (int r = 0; r < 4; r++) CHECK_EQ_INT(left[r], 0);
+}
+
+TEST(bad_arguments_are_refused_by_name) {
+  ac_shm_t *c = NULL;
+  CHECK_EQ_INT(ac_shm_create(&c, "no_slash", 2, 0, SLOT, 100), AC_ERR_INVALID_ARG);
+  CHECK(strstr(ac_last_error(), "must start with '/'") != NULL);
+  CHECK_EQ_INT(ac_shm_create(&c, "/bad name", 2, 0, SLOT, 100), AC_ERR_INVALID_ARG);
+  CHECK_EQ_INT(ac_shm_create(&c, "/x", 2, 2, SLOT, 100), AC_ERR_INVALID_ARG);
+  CHECK_EQ_INT(ac_shm_create(&c, "/x", 2, 0, 100, 100), AC_ERR_INVALID_ARG);
+  CHECK_EQ_INT(ac_shm_create(&c, "/x", 0, 0, SLOT, 100), AC_ERR_INVALID_ARG);
+  CHECK(c == NULL);
+  /* a rank that joins alone times out naming the ranks that did not join; nothing is left behind */
+  char name[64], path[96];
+  fresh_name(name, sizeof name);
+  CHECK_EQ_INT(ac_shm_create(&c, name, 3, 0, SLOT, 200), AC_ERR_TIMEOUT);
+  CHECK(strstr(ac_last_error(), "rank(s) 1 2 did not join") != NULL);
+  snprintf(path, sizeof path, "/dev/shm%s", name);
+  CHECK(access(path, F_OK) != 0);
+  /* one rank: every collective is a copy */
+  fresh_name(name, sizeof name);
+  CHECK_EQ_INT(ac_shm_create(&c, name, 1, 0, SLOT, 200), AC_OK);
+  int32_t v[3] = {1, 2, 3}, w[3];
+  CHECK_EQ_INT(ac_shm_all_reduce(c, v, w, 3, AC_SHM_I32, AC_RED_SUM), AC_OK);
+  CHECK(w[0] == 1 && w[2] == 3);
+  CHECK_EQ_INT(ac_shm_all_reduce(c, v, w, 3, AC_SHM_I32, AC_RED_AVG), AC_ERR_INVALID_ARG);
+  CHECK(strstr(ac_last_error(), "integer average") != NULL);
+  CHECK_EQ_INT(ac_shm_all_reduce(c, v, w, 3, AC_SHM_I32, AC_RED_PROD), AC_ERR_UNSUPPORTED);
+  CHECK_EQ_INT(ac_shm_broadcast(c, v, 3, AC_SHM_I32, 1), AC_ERR_INVALID_ARG);
+  ac_shm_destroy(c);
+}
+
+static const tu_test_t tests[] = {
+    TU_CASE(all_reduce_matches_the_reference),
+    TU_CASE(max_and_min_keep_nan_from_any_rank),
+    TU_CASE(reduce_scatter_gives_each_rank_its_slice),
+    TU_CASE(all_gather_equal_and_unequal_sizes),
+    TU_CASE(broadcast_from_every_root),
+    TU_CASE(back_to_back_collectives_of_mixed_kinds),
+    TU_CASE(mismatched_calls_fail_on_every_rank),
+    TU_CASE(a_silent_rank_is_named_after_the_timeout),
+    TU_CASE(the_name_is_unlinked_once_every_rank_has_joined),
+    TU_CASE(bad_arguments_are_refused_by_name),
+};
+TU_MAIN(tests)
