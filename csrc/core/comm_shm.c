@@ -282,7 +282,24 @@ static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct tim
   return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
 }
 
-static int pid_dead(int32_t pid) { return pid > 0 && kill(pid, 0) < 0 && errno == ESRCH; }
+/* Whether process `pid` has ended: gone, or a zombie its parent has not reaped yet (a launcher
+ * reaps a killed rank only at its next poll, and then stops the others: the zombie is the early
+ * sign). Ranks are processes of one host in one pid namespace (threads share the caller's pid,
+ * which is alive). */
+static int pid_dead(int32_t pid) {
+  if (pid <= 0) return 0;
+  if (kill(pid, 0) < 0) return errno == ESRCH;
+  char path[64], buf[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = 0;
+  const char *p = strrchr(buf, ')'); /* "pid (comm) S ...": comm may hold spaces and parentheses */
+  return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+}
 
 /* Fails the running collective: the ranks whose arrival count is below `target` are named. */
 static ac_result_t fail_wait(ac_shm_t *c, uint64_t target, int dead) {

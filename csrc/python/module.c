@@ -79,6 +79,11 @@ static int module_exec(PyObject *m) {
   rc = PyModule_AddObjectRef(m, "ShardPlan", shard_plan);
   Py_DECREF(shard_plan);
   if (rc < 0) return -1;
+  PyObject *shm = PyType_FromModuleAndSpec(m, &pyac_shm_comm_spec, NULL);
+  if (!shm) return -1;
+  rc = PyModule_AddObjectRef(m, "ShmComm", shm);
+  Py_DECREF(shm);
+  if (rc < 0) return -1;
   if (PyModule_AddObjectRef(m, "has_cuda", ac_cuda_built() ? Py_True : Py_False) < 0) return -1;
   if (PyModule_AddStringConstant(m, "dlpack_version", "1.0") < 0) return -1;
   if (PyModule_AddFunctions(m, pyac_safetensors_methods) < 0) return -1;

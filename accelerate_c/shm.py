@@ -1,0 +1,110 @@
+"""Shared-memory collectives for the processes of one host (csrc/core/comm_shm.c;
+docs/collectives.md).
+
+`ShmGroup.create(group)` joins every rank of a torch.distributed process group to one
+`_C.ShmComm` when they all run on this host: the host is decided from what every rank reports
+through the group (its host name and the kernel's boot id, or ACCELERATE_C_SHM_HOST_ID where a
+test splits one machine into several "hosts"), not from LOCAL_WORLD_SIZE; the segment's name is
+drawn by rank 0 and sent to the others through the group, so two jobs, or two groups of one job,
+never share one. It is a collective of the group. The segment is unlinked as soon as every rank
+has mapped it (nothing is left in /dev/shm whatever happens to the processes later).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ._C import ShmComm
+
+ENV_HOST_ID = "ACCELERATE_C_SHM_HOST_ID"  # tests: pretend ranks are on different hosts
+DEFAULT_SLOT_BYTES = 4 << 20
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min", dist.ReduceOp.AVG: "avg"}
+
+
+def host_id() -> str:
+    """What identifies this host to its peers: the override, else host name + boot id (two
+    containers with one host name but separate kernels, or a reboot, differ)."""
+    override = os.environ.get(ENV_HOST_ID)
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _timeout_s(group) -> float:
+    try:
+        t = dist.distributed_c10d._get_default_timeout(dist.get_backend(group))
+    except Exception:  # noqa: BLE001 (torch's private helper moved): gloo's own default
+        t = datetime.timedelta(minutes=30)
+    return max(t.total_seconds(), 1.0)
+
+
+class ShmGroup:
+    """A `_C.ShmComm` over every rank of a process group on one host, with torch-shaped calls."""
+
+    def __init__(self, comm: ShmComm, group, timeout_s: float):
+        self.comm = comm
+        self.group = group
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def create(cls, group=None, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: Optional[float] = None):
+        """The group's shared-memory communicator, or None when its ranks are not all on this
+        host. A collective of `group`: every rank calls it."""
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        hosts = [None] * world
+        dist.all_gather_object(hosts, host_id(), group=group)
+        if len(set(hosts)) != 1:
+            return None
+        name = [f"/acshm-{os.getpid()}-{secrets.token_hex(8)}" if rank == 0 else None]
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(name, src=src, group=group)
+        timeout_s = _timeout_s(group) if timeout_s is None else timeout_s
+        return cls(ShmComm(name[0], world, rank, slot_bytes, timeout_s), group, timeout_s)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @staticmethod
+    def supports(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.dtype in _DTYPES and t.is_contiguous()
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        name = _OPS.get(op)
+        if name is None:
+            raise ValueError(f"shared-memory all_reduce does sum, max, min and avg, not {op}")
+        self.comm.all_reduce(t.detach(), name)
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        name = _OPS.get(op)
+        if name is None:
+            raise ValueError(f"shared-memory reduce_scatter does sum, max, min and avg, not {op}")
+        self.comm.reduce_scatter(out.detach(), t.detach(), name)
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor, counts=None) -> None:
+        self.comm.all_gather(out.detach(), t.detach(), counts)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        self.comm.broadcast(t.detach(), src)
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def close(self) -> None:
+        self.comm.close()

@@ -1,0 +1,42 @@
+"""Shared-memory collectives (accelerate_c/shm.py over csrc/core/comm_shm.c) between real processes
+started by the launcher, against torch's collectives over gloo in the same processes
+(tests/scripts/shm_collectives.py); the C core's own tests (threads as ranks, ASan/UBSan and
+ThreadSanitizer) are tests/c/test_comm_shm.c. Every run must leave nothing in /dev/shm."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from test_launch import SCRIPTS, launch
+from timeouts import wait_s
+
+SCRIPT = os.path.join(SCRIPTS, "shm_collectives.py")
+
+
+def _segments():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("acshm-")} if os.path.isdir("/dev/shm") else set()
+
+
+def _run(world, *args):
+    before = _segments()
+    res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0", SCRIPT, *args],
+                 timeout=wait_s(180))
+    assert _segments() <= before, f"segments left in /dev/shm: {_segments() - before}"
+    return res
+
+
+@pytest.mark.parametrize("world,mode", [(2, "all"), (3, "all"), (4, "big")])
+def test_every_collective_matches_torch(world, mode):
+    """Each collective x dtype x size (0, 1, odd, more than a piece, more than the segment; with
+    4 processes one of 256 MiB) against gloo and the rank-order reference."""
+    res = _run(world, mode)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"shm collectives OK on {world} processes" in res.stdout
+
+
+def test_a_silent_or_killed_rank_is_an_error_naming_it():
+    """Rank 1 stays away from a collective past the timeout, then is killed with SIGKILL inside
+    one: rank 0 raises each time, naming rank 1 (the launch itself then fails, as it must)."""
+    res = _run(2, "faults")
+    assert "shm faults OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
