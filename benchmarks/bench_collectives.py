@@ -1,0 +1,139 @@
+"""Shared-memory collectives (accelerate_c/shm.py, csrc/core/comm_shm.c) beside gloo, on the same
+tensors in the same processes: all-reduce, reduce-scatter and all-gather of 64 KiB ... 256 MiB
+(fp32) among 2 and 4 CPU processes.
+
+    .venv/bin/python benchmarks/bench_collectives.py                    # 2 and 4 processes
+    .venv/bin/python benchmarks/bench_collectives.py --worlds 2 --max-mb 32 --repeats 3
+
+Per size: the median time of --repeats calls (the slowest rank's), algbw = bytes / time and busbw =
+algbw x 2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter and all-gather (the bytes each rank
+must move, NCCL's convention). The limit printed beside: this machine's memcpy bandwidth at the same
+size (bytes copied per second, a copy of `size` bytes), measured in the same run in one process.
+
+Targets (at 32 MiB; 64 KiB for latency): busbw >= 50% of the memcpy bandwidth at that
+size, shm >= 4x gloo, 64 KiB all-reduce latency >= 20x better than gloo.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import _targets  # noqa: E402
+
+BENCH = "bench_collectives"
+KB = 1 << 10
+
+
+def sizes(max_mb: int):
+    s, out = 64 * KB, []
+    while s <= max_mb << 20:
+        out.append(s)
+        s *= 8 if s < (1 << 20) else 2
+    return out
+
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from accelerate_c.shm import ShmGroup
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    shm = ShmGroup.create()
+
+    def timed(fn, reps):
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times.append(float(t))
+        return statistics.median(times)
+
+    rows = []
+    for nbytes in sizes(args.max_mb):
+        n = nbytes // 4 // world * world
+        reps = args.repeats if nbytes >= (1 << 20) else args.repeats * 10
+        x = torch.ones(n)
+        out_rs = torch.empty(n // world)
+        out_ag = torch.empty(n)
+        part = torch.ones(n // world)
+        res = {
+            ("all_reduce", "gloo"): timed(lambda: dist.all_reduce(x), reps),
+            ("all_reduce", "shm"): timed(lambda: shm.all_reduce(x), reps),
+            ("reduce_scatter", "gloo"): timed(lambda: dist.reduce_scatter_tensor(out_rs, x), reps),
+            ("reduce_scatter", "shm"): timed(lambda: shm.reduce_scatter(out_rs, x), reps),
+            ("all_gather", "gloo"): timed(lambda: dist.all_gather_into_tensor(out_ag, part), reps),
+            ("all_gather", "shm"): timed(lambda: shm.all_gather(out_ag, part), reps),
+        }
+        dst = torch.empty_like(x)
+        copy = statistics.median([_copy_time(dst, x) for _ in range(reps)])
+        rows.append((nbytes, res, copy))
+        del x, out_rs, out_ag, part, dst
+    if rank == 0:
+        print(f"\n{world} processes (fp32, medians; busbw: NCCL's convention; memcpy: one process, same size)")
+        print(f"{'size':>9} {'collective':>15} {'gloo ms':>9} {'shm ms':>9} {'shm/gloo':>9} {'shm busbw GB/s':>15} "
+              f"{'memcpy GB/s':>12}")
+        factor = {"all_reduce": 2 * (world - 1) / world, "reduce_scatter": (world - 1) / world,
+                  "all_gather": (world - 1) / world}
+        for nbytes, res, copy in rows:
+            mem_bw = nbytes / copy / 1e9  # bytes copied per second, as memcpy bandwidth is quoted
+            for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+                g, s = res[(coll, "gloo")], res[(coll, "shm")]
+                busbw = nbytes / s * factor[coll] / 1e9
+                label = f"{nbytes // KB} KiB" if nbytes < (1 << 20) else f"{nbytes >> 20} MiB"
+                print(f"{label:>9} {coll:>15} {g * 1e3:9.3f} {s * 1e3:9.3f} {g / s:9.1f} {busbw:15.2f} {mem_bw:12.2f}")
+                if nbytes == 32 << 20:
+                    limit = f"memcpy {mem_bw:.1f} GB/s at 32 MiB (one process)"
+                    _targets.target(BENCH, f"{coll} shm vs gloo, 32 MiB, {world} procs", g / s, 4.0, limit=limit)
+                    _targets.target(BENCH, f"{coll} shm busbw share of memcpy, 32 MiB, {world} procs",
+                                    busbw / mem_bw, 0.5, unit="%", limit=limit)
+                if nbytes == 64 * KB and coll == "all_reduce":
+                    _targets.target(BENCH, f"all_reduce 64 KiB latency shm vs gloo, {world} procs", g / s, 20.0,
+                                    limit=f"gloo {g * 1e6:.0f} us, shm {s * 1e6:.1f} us")
+    shm.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _copy_time(dst, src) -> float:
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--max-mb", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    exe = shutil.which("accelerate-c", path=os.path.dirname(sys.executable)) or shutil.which("accelerate-c")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    rc = 0
+    for w in [int(x) for x in args.worlds.split(",")]:
+        cmd = [exe, "launch", "--num_processes", str(w), "--cpu", "--main_process_port", "0",
+               os.path.abspath(__file__), "--worker", "--max-mb", str(args.max_mb), "--repeats", str(args.repeats)]
+        rc |= subprocess.call(cmd, env=env)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
