@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import os
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -67,23 +69,94 @@ def _keep_views(tensors):
     _RECENT.extend(tensors)
 
 
+# ---- the CPU communicator ----------------------------------------------------------------------
+# The default process group's shared-memory communicator (shm.ShmGroup), when select_cpu_comm()
+# chose it; the collectives below send the CPU tensors it supports through it and everything
+# else through torch.distributed. Each channel keeps its own call order, the same on every rank.
+_SHM = None
+_SHM_FOR = None  # the default group the communicator was made for
+ENV_COMM = "ACCELERATE_C_COMM"
+
+
+def select_cpu_comm(choice: str | None = None) -> str:
+    """Decides, once per default process group, how CPU collectives travel: "shm" (shared memory,
+    when every rank is on this host) or "gloo". `choice` (else ACCELERATE_C_COMM): "shm", "gloo"
+    or "auto" (shm where possible); the default is "gloo" for now (docs/collectives.md). A
+    collective of the default group when it makes the communicator. Returns what is in use."""
+    global _SHM, _SHM_FOR
+    world = dist.group.WORLD
+    if _SHM_FOR is world and world is not None:
+        return "shm" if _SHM is not None else "gloo"
+    choice = (choice or os.environ.get(ENV_COMM) or "gloo").strip().lower()
+    if choice not in ("shm", "gloo", "auto"):
+        raise ValueError(f"{ENV_COMM}={choice!r}: use 'shm', 'gloo' or 'auto'")
+    if _SHM is not None:
+        _SHM.close()
+    _SHM, _SHM_FOR = None, world
+    if choice == "gloo" or dist.get_world_size() < 2:
+        return "gloo"
+    from .shm import ShmGroup  # noqa: PLC0415 (the extension's shm type, only when asked for)
+
+    try:
+        _SHM = ShmGroup.create()
+    except ValueError as e:  # a /dev/shm too small for the segment (the error names the size)
+        # every rank fails alike: the segment is made by rank 0 and the others time out on it
+        warnings.warn(f"shared-memory collectives unavailable, using gloo: {e}", stacklevel=2)
+        _SHM = None
+    if _SHM is None and choice == "shm":
+        warnings.warn(f"{ENV_COMM}=shm: the ranks are not all on this host; CPU collectives use gloo", stacklevel=2)
+    return "shm" if _SHM is not None else "gloo"
+
+
+def cpu_comm() -> str:
+    """"shm" or "gloo": how CPU collectives of the default group travel now."""
+    return "shm" if _SHM is not None and _SHM_FOR is dist.group.WORLD else "gloo"
+
+
+def _shm_for(t, group=None, op=None):
+    if _SHM is None or group is not None or _SHM_FOR is not dist.group.WORLD:
+        return None
+    return _SHM if _SHM.supports(t, op) else None
+
+
 def all_reduce(t, **kwargs):
-    """dist.all_reduce(t, **kwargs) (async_op too), safe at exit (see above)."""
+    """dist.all_reduce(t, **kwargs) (async_op too), safe at exit (see above); through shared
+    memory when that was selected and supports the tensor."""
+    shm = _shm_for(t, kwargs.get("group"), kwargs.get("op", dist.ReduceOp.SUM))
+    if shm is not None:
+        return shm.all_reduce(t, kwargs.get("op", dist.ReduceOp.SUM), kwargs.get("async_op", False))
     _keep((t,))
     with _outside_backward_tls():
         return dist.all_reduce(t, **kwargs)
 
 
 def broadcast(t, src: int):
+    shm = _shm_for(t)
+    if shm is not None:
+        return shm.broadcast(t, src)
     _keep((t,))
     with _outside_backward_tls():
         return dist.broadcast(t, src=src)
 
 
 def all_gather(outs, t):
+    shm = _shm_for(t)
+    if shm is not None and all(o.dtype == t.dtype and o.shape == t.shape for o in outs):
+        flat = torch.empty(len(outs) * t.numel(), dtype=t.dtype)
+        shm.all_gather(flat, t.contiguous().view(-1))
+        for k, o in enumerate(outs):
+            o.copy_(flat[k * t.numel():(k + 1) * t.numel()].view(t.shape))
+        return None
     _keep((t, *outs))
     with _outside_backward_tls():
         return dist.all_gather(outs, t)
+
+
+def barrier():
+    """Every rank of the default group has reached this point."""
+    if cpu_comm() == "shm":
+        return _SHM.barrier()
+    return dist.barrier()
 
 
 
@@ -95,6 +168,9 @@ _REDUCE_SCATTER_1 = getattr(dist, "reduce_scatter_single", None) or dist.reduce_
 
 def all_gather_into_tensor(out, t, **kwargs):
     """Every rank's `t`, concatenated in rank order into `out` (async_op too), safe at exit."""
+    shm = _shm_for(t, kwargs.get("group"))
+    if shm is not None and out.is_contiguous():
+        return shm.all_gather(out.view(-1), t.contiguous().view(-1), None, kwargs.get("async_op", False))
     _keep((t, out))
     with _outside_backward_tls():
         return _ALL_GATHER_1(out, t, **kwargs)
@@ -102,6 +178,10 @@ def all_gather_into_tensor(out, t, **kwargs):
 
 def reduce_scatter_tensor(out, t, **kwargs):
     """This rank's part of the sum of every rank's `t` into `out` (async_op too), safe at exit."""
+    op = kwargs.get("op", dist.ReduceOp.SUM)
+    shm = _shm_for(t, kwargs.get("group"), op)
+    if shm is not None and out.is_contiguous() and t.is_contiguous():
+        return shm.reduce_scatter(out.view(-1), t.view(-1), op, kwargs.get("async_op", False))
     _keep((t, out))
     with _outside_backward_tls():
         return _REDUCE_SCATTER_1(out, t, **kwargs)
@@ -141,6 +221,9 @@ def gather_chunks(full, rank: int, world: int, async_op: bool = False):
     """`full` (1-D, `world` equal chunks) gets every rank's chunk: this rank's is already in place
     at chunk `rank`, the others arrive from their ranks (an in-place all-gather)."""
     chunk = full.numel() // world
+    shm = _shm_for(full)
+    if shm is not None:  # in place: this rank's chunk is read before any chunk is written
+        return shm.all_gather(full, full[rank * chunk:(rank + 1) * chunk], None, async_op)
     if full.is_cuda:
         return all_gather_into_tensor(full, full[rank * chunk:(rank + 1) * chunk], async_op=async_op)
     parts = [full[q * chunk:(q + 1) * chunk] for q in range(world)]
@@ -154,6 +237,9 @@ def reduce_chunks(full, rank: int, world: int, async_op: bool = False):
     """Chunk `rank` of `full` (1-D, `world` equal chunks) becomes the sum over ranks of that chunk
     (an in-place reduce-scatter); the other chunks are left undefined (scratch)."""
     chunk = full.numel() // world
+    shm = _shm_for(full, op=dist.ReduceOp.SUM)
+    if shm is not None:
+        return shm.reduce_scatter(full[rank * chunk:(rank + 1) * chunk], full, dist.ReduceOp.SUM, async_op)
     if full.is_cuda:
         return reduce_scatter_tensor(full[rank * chunk:(rank + 1) * chunk], full, async_op=async_op)
     if world == 2:  # gloo's all-reduce beats two reduces on two processes (above)

@@ -82,26 +82,30 @@ class ShmGroup:
         return self.comm.size
 
     @staticmethod
-    def supports(t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.dtype in _DTYPES and t.is_contiguous()
+    def supports(t: torch.Tensor, op=None) -> bool:
+        """Whether this tensor (and reduction op) can go through shared memory."""
+        return t.device.type == "cpu" and t.dtype in _DTYPES and t.is_contiguous() and (op is None or op in _OPS) \
+            and not (op == dist.ReduceOp.AVG and not t.dtype.is_floating_point)
 
-    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    @staticmethod
+    def _op(op, what):
         name = _OPS.get(op)
         if name is None:
-            raise ValueError(f"shared-memory all_reduce does sum, max, min and avg, not {op}")
-        self.comm.all_reduce(t.detach(), name)
+            raise ValueError(f"shared-memory {what} does sum, max, min and avg, not {op}")
+        return name
 
-    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
-        name = _OPS.get(op)
-        if name is None:
-            raise ValueError(f"shared-memory reduce_scatter does sum, max, min and avg, not {op}")
-        self.comm.reduce_scatter(out.detach(), t.detach(), name)
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """In place; async_op: returns a work with wait() (a _C.ShmWork), else None."""
+        return self.comm.all_reduce(t.detach(), self._op(op, "all_reduce"), None, async_op)
 
-    def all_gather(self, out: torch.Tensor, t: torch.Tensor, counts=None) -> None:
-        self.comm.all_gather(out.detach(), t.detach(), counts)
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        return self.comm.reduce_scatter(out.detach(), t.detach(), self._op(op, "reduce_scatter"), async_op)
 
-    def broadcast(self, t: torch.Tensor, src: int) -> None:
-        self.comm.broadcast(t.detach(), src)
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor, counts=None, async_op: bool = False):
+        return self.comm.all_gather(out.detach(), t.detach(), counts, async_op)
+
+    def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False):
+        return self.comm.broadcast(t.detach(), src, async_op)
 
     def barrier(self) -> None:
         self.comm.barrier()

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+from . import collectives
 from .utils.dataclasses import DistributedType, GradientAccumulationPlugin, parse_flag_from_env
 
 
@@ -89,6 +90,8 @@ class PartialState:
                 if _let_gloo_workers_finish not in _AT_EXIT:  # once, however often a group is made
                     _AT_EXIT.append(_let_gloo_workers_finish)
                     atexit.register(_let_gloo_workers_finish)
+            if not use_cuda:  # shared memory or gloo for the CPU collectives (a collective: every rank is here)
+                collectives.select_cpu_comm()
         else:
             self.num_processes = 1
             self.process_index = 0
@@ -150,7 +153,7 @@ class PartialState:
     def wait_for_everyone(self):
         """Barrier across processes (nothing to wait for on one process)."""
         if self.use_distributed:
-            torch.distributed.barrier()
+            collectives.barrier()
 
     @contextmanager
     def _goes_first(self, is_main: bool):

@@ -75,6 +75,7 @@ struct ac_shm {
   int half;       /* the slot half the next piece uses */
   int timeout_ms;
   int broken;
+  _Atomic int aborted; /* ac_shm_abort: fail at once */
   const char *what; /* the collective now running, for messages */
   char name[AC_SHM_NAME_MAX];
 };
@@ -268,6 +269,12 @@ void ac_shm_destroy(ac_shm_t *c) {
   free(c);
 }
 
+void ac_shm_abort(ac_shm_t *c) {
+  if (!c) return;
+  atomic_store(&c->aborted, 1);
+  /* a waiter asleep on the futex sees the flag at its next wake-up (at most 10 ms) */
+}
+
 int ac_shm_size(const ac_shm_t *c) { return c ? c->nranks : 0; }
 int ac_shm_rank(const ac_shm_t *c) { return c ? c->rank : -1; }
 
@@ -352,6 +359,11 @@ static ac_result_t barrier(ac_shm_t *c) {
         futex(&h->wake, FUTEX_WAIT, w, &ts);
       }
       atomic_fetch_sub(&h->sleepers, 1);
+      if (atomic_load(&c->aborted)) {
+        c->broken = 1;
+        return AC_FAIL(AC_ERR_STATE, "shm %s (collective #%llu, group '%s'): the communicator was closed while "
+                       "waiting for its peers", c->what, (unsigned long long)c->ncoll, c->name);
+      }
       if (pid_dead(atomic_load(&h->ranks[q].pid))) return fail_wait(c, target, 1);
       if (now_s() - started > c->timeout_ms * 1e-3) return fail_wait(c, target, 0);
     }
@@ -365,8 +377,8 @@ enum { K_ALL_REDUCE = 1, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_BARRIER 
  * that every rank calls the same thing. */
 static ac_result_t begin(ac_shm_t *c, const char *what, uint64_t kind, uint64_t a, uint64_t b, uint64_t d) {
   if (!c) return AC_FAIL(AC_ERR_INVALID_ARG, "communicator is NULL");
-  if (c->broken)
-    return AC_FAIL(AC_ERR_STATE, "shm group '%s': an earlier collective failed on rank %d; the group cannot be used "
+  if (c->broken || atomic_load(&c->aborted))
+    return AC_FAIL(AC_ERR_STATE, "shm group '%s' on rank %d: closed, or an earlier collective failed; the group cannot be used "
                    "any more", c->name, c->rank);
   c->what = what;
   c->ncoll++;

@@ -1,18 +1,17 @@
-/* comm_shm_py.c — ShmComm: the shared-memory collectives (ac/comm_shm.h) as a Python type.
- * Tensors arrive through DLPack (CPU, C-contiguous; float32/64, float16, bfloat16, int32,
- * int64); the GIL is released for the whole collective, and one lock per communicator keeps two
- * Python threads from interleaving collectives on it. */
-#include <pthread.h>
-
+/* comm_shm_py.c — ShmComm: the shared-memory collectives (ac/comm_shm.h) as a Python type, and
+ * ShmWork, the handle of one asynchronous collective. Tensors arrive through DLPack (CPU,
+ * C-contiguous; float32/64, float16, bfloat16, int32, int64). Every collective goes through the
+ * communicator's queue (its progress thread runs them in call order, whichever Python thread
+ * called); a blocking one waits with the GIL released, an async_op=True one returns a ShmWork that
+ * keeps its tensors (and their DLPack exports) alive until it is waited for. */
 #include "pyac.h"
 
 #include "ac/comm_shm.h"
 
 typedef struct {
   PyObject_HEAD
-  ac_shm_t *comm;
-  pthread_mutex_t lock;
-  int lock_ok;
+  ac_shm_queue_t *q;
+  int nranks, rank;
 } ShmObject;
 
 typedef struct {
@@ -86,21 +85,133 @@ static int parse_op(PyObject *o, ac_redop_t *op) {
   return -1;
 }
 
-static ac_shm_t *open_comm(PyObject *op) {
-  ac_shm_t *c = ((ShmObject *)op)->comm;
-  if (!c) PyErr_SetString(PyExc_ValueError, "the ShmComm is closed");
-  return c;
+static ac_shm_queue_t *open_queue(PyObject *op) {
+  ac_shm_queue_t *q = ((ShmObject *)op)->q;
+  if (!q) PyErr_SetString(PyExc_ValueError, "the ShmComm is closed");
+  return q;
 }
 
-/* Runs a collective without the GIL and under the communicator's lock. */
-#define RUN_LOCKED(self, r, call)                          \
-  do {                                                     \
-    Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&(self)->lock); \
-    (r) = (call);                                          \
-    pthread_mutex_unlock(&(self)->lock);                   \
-    Py_END_ALLOW_THREADS                                   \
-  } while (0)
+/* ---- ShmWork -------------------------------------------------------------------------------- */
+typedef struct {
+  PyObject_HEAD
+  ac_shm_req_t *req;
+  shm_view views[2];
+  int nviews;
+  PyObject *keep;  /* the tensors, alive until the collective has run */
+  PyObject *etype, *evalue, *etb; /* the exception of a failed wait, raised again by later waits */
+} WorkObject;
 
+/* Waits (GIL released), then lets go of the tensors; 0, or -1 with the collective's error set. */
+static int work_finish(WorkObject *w) {
+  if (w->req) {
+    ac_result_t r;
+    Py_BEGIN_ALLOW_THREADS r = ac_shm_req_wait(w->req);
+    Py_END_ALLOW_THREADS
+    w->req = NULL;
+    for (int i = 0; i < w->nviews; i++) release(&w->views[i]);
+    w->nviews = 0;
+    Py_CLEAR(w->keep);
+    if (r != AC_OK) {
+      pyac_raise_value(pyac_module_of((PyObject *)w), r);
+      PyErr_Fetch(&w->etype, &w->evalue, &w->etb);
+      PyErr_NormalizeException(&w->etype, &w->evalue, &w->etb);
+    }
+  }
+  if (w->etype) {
+    Py_XINCREF(w->etype);
+    Py_XINCREF(w->evalue);
+    Py_XINCREF(w->etb);
+    PyErr_Restore(w->etype, w->evalue, w->etb);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *work_wait(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kw) {
+  (void)args;
+  (void)nargs;
+  (void)kw; /* torch's Work.wait(timeout=...): the communicator's own timeout applies */
+  if (work_finish((WorkObject *)op) < 0) return NULL;
+  Py_RETURN_TRUE;
+}
+
+static PyObject *work_is_completed(PyObject *op, PyObject *unused) {
+  (void)unused;
+  WorkObject *w = (WorkObject *)op;
+  return PyBool_FromLong(!w->req || ac_shm_req_done(w->req));
+}
+
+static void work_dealloc(PyObject *op) {
+  WorkObject *w = (WorkObject *)op;
+  if (w->req) { /* never waited for: the buffers must outlive the collective */
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    if (work_finish(w) < 0) PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+  }
+  Py_CLEAR(w->keep);
+  Py_CLEAR(w->etype);
+  Py_CLEAR(w->evalue);
+  Py_CLEAR(w->etb);
+  pyac_plain_dealloc(op);
+}
+
+static PyMethodDef work_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))work_wait, METH_FASTCALL | METH_KEYWORDS,
+     "wait(): blocks until the collective has run; raises its error"},
+    {"is_completed", work_is_completed, METH_NOARGS, "is_completed(): whether the collective has run"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot work_slots[] = {
+    {Py_tp_dealloc, work_dealloc},
+    {Py_tp_methods, work_methods},
+    {Py_tp_doc, "ShmWork: one asynchronous shared-memory collective (ShmComm(..., async_op=True))"},
+    {0, NULL},
+};
+
+PyType_Spec pyac_shm_work_spec = {
+    .name = "accelerate_c._C.ShmWork",
+    .basicsize = sizeof(WorkObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = work_slots,
+};
+
+/* Submits `o` on the views (consumed: released here or by the ShmWork). Blocking: waits and
+ * returns None; async: returns a ShmWork keeping `keep` alive. */
+static PyObject *submit(PyObject *op, const ac_shm_op_t *o, shm_view *views, int nviews, PyObject *keep,
+                        int async) {
+  ac_shm_queue_t *q = open_queue(op);
+  ac_shm_req_t *req = NULL;
+  ac_result_t r = q ? ac_shm_submit(q, o, &req) : AC_ERR_STATE;
+  if (!q || r != AC_OK) {
+    for (int i = 0; i < nviews; i++) release(&views[i]);
+    return q ? pyac_raise_value(pyac_module_of(op), r) : NULL;
+  }
+  PyObject *mod = pyac_module_of(op);
+  PyObject *work_type = PyObject_GetAttrString(mod, "ShmWork");
+  WorkObject *w = work_type ? PyObject_New(WorkObject, (PyTypeObject *)work_type) : NULL;
+  Py_XDECREF(work_type);
+  if (!w) { /* the collective is queued: it must still be waited for before the buffers go */
+    Py_BEGIN_ALLOW_THREADS ac_shm_req_wait(req);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < nviews; i++) release(&views[i]);
+    return NULL;
+  }
+  w->req = req;
+  w->nviews = nviews;
+  for (int i = 0; i < nviews; i++) w->views[i] = views[i];
+  Py_INCREF(keep);
+  w->keep = keep;
+  w->etype = w->evalue = w->etb = NULL;
+  if (async) return (PyObject *)w;
+  int rc = work_finish(w);
+  Py_DECREF(w);
+  if (rc < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* ---- ShmComm -------------------------------------------------------------------------------- */
 static int shm_init(PyObject *op, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"name", "nranks", "rank", "slot_bytes", "timeout_s", NULL};
   const char *name;
@@ -115,176 +226,195 @@ static int shm_init(PyObject *op, PyObject *args, PyObject *kwds) {
     return -1;
   }
   ShmObject *self = (ShmObject *)op;
-  if (!self->lock_ok) {
-    if (pthread_mutex_init(&self->lock, NULL) != 0) {
-      PyErr_SetString(PyExc_RuntimeError, "pthread_mutex_init failed");
-      return -1;
-    }
-    self->lock_ok = 1;
+  if (self->q) {
+    PyErr_SetString(PyExc_RuntimeError, "ShmComm.__init__ called twice");
+    return -1;
   }
   ac_shm_t *c = NULL;
+  ac_shm_queue_t *q = NULL;
   ac_result_t r;
   Py_BEGIN_ALLOW_THREADS r = ac_shm_create(&c, name, nranks, rank, (size_t)slot, (int)(timeout_s * 1000.0));
+  if (r == AC_OK && (r = ac_shm_queue_create(&q, c)) != AC_OK) ac_shm_destroy(c);
   Py_END_ALLOW_THREADS
   if (r != AC_OK) {
     pyac_raise_value(pyac_module_of(op), r);
     return -1;
   }
-  ac_shm_destroy(self->comm);
-  self->comm = c;
+  self->q = q;
+  self->nranks = nranks;
+  self->rank = rank;
   return 0;
 }
 
 static PyObject *shm_all_reduce(PyObject *op, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"tensor", "op", "out", NULL};
+  static char *kwlist[] = {"tensor", "op", "out", "async_op", NULL};
   PyObject *t, *opname = NULL, *out = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|UO:all_reduce", kwlist, &t, &opname, &out)) return NULL;
-  ac_shm_t *c = open_comm(op);
+  int async = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|UOp:all_reduce", kwlist, &t, &opname, &out, &async)) return NULL;
   ac_redop_t rop = AC_RED_SUM;
-  if (!c || parse_op(opname, &rop) < 0) return NULL;
-  shm_view vs, vd;
-  if (view(t, out == Py_None, "tensor", &vs) < 0) return NULL;
-  if (out != Py_None && view(out, 1, "out", &vd) < 0) {
-    release(&vs);
+  if (!open_queue(op) || parse_op(opname, &rop) < 0) return NULL;
+  shm_view v[2];
+  if (view(t, out == Py_None, "tensor", &v[0]) < 0) return NULL;
+  int nv = 1;
+  if (out != Py_None) {
+    if (view(out, 1, "out", &v[1]) < 0) {
+      release(&v[0]);
+      return NULL;
+    }
+    nv = 2;
+    if (v[1].n != v[0].n || v[1].dt != v[0].dt) {
+      release(&v[0]);
+      release(&v[1]);
+      PyErr_Format(PyExc_ValueError, "all_reduce: out must have tensor's dtype and %zu elements", v[0].n);
+      return NULL;
+    }
+  }
+  ac_shm_op_t o = {.kind = AC_SHM_OP_ALL_REDUCE, .send = v[0].data, .recv = nv == 2 ? v[1].data : v[0].data,
+                   .count = v[0].n, .dt = v[0].dt, .op = rop};
+  PyObject *keep = PyTuple_Pack(2, t, out);
+  if (!keep) {
+    for (int i = 0; i < nv; i++) release(&v[i]);
     return NULL;
   }
-  ac_result_t r;
-  if (out != Py_None && (vd.n != vs.n || vd.dt != vs.dt)) {
-    r = AC_FAIL(AC_ERR_INVALID_ARG, "all_reduce: out must have tensor's dtype and %zu elements", vs.n);
-  } else {
-    void *dst = out == Py_None ? vs.data : vd.data;
-    RUN_LOCKED((ShmObject *)op, r, ac_shm_all_reduce(c, vs.data, dst, vs.n, vs.dt, rop));
-  }
-  release(&vs);
-  if (out != Py_None) release(&vd);
-  if (r != AC_OK) return pyac_raise_value(pyac_module_of(op), r);
-  Py_RETURN_NONE;
+  PyObject *res = submit(op, &o, v, nv, keep, async);
+  Py_DECREF(keep);
+  return res;
 }
 
 static PyObject *shm_reduce_scatter(PyObject *op, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"out", "tensor", "op", NULL};
-  PyObject *o, *t, *opname = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|U:reduce_scatter", kwlist, &o, &t, &opname)) return NULL;
-  ac_shm_t *c = open_comm(op);
+  static char *kwlist[] = {"out", "tensor", "op", "async_op", NULL};
+  PyObject *o_, *t, *opname = NULL;
+  int async = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|Up:reduce_scatter", kwlist, &o_, &t, &opname, &async)) return NULL;
   ac_redop_t rop = AC_RED_SUM;
-  if (!c || parse_op(opname, &rop) < 0) return NULL;
-  shm_view vd, vs;
-  if (view(o, 1, "out", &vd) < 0) return NULL;
-  if (view(t, 0, "tensor", &vs) < 0) {
-    release(&vd);
+  if (!open_queue(op) || parse_op(opname, &rop) < 0) return NULL;
+  shm_view v[2];
+  if (view(o_, 1, "out", &v[0]) < 0) return NULL;
+  if (view(t, 0, "tensor", &v[1]) < 0) {
+    release(&v[0]);
     return NULL;
   }
-  ac_result_t r;
-  size_t n = (size_t)ac_shm_size(c);
-  if (vd.dt != vs.dt || vs.n != vd.n * n)
-    r = AC_FAIL(AC_ERR_INVALID_ARG, "reduce_scatter: tensor must have out's dtype and %zu x %zu elements, has %zu", n,
-                vd.n, vs.n);
-  else
-    RUN_LOCKED((ShmObject *)op, r, ac_shm_reduce_scatter(c, vs.data, vd.data, vd.n, vs.dt, rop));
-  release(&vs);
-  release(&vd);
-  if (r != AC_OK) return pyac_raise_value(pyac_module_of(op), r);
-  Py_RETURN_NONE;
+  size_t n = (size_t)((ShmObject *)op)->nranks;
+  if (v[0].dt != v[1].dt || v[1].n != v[0].n * n) {
+    PyErr_Format(PyExc_ValueError, "reduce_scatter: tensor must have out's dtype and %zu x %zu elements, has %zu", n,
+                 v[0].n, v[1].n);
+    release(&v[0]);
+    release(&v[1]);
+    return NULL;
+  }
+  ac_shm_op_t o = {.kind = AC_SHM_OP_REDUCE_SCATTER, .send = v[1].data, .recv = v[0].data, .count = v[0].n,
+                   .dt = v[0].dt, .op = rop};
+  PyObject *keep = PyTuple_Pack(2, o_, t);
+  if (!keep) {
+    release(&v[0]);
+    release(&v[1]);
+    return NULL;
+  }
+  PyObject *res = submit(op, &o, v, 2, keep, async);
+  Py_DECREF(keep);
+  return res;
 }
 
 static PyObject *shm_all_gather(PyObject *op, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"out", "tensor", "counts", NULL};
-  PyObject *o, *t, *counts_o = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O:all_gather", kwlist, &o, &t, &counts_o)) return NULL;
-  ac_shm_t *c = open_comm(op);
-  if (!c) return NULL;
-  int n = ac_shm_size(c);
-  size_t *counts = PyMem_Calloc((size_t)n, sizeof(size_t));
-  if (!counts) return PyErr_NoMemory();
-  shm_view vd, vs;
-  if (view(o, 1, "out", &vd) < 0) {
-    PyMem_Free(counts);
+  static char *kwlist[] = {"out", "tensor", "counts", "async_op", NULL};
+  PyObject *o_, *t, *counts_o = Py_None;
+  int async = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|Op:all_gather", kwlist, &o_, &t, &counts_o, &async)) return NULL;
+  if (!open_queue(op)) return NULL;
+  int n = ((ShmObject *)op)->nranks, me = ((ShmObject *)op)->rank;
+  size_t counts[AC_SHM_MAX_RANKS];
+  shm_view v[2];
+  if (view(o_, 1, "out", &v[0]) < 0) return NULL;
+  if (view(t, 0, "tensor", &v[1]) < 0) {
+    release(&v[0]);
     return NULL;
   }
-  if (view(t, 0, "tensor", &vs) < 0) {
-    release(&vd);
-    PyMem_Free(counts);
-    return NULL;
-  }
-  ac_result_t r = AC_OK;
   size_t total = 0;
+  int bad = 0;
   if (counts_o == Py_None) {
-    for (int q = 0; q < n; q++) counts[q] = vs.n;
-    total = vs.n * (size_t)n;
+    for (int q = 0; q < n; q++) counts[q] = v[1].n;
+    total = v[1].n * (size_t)n;
   } else {
     PyObject *seq = PySequence_Fast(counts_o, "counts must be a sequence of ints");
     if (!seq || PySequence_Fast_GET_SIZE(seq) != n) {
-      Py_XDECREF(seq);
-      release(&vs);
-      release(&vd);
-      PyMem_Free(counts);
-      if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "counts must have one entry per rank (%d)", n);
-      return NULL;
+      if (seq) PyErr_Format(PyExc_ValueError, "counts must have one entry per rank (%d)", n);
+      bad = 1;
     }
-    for (int q = 0; q < n; q++) {
+    for (int q = 0; !bad && q < n; q++) {
       Py_ssize_t k = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, q));
       if (k < 0) {
-        Py_DECREF(seq);
-        release(&vs);
-        release(&vd);
-        PyMem_Free(counts);
         if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "counts[%d] is negative", q);
-        return NULL;
+        bad = 1;
+        break;
       }
       counts[q] = (size_t)k;
       total += (size_t)k;
     }
-    Py_DECREF(seq);
+    Py_XDECREF(seq);
   }
-  int me = ac_shm_rank(c);
-  if (vd.dt != vs.dt || vs.n != counts[me] || vd.n != total)
-    r = AC_FAIL(AC_ERR_INVALID_ARG, "all_gather: tensor must have out's dtype and %zu elements (counts[%d]), out %zu; "
-                "got %zu and %zu", counts[me], me, total, vs.n, vd.n);
-  else
-    RUN_LOCKED((ShmObject *)op, r, ac_shm_all_gather(c, vs.data, vd.data, counts, vs.dt));
-  release(&vs);
-  release(&vd);
-  PyMem_Free(counts);
-  if (r != AC_OK) return pyac_raise_value(pyac_module_of(op), r);
-  Py_RETURN_NONE;
+  if (!bad && (v[0].dt != v[1].dt || v[1].n != counts[me] || v[0].n != total)) {
+    PyErr_Format(PyExc_ValueError, "all_gather: tensor must have out's dtype and %zu elements (counts[%d]), out %zu; "
+                 "got %zu and %zu", counts[me], me, total, v[1].n, v[0].n);
+    bad = 1;
+  }
+  if (bad) {
+    release(&v[0]);
+    release(&v[1]);
+    return NULL;
+  }
+  ac_shm_op_t o = {.kind = AC_SHM_OP_ALL_GATHER, .send = v[1].data, .recv = v[0].data, .dt = v[0].dt,
+                   .counts = counts};
+  PyObject *keep = PyTuple_Pack(2, o_, t);
+  if (!keep) {
+    release(&v[0]);
+    release(&v[1]);
+    return NULL;
+  }
+  PyObject *res = submit(op, &o, v, 2, keep, async);
+  Py_DECREF(keep);
+  return res;
 }
 
 static PyObject *shm_broadcast(PyObject *op, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"tensor", "root", NULL};
+  static char *kwlist[] = {"tensor", "root", "async_op", NULL};
   PyObject *t;
-  int root;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi:broadcast", kwlist, &t, &root)) return NULL;
-  ac_shm_t *c = open_comm(op);
-  if (!c) return NULL;
+  int root, async = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|p:broadcast", kwlist, &t, &root, &async)) return NULL;
+  if (!open_queue(op)) return NULL;
   shm_view v;
   if (view(t, 1, "tensor", &v) < 0) return NULL;
-  ac_result_t r;
-  RUN_LOCKED((ShmObject *)op, r, ac_shm_broadcast(c, v.data, v.n, v.dt, root));
-  release(&v);
-  if (r != AC_OK) return pyac_raise_value(pyac_module_of(op), r);
-  Py_RETURN_NONE;
+  ac_shm_op_t o = {.kind = AC_SHM_OP_BROADCAST, .recv = v.data, .count = v.n, .dt = v.dt, .root = root};
+  PyObject *keep = PyTuple_Pack(1, t);
+  if (!keep) {
+    release(&v);
+    return NULL;
+  }
+  PyObject *res = submit(op, &o, &v, 1, keep, async);
+  Py_DECREF(keep);
+  return res;
 }
 
 static PyObject *shm_barrier(PyObject *op, PyObject *unused) {
   (void)unused;
-  ac_shm_t *c = open_comm(op);
-  if (!c) return NULL;
-  ac_result_t r;
-  RUN_LOCKED((ShmObject *)op, r, ac_shm_barrier(c));
-  if (r != AC_OK) return pyac_raise(pyac_module_of(op), r);
-  Py_RETURN_NONE;
+  ac_shm_op_t o = {.kind = AC_SHM_OP_BARRIER};
+  PyObject *keep = PyTuple_New(0);
+  if (!keep) return NULL;
+  PyObject *res = submit(op, &o, NULL, 0, keep, 0);
+  Py_DECREF(keep);
+  return res;
 }
 
 static PyObject *shm_set_timeout(PyObject *op, PyObject *arg) {
   double s = PyFloat_AsDouble(arg);
   if (s == -1.0 && PyErr_Occurred()) return NULL;
-  ac_shm_t *c = open_comm(op);
-  if (!c) return NULL;
+  ac_shm_queue_t *q = open_queue(op);
+  if (!q) return NULL;
   if (!(s > 0) || s > 2e6) {
     PyErr_Format(PyExc_ValueError, "timeout must be in (0, 2e6] seconds, got %g", s);
     return NULL;
   }
-  ac_result_t r = ac_shm_set_timeout(c, (int)(s * 1000.0));
+  /* read by the progress thread at its next wait: a plain int store, as good as atomic here */
+  ac_result_t r = ac_shm_set_timeout(ac_shm_queue_comm(q), (int)(s * 1000.0));
   if (r != AC_OK) return pyac_raise(pyac_module_of(op), r);
   Py_RETURN_NONE;
 }
@@ -292,11 +422,11 @@ static PyObject *shm_set_timeout(PyObject *op, PyObject *arg) {
 static PyObject *shm_close(PyObject *op, PyObject *unused) {
   (void)unused;
   ShmObject *self = (ShmObject *)op;
-  if (self->comm) {
-    Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&self->lock); /* a collective of another thread ends first */
-    ac_shm_destroy(self->comm);
-    self->comm = NULL;
-    pthread_mutex_unlock(&self->lock);
+  ac_shm_queue_t *q = self->q;
+  self->q = NULL;
+  if (q) {
+    /* what is still queued fails at once (ShmWork.wait raises it); the thread is joined */
+    Py_BEGIN_ALLOW_THREADS ac_shm_queue_destroy(q);
     Py_END_ALLOW_THREADS
   }
   Py_RETURN_NONE;
@@ -304,37 +434,39 @@ static PyObject *shm_close(PyObject *op, PyObject *unused) {
 
 static PyObject *shm_get_rank(PyObject *op, void *closure) {
   (void)closure;
-  ac_shm_t *c = open_comm(op);
-  return c ? PyLong_FromLong(ac_shm_rank(c)) : NULL;
+  return PyLong_FromLong(((ShmObject *)op)->rank);
 }
 
 static PyObject *shm_get_size(PyObject *op, void *closure) {
   (void)closure;
-  ac_shm_t *c = open_comm(op);
-  return c ? PyLong_FromLong(ac_shm_size(c)) : NULL;
+  return PyLong_FromLong(((ShmObject *)op)->nranks);
 }
 
 static void shm_dealloc(PyObject *op) {
   ShmObject *self = (ShmObject *)op;
-  ac_shm_destroy(self->comm);
-  self->comm = NULL;
-  if (self->lock_ok) pthread_mutex_destroy(&self->lock);
+  if (self->q) {
+    Py_BEGIN_ALLOW_THREADS ac_shm_queue_destroy(self->q);
+    Py_END_ALLOW_THREADS
+    self->q = NULL;
+  }
   pyac_plain_dealloc(op);
 }
 
 static PyMethodDef shm_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))shm_all_reduce, METH_VARARGS | METH_KEYWORDS,
-     "all_reduce(tensor, op='sum', out=None): op over ranks of tensor, into out (default: in place)"},
+     "all_reduce(tensor, op='sum', out=None, async_op=False): op over ranks of tensor, into out (default: in "
+     "place); async_op: returns a ShmWork"},
     {"reduce_scatter", (PyCFunction)(void (*)(void))shm_reduce_scatter, METH_VARARGS | METH_KEYWORDS,
-     "reduce_scatter(out, tensor, op='sum'): out = this rank's slice of op over ranks of tensor (nranks x out)"},
+     "reduce_scatter(out, tensor, op='sum', async_op=False): out = this rank's slice of op over ranks of tensor "
+     "(nranks x out)"},
     {"all_gather", (PyCFunction)(void (*)(void))shm_all_gather, METH_VARARGS | METH_KEYWORDS,
-     "all_gather(out, tensor, counts=None): out = every rank's tensor concatenated in rank order (counts: the "
-     "element count of each rank's tensor, when they differ)"},
+     "all_gather(out, tensor, counts=None, async_op=False): out = every rank's tensor concatenated in rank order "
+     "(counts: the element count of each rank's tensor, when they differ)"},
     {"broadcast", (PyCFunction)(void (*)(void))shm_broadcast, METH_VARARGS | METH_KEYWORDS,
-     "broadcast(tensor, root): tensor on every rank = tensor of root"},
+     "broadcast(tensor, root, async_op=False): tensor on every rank = tensor of root"},
     {"barrier", shm_barrier, METH_NOARGS, "barrier(): returns when every rank has called it"},
     {"set_timeout", shm_set_timeout, METH_O, "set_timeout(seconds): the timeout of later collectives"},
-    {"close", shm_close, METH_NOARGS, "close(): unmaps the segment (the communicator cannot be used after)"},
+    {"close", shm_close, METH_NOARGS, "close(): what is still queued fails; the segment is unmapped"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -84,6 +84,11 @@ static int module_exec(PyObject *m) {
   rc = PyModule_AddObjectRef(m, "ShmComm", shm);
   Py_DECREF(shm);
   if (rc < 0) return -1;
+  PyObject *shm_work = PyType_FromModuleAndSpec(m, &pyac_shm_work_spec, NULL);
+  if (!shm_work) return -1;
+  rc = PyModule_AddObjectRef(m, "ShmWork", shm_work);
+  Py_DECREF(shm_work);
+  if (rc < 0) return -1;
   if (PyModule_AddObjectRef(m, "has_cuda", ac_cuda_built() ? Py_True : Py_False) < 0) return -1;
   if (PyModule_AddStringConstant(m, "dlpack_version", "1.0") < 0) return -1;
   if (PyModule_AddFunctions(m, pyac_safetensors_methods) < 0) return -1;

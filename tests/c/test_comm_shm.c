@@ -428,7 +428,76 @@ TEST(bad_arguments_are_refused_by_name) {
   ac_shm_destroy(c);
 }
 
+/* several all-reduces in flight on the progress thread, waited for in order and out of order */
+static ac_result_t async_rank(ac_shm_t *c, job_t *j, int rank) {
+  long *bad = j->arg;
+  ac_shm_queue_t *q = NULL;
+  AC_CHECK(ac_shm_queue_create(&q, c));
+  enum { K = 6, N = 5000 };
+  static _Thread_local float buf[K][N];
+  ac_shm_req_t *req[K];
+  ac_result_t r = AC_OK;
+  for (int k = 0; k < K; k++) {
+    for (int i = 0; i < N; i++) buf[k][i] = (float)(rank * 10 + k + i % 7);
+    ac_shm_op_t op = {.kind = AC_SHM_OP_ALL_REDUCE, .send = buf[k], .recv = buf[k], .count = N, .dt = AC_SHM_F32,
+                      .op = AC_RED_SUM};
+    if (r == AC_OK) r = ac_shm_submit(q, &op, &req[k]);
+    else req[k] = NULL;
+  }
+  for (int k = K - 1; k >= 0; k--) /* out of order: each still ran in submission order */
+    if (req[k]) {
+      ac_result_t rk = ac_shm_req_wait(req[k]);
+      r = r == AC_OK ? rk : r;
+    }
+  int n = j->nranks;
+  for (int k = 0; r == AC_OK && k < K; k++)
+    for (int i = 0; i < N; i++) bad[rank] += buf[k][i] != (float)(10 * n * (n - 1) / 2 + n * (k + i % 7));
+  /* a blocking call after them, through the queue, then closing with a request whose peers never
+   * come (only rank 0 submits it): it fails at once instead of waiting for the timeout */
+  ac_shm_op_t bar = {.kind = AC_SHM_OP_BARRIER};
+  ac_shm_req_t *b = NULL;
+  if (r == AC_OK) r = ac_shm_submit(q, &bar, &b);
+  if (r == AC_OK) r = ac_shm_req_wait(b);
+  ac_shm_req_t *lonely = NULL;
+  if (r == AC_OK && rank == 0) r = ac_shm_submit(q, &bar, &lonely);
+  ac_shm_queue_destroy(q); /* destroys c too */
+  if (lonely) {
+    ac_result_t lr = ac_shm_req_wait(lonely);
+    if (lr != AC_ERR_STATE) bad[rank] += 1000;
+  }
+  return r == AC_OK ? AC_OK : r;
+}
+
+static void *async_main(void *p) {
+  rank_arg_t *a = p;
+  job_t *j = a->j;
+  ac_shm_t *c = NULL;
+  ac_result_t r = ac_shm_create(&c, j->name, j->nranks, a->rank, j->slot, j->timeout_ms);
+  if (r == AC_OK) r = async_rank(c, j, a->rank);
+  else ac_shm_destroy(c);
+  j->result[a->rank] = r;
+  return NULL;
+}
+
+TEST(async_requests_run_in_order_and_close_fails_what_is_left) {
+  long bad[8] = {0};
+  job_t j = {.nranks = 3, .slot = SLOT, .timeout_ms = 20000, .arg = bad};
+  fresh_name(j.name, sizeof j.name);
+  pthread_t th[3];
+  rank_arg_t args[3];
+  for (int r = 0; r < 3; r++) {
+    args[r] = (rank_arg_t){&j, r};
+    pthread_create(&th[r], NULL, async_main, &args[r]);
+  }
+  for (int r = 0; r < 3; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < 3; r++) {
+    CHECK_EQ_INT(j.result[r], AC_OK);
+    CHECK_EQ_INT(bad[r], 0);
+  }
+}
+
 static const tu_test_t tests[] = {
+    TU_CASE(async_requests_run_in_order_and_close_fails_what_is_left),
     TU_CASE(all_reduce_matches_the_reference),
     TU_CASE(max_and_min_keep_nan_from_any_rank),
     TU_CASE(reduce_scatter_gives_each_rank_its_slice),

@@ -3,6 +3,7 @@
     python tests/differential/run.py --cases 200 --seed 1      # cases 1..200
     python tests/differential/run.py --seconds 3600            # soak: new seeds until time is up
     python tests/differential/run.py --replay 1234             # one case, with its traceback
+    python tests/differential/run.py --cases 100 --comm shm    # accelerate_c over shared memory
 
 Cases of one world size share one launched process group (a launch costs seconds here); a case
 that raises ends its batch and the rest are relaunched. Every failure prints the one-line
@@ -110,8 +111,9 @@ def run_cases(cases, timeout: float = 900.0, log=print) -> list[tuple[dict, list
 def report(case: dict, errors: list[str]) -> str:
     lines = [f"FAILED case {case['seed']}: {describe(case)}"]
     lines += ["  " + e for e in errors[:8]]
+    comm = os.environ.get("ACCELERATE_C_COMM")
     lines.append(f"  replay: {sys.executable} tests/differential/run.py --replay {case['seed']} --world {case['world']}"
-                 f" --sharding {case['sharding']}")
+                 f" --sharding {case['sharding']}" + (f" --comm {comm}" if comm else ""))
     return "\n".join(lines)
 
 
@@ -124,7 +126,12 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, choices=(1, 2, 3), help="draw every case for this many processes")
     ap.add_argument("--sharding", choices=SHARDINGS, help="draw every case with this sharding strategy (on 2+ processes)")
     ap.add_argument("--regressions", action="store_true", help="run the cases of the defects found so far")
+    ap.add_argument("--comm", choices=("gloo", "shm"),
+                    help="how accelerate_c's CPU collectives travel (ACCELERATE_C_COMM; the torch references stay on "
+                         "gloo): the shared-memory axis")
     args = ap.parse_args(argv)
+    if args.comm:
+        os.environ["ACCELERATE_C_COMM"] = args.comm  # inherited by every launch
     start = time.monotonic()
     if args.regressions:
         failures = run_cases([dict(c) for c in REGRESSIONS.values()])

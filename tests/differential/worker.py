@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 
 from differential import compare, reference, reference_ds, subject  # noqa: E402
 from differential import workload as W  # noqa: E402
+from accelerate_c import collectives  # noqa: E402
 
 
 def _all_errors(mine: list[str]) -> list[str]:
@@ -46,6 +47,9 @@ def main(cases_path: str, out_path: str) -> int:
         t0 = time.perf_counter()
         try:
             sub = subject.run(case)
+            if os.environ.get("ACCELERATE_C_COMM") == "shm" and dist.is_initialized() and \
+                    collectives.cpu_comm() != "shm":  # the shm axis (run.py --comm shm) must really run over shm
+                raise RuntimeError("ACCELERATE_C_COMM=shm, but the CPU collectives went through gloo")
             t1 = time.perf_counter()
             ref = (reference_ds if W.deepspeed_16bit(case) else reference).run(case)
             errors = compare.compare(case, sub, ref)

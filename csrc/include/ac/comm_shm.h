@@ -76,6 +76,56 @@ ac_result_t ac_shm_all_gather(ac_shm_t *c, const void *send, void *recv, const s
 ac_result_t ac_shm_broadcast(ac_shm_t *c, void *buf, size_t count, ac_shm_dtype_t dt, int root);
 ac_result_t ac_shm_barrier(ac_shm_t *c);
 
+/* Makes every collective of `c` that is running or starts later fail at once with AC_ERR_STATE
+ * (a communicator being closed while its progress thread waits on a peer). Thread-safe. */
+void ac_shm_abort(ac_shm_t *c);
+
+/* ---- asynchronous collectives (csrc/core/comm_shm_async.c) ----------------------------------
+ * A queue owns a communicator and one progress thread (started at the first submit) that runs
+ * the submitted collectives in submission order, so that the caller (a backward pass launching
+ * gradient buckets) goes on meanwhile. Once a communicator has a queue, every collective on it
+ * goes through the queue (a blocking one is a submit and a wait), or the order would break. */
+typedef enum {
+  AC_SHM_OP_ALL_REDUCE = 0,
+  AC_SHM_OP_REDUCE_SCATTER = 1,
+  AC_SHM_OP_ALL_GATHER = 2,
+  AC_SHM_OP_BROADCAST = 3,
+  AC_SHM_OP_BARRIER = 4
+} ac_shm_kind_t;
+
+/* One collective's arguments, as the blocking functions above take them (all_gather: counts;
+ * broadcast: recv is the buffer, root; the rest: send, recv, count, op). The buffers must stay
+ * valid until the request is waited for; counts is copied. */
+typedef struct {
+  ac_shm_kind_t kind;
+  const void *send;
+  void *recv;
+  size_t count;
+  ac_shm_dtype_t dt;
+  ac_redop_t op;
+  int root;
+  const size_t *counts;
+} ac_shm_op_t;
+
+typedef struct ac_shm_queue ac_shm_queue_t;
+typedef struct ac_shm_req ac_shm_req_t;
+
+/* Takes ownership of `c` (ac_shm_queue_destroy destroys it). */
+ac_result_t ac_shm_queue_create(ac_shm_queue_t **out, ac_shm_t *c);
+ac_shm_t *ac_shm_queue_comm(ac_shm_queue_t *q);
+/* Queues `op`; *req: ac_shm_req_wait or ac_shm_req_release it. */
+ac_result_t ac_shm_submit(ac_shm_queue_t *q, const ac_shm_op_t *op, ac_shm_req_t **req);
+/* 1 once the request has run (result ready), else 0. */
+int ac_shm_req_done(ac_shm_req_t *r);
+/* Blocks until the request has run; returns its result (its error message becomes this
+ * thread's) and frees the request. */
+ac_result_t ac_shm_req_wait(ac_shm_req_t *r);
+/* Gives the request up without waiting (it still runs); NULL is a no-op. */
+void ac_shm_req_release(ac_shm_req_t *r);
+/* Aborts the communicator (ac_shm_abort: what is queued fails at once), joins the thread and
+ * destroys the communicator. Requests not yet waited for stay valid (their result: an error). */
+void ac_shm_queue_destroy(ac_shm_queue_t *q);
+
 #ifdef __cplusplus
 }
 #endif
