@@ -97,14 +97,10 @@ def select_cpu_comm(choice: str | None = None) -> str:
         return "gloo"
     from .shm import ShmGroup  # noqa: PLC0415 (the extension's shm type, only when asked for)
 
-    try:
-        _SHM = ShmGroup.create()
-    except ValueError as e:  # a /dev/shm too small for the segment (the error names the size)
-        # every rank fails alike: the segment is made by rank 0 and the others time out on it
-        warnings.warn(f"shared-memory collectives unavailable, using gloo: {e}", stacklevel=2)
-        _SHM = None
+    _SHM = ShmGroup.create()  # None where the ranks span hosts or /dev/shm is too small (it warns)
     if _SHM is None and choice == "shm":
-        warnings.warn(f"{ENV_COMM}=shm: the ranks are not all on this host; CPU collectives use gloo", stacklevel=2)
+        warnings.warn(f"{ENV_COMM}=shm, but shared memory cannot carry this group's collectives (its ranks are on "
+                      "several hosts, or /dev/shm is too small: warned above); CPU collectives use gloo", stacklevel=2)
     return "shm" if _SHM is not None else "gloo"
 
 

@@ -15,6 +15,7 @@ import datetime
 import os
 import secrets
 import socket
+import warnings
 from typing import Optional
 
 import torch
@@ -42,6 +43,15 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def _shm_free_bytes():
+    """Free bytes in /dev/shm (None when it cannot be told)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def _timeout_s(group) -> float:
     try:
         t = dist.distributed_c10d._get_default_timeout(dist.get_backend(group))
@@ -67,11 +77,22 @@ class ShmGroup:
         dist.all_gather_object(hosts, host_id(), group=group)
         if len(set(hosts)) != 1:
             return None
-        name = [f"/acshm-{os.getpid()}-{secrets.token_hex(8)}" if rank == 0 else None]
+        # rank 0 draws the name and checks that /dev/shm has room (a segment it could not make
+        # would leave the others waiting for it until the timeout); all follow its answer
+        plan = [None]
+        if rank == 0:
+            need, free = world * slot_bytes + (1 << 20), _shm_free_bytes()
+            plan[0] = (f"/acshm-{os.getpid()}-{secrets.token_hex(8)}", need, free)
         src = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast_object_list(name, src=src, group=group)
+        dist.broadcast_object_list(plan, src=src, group=group)
+        name, need, free = plan[0]
+        if free is not None and free < need:
+            warnings.warn(f"/dev/shm has {free >> 20} MiB free, the shared-memory collectives of {world} processes "
+                          f"need {need >> 20} MiB: CPU collectives use gloo. Enlarge it (docker: --shm-size=1g; "
+                          "mount -o remount,size=1G /dev/shm) to use them.", stacklevel=3)
+            return None
         timeout_s = _timeout_s(group) if timeout_s is None else timeout_s
-        return cls(ShmComm(name[0], world, rank, slot_bytes, timeout_s), group, timeout_s)
+        return cls(ShmComm(name, world, rank, slot_bytes, timeout_s), group, timeout_s)
 
     @property
     def rank(self) -> int:

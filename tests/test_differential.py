@@ -41,6 +41,20 @@ def test_random_configurations():
         _fail(failures)
 
 
+SHM_CASES = int(os.environ.get("AC_DIFF_SHM_CASES", "80"))
+
+
+@pytest.mark.timeout(900)
+def test_random_configurations_over_shared_memory(monkeypatch):
+    """The shared-memory axis: accelerate_c's CPU collectives through shared memory (DDP's
+    buckets, ZeRO's chunk collectives, the flags and norms) while the torch references stay on
+    gloo; the worker checks that shared memory really carried them."""
+    monkeypatch.setenv("ACCELERATE_C_COMM", "shm")
+    failures = harness.run_seeds(range(700_001, 700_001 + SHM_CASES), log=lambda s: None)
+    if failures:
+        _fail(failures)
+
+
 def _torch_buckets(numel, esize, caps):
     dtype = {2: torch.bfloat16, 4: torch.float32}[esize]
     tensors = [torch.empty(n, dtype=dtype) for n in numel]

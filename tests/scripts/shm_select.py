@@ -1,0 +1,46 @@
+"""Run by tests/test_shm.py with ACCELERATE_C_COMM set (shm or auto): the Accelerator's CPU
+collectives go through shared memory (collectives.cpu_comm()), and what they give equals what
+torch's own collectives over gloo give on the same tensors; then the cases where shared memory
+must not be used: ranks reporting different hosts, a /dev/shm too small for the segment (both:
+None, the second with a warning naming the fix). Prints "shm select OK"."""
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from accelerate_c import Accelerator, collectives
+from accelerate_c.shm import ENV_HOST_ID, ShmGroup
+
+acc = Accelerator(cpu=True)
+n, r = acc.num_processes, acc.process_index
+assert collectives.cpu_comm() == "shm", collectives.cpu_comm()
+g = torch.Generator().manual_seed(r)
+x = torch.randint(-50, 50, (1000, 7), generator=g).float()
+want = x.clone()
+dist.all_reduce(want)  # gloo
+assert torch.equal(acc.reduce(x, "sum"), want)
+parts = [torch.empty_like(x) for _ in range(n)]
+dist.all_gather(parts, x)
+assert torch.equal(acc.gather(x), torch.cat(parts))
+b = x.clone() if r == 1 else torch.zeros_like(x)
+ref = b.clone()
+dist.broadcast(ref, 1)
+from accelerate_c.utils import broadcast  # noqa: E402
+
+assert torch.equal(broadcast(b, from_process=1), ref)
+acc.wait_for_everyone()
+
+# ranks that say they are on different hosts: no shared memory
+os.environ[ENV_HOST_ID] = f"host-{r}"
+assert ShmGroup.create() is None
+del os.environ[ENV_HOST_ID]
+# a segment larger than /dev/shm: no shared memory, and a warning saying how to enlarge it
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert ShmGroup.create(slot_bytes=1 << 40) is None
+assert any("/dev/shm has" in str(w.message) and "--shm-size" in str(w.message) for w in caught), \
+    [str(w.message) for w in caught]
+acc.wait_for_everyone()
+if r == 0:
+    print("shm select OK", flush=True)
