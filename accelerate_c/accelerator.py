@@ -36,6 +36,7 @@ from .utils.dataclasses import (
     GradScalerKwargs,
     HostMallocKwargs,
     InitProcessGroupKwargs,
+    CpuCommKwargs,
     PrecisionType,
     ProjectConfiguration,
     parse_choice_from_env,
@@ -46,7 +47,7 @@ from .utils.operations import convert_outputs_to_fp32, recursively_apply
 
 _split_batches = object()  # sentinel: tells "not passed" from False, as accelerate does
 
-_HANDLERS = (AutocastKwargs, GradScalerKwargs, DistributedDataParallelKwargs, InitProcessGroupKwargs,
+_HANDLERS = (AutocastKwargs, GradScalerKwargs, DistributedDataParallelKwargs, InitProcessGroupKwargs, CpuCommKwargs,
              HostMallocKwargs)
 
 
@@ -142,6 +143,7 @@ class Accelerator:
         self.ddp_handler = None
         self.init_handler = None
         self.host_malloc_handler = None  # accelerate_c's own (host_malloc.py)
+        self.cpu_comm_handler = None  # accelerate_c's own (collectives.select_cpu_comm)
         seen = set()
         for handler in kwargs_handlers or []:
             kind = kind_of(handler, _HANDLERS)  # ours, or accelerate's class of the same name
@@ -159,11 +161,15 @@ class Accelerator:
                 self.ddp_handler = handler
             elif kind is HostMallocKwargs:
                 self.host_malloc_handler = handler
+            elif kind is CpuCommKwargs:
+                self.cpu_comm_handler = handler
             else:
                 self.init_handler = handler
 
         cpu = bool(cpu) or parse_flag_from_env("ACCELERATE_USE_CPU")
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
+        if self.cpu_comm_handler is not None:
+            init_kwargs["cpu_comm"] = self.cpu_comm_handler.comm
         self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, _from_accelerator=True,
                                       **init_kwargs)
         self.state.dynamo_plugin = dynamo  # where accelerate keeps it

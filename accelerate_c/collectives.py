@@ -78,10 +78,11 @@ _SHM_FOR = None  # the default group the communicator was made for
 ENV_COMM = "ACCELERATE_C_COMM"
 
 
-def select_cpu_comm(choice: str | None = None) -> str:
+def select_cpu_comm(choice: str | None = None, timeout_s: float | None = None) -> str:
     """Decides, once per default process group, how CPU collectives travel: "shm" (shared memory,
     when every rank is on this host) or "gloo". `choice` (else ACCELERATE_C_COMM): "shm", "gloo"
-    or "auto" (shm where possible); the default is "gloo" for now (docs/collectives.md). A
+    or "auto" (shm where possible); the default is "gloo" for now (docs/collectives.md).
+    timeout_s: the collectives' timeout (default: the process group's backend default). A
     collective of the default group when it makes the communicator. Returns what is in use."""
     global _SHM, _SHM_FOR
     world = dist.group.WORLD
@@ -97,7 +98,7 @@ def select_cpu_comm(choice: str | None = None) -> str:
         return "gloo"
     from .shm import ShmGroup  # noqa: PLC0415 (the extension's shm type, only when asked for)
 
-    _SHM = ShmGroup.create()  # None where the ranks span hosts or /dev/shm is too small (it warns)
+    _SHM = ShmGroup.create(timeout_s=timeout_s)  # None where the ranks span hosts or /dev/shm is too small (it warns)
     if _SHM is None and choice == "shm":
         warnings.warn(f"{ENV_COMM}=shm, but shared memory cannot carry this group's collectives (its ranks are on "
                       "several hosts, or /dev/shm is too small: warned above); CPU collectives use gloo", stacklevel=2)

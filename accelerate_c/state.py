@@ -57,7 +57,8 @@ class PartialState:
 
     def __init__(self, cpu: bool = False, **kwargs):
         """kwargs: `backend` and `timeout` for torch.distributed.init_process_group (from
-        InitProcessGroupKwargs), used when torchrun's WORLD_SIZE says several processes."""
+        InitProcessGroupKwargs), used when torchrun's WORLD_SIZE says several processes;
+        `cpu_comm` (CpuCommKwargs): how CPU collectives travel (collectives.select_cpu_comm)."""
         self.__dict__ = self._shared
         if self.initialized:
             return
@@ -91,7 +92,8 @@ class PartialState:
                     _AT_EXIT.append(_let_gloo_workers_finish)
                     atexit.register(_let_gloo_workers_finish)
             if not use_cuda:  # shared memory or gloo for the CPU collectives (a collective: every rank is here)
-                collectives.select_cpu_comm()
+                t = kwargs.get("timeout")
+                collectives.select_cpu_comm(kwargs.get("cpu_comm"), t.total_seconds() if t is not None else None)
         else:
             self.num_processes = 1
             self.process_index = 0

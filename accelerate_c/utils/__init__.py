@@ -1,6 +1,7 @@
 """accelerate.utils' public names that accelerate_c provides."""
 from .dataclasses import (
     AutocastKwargs,
+    CpuCommKwargs,
     DataLoaderConfiguration,
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,

@@ -181,6 +181,20 @@ class HostMallocKwargs(KwargsHandler):
 
 
 @dataclass
+class CpuCommKwargs(KwargsHandler):
+    """accelerate_c's own (accelerate has no such handler): how the collectives of CPU processes
+    travel (docs/collectives.md): "shm" (shared memory between the ranks of one host), "gloo",
+    or "auto" (shm where every rank is on this host). Wins over ACCELERATE_C_COMM. Decided once
+    per process group, when the first Accelerator is made."""
+
+    comm: str = "auto"
+
+    def __post_init__(self):
+        if self.comm not in ("shm", "gloo", "auto"):
+            raise ValueError(f"CpuCommKwargs(comm={self.comm!r}): use 'shm', 'gloo' or 'auto'")
+
+
+@dataclass
 class GradientAccumulationPlugin(KwargsHandler):
     """How gradient accumulation behaves (accelerate's fields)."""
 

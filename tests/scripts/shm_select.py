@@ -1,4 +1,5 @@
-"""Run by tests/test_shm.py with ACCELERATE_C_COMM set (shm or auto): the Accelerator's CPU
+"""Run by tests/test_shm.py with ACCELERATE_C_COMM set (shm or auto), or with
+CpuCommKwargs("shm") against ACCELERATE_C_COMM=gloo (SHM_SELECT_BY=handler): the Accelerator's CPU
 collectives go through shared memory (collectives.cpu_comm()), and what they give equals what
 torch's own collectives over gloo give on the same tensors; then the cases where shared memory
 must not be used: ranks reporting different hosts, a /dev/shm too small for the segment (both:
@@ -11,8 +12,12 @@ import torch.distributed as dist
 
 from accelerate_c import Accelerator, collectives
 from accelerate_c.shm import ENV_HOST_ID, ShmGroup
+from accelerate_c.utils import CpuCommKwargs
 
-acc = Accelerator(cpu=True)
+if os.environ.get("SHM_SELECT_BY") == "handler":  # the kwargs handler wins over ACCELERATE_C_COMM=gloo
+    acc = Accelerator(cpu=True, kwargs_handlers=[CpuCommKwargs("shm")])
+else:
+    acc = Accelerator(cpu=True)
 n, r = acc.num_processes, acc.process_index
 assert collectives.cpu_comm() == "shm", collectives.cpu_comm()
 g = torch.Generator().manual_seed(r)
