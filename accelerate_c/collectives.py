@@ -119,9 +119,11 @@ def _shm_for(t, group=None, op=None):
 def all_reduce(t, **kwargs):
     """dist.all_reduce(t, **kwargs) (async_op too), safe at exit (see above); through shared
     memory when that was selected and supports the tensor."""
-    shm = _shm_for(t, kwargs.get("group"), kwargs.get("op", dist.ReduceOp.SUM))
-    if shm is not None:
-        return shm.all_reduce(t, kwargs.get("op", dist.ReduceOp.SUM), kwargs.get("async_op", False))
+    if _SHM is not None:  # (dist may be a test's stand-in without ReduceOp when shm is off)
+        op = kwargs.get("op", dist.ReduceOp.SUM)
+        shm = _shm_for(t, kwargs.get("group"), op)
+        if shm is not None:
+            return shm.all_reduce(t, op, kwargs.get("async_op", False))
     _keep((t,))
     with _outside_backward_tls():
         return dist.all_reduce(t, **kwargs)
@@ -175,10 +177,11 @@ def all_gather_into_tensor(out, t, **kwargs):
 
 def reduce_scatter_tensor(out, t, **kwargs):
     """This rank's part of the sum of every rank's `t` into `out` (async_op too), safe at exit."""
-    op = kwargs.get("op", dist.ReduceOp.SUM)
-    shm = _shm_for(t, kwargs.get("group"), op)
-    if shm is not None and out.is_contiguous() and t.is_contiguous():
-        return shm.reduce_scatter(out.view(-1), t.view(-1), op, kwargs.get("async_op", False))
+    if _SHM is not None:
+        op = kwargs.get("op", dist.ReduceOp.SUM)
+        shm = _shm_for(t, kwargs.get("group"), op)
+        if shm is not None and out.is_contiguous() and t.is_contiguous():
+            return shm.reduce_scatter(out.view(-1), t.view(-1), op, kwargs.get("async_op", False))
     _keep((t, out))
     with _outside_backward_tls():
         return _REDUCE_SCATTER_1(out, t, **kwargs)
@@ -234,7 +237,7 @@ def reduce_chunks(full, rank: int, world: int, async_op: bool = False):
     """Chunk `rank` of `full` (1-D, `world` equal chunks) becomes the sum over ranks of that chunk
     (an in-place reduce-scatter); the other chunks are left undefined (scratch)."""
     chunk = full.numel() // world
-    shm = _shm_for(full, op=dist.ReduceOp.SUM)
+    shm = _shm_for(full, op=dist.ReduceOp.SUM) if _SHM is not None else None
     if shm is not None:
         return shm.reduce_scatter(full[rank * chunk:(rank + 1) * chunk], full, dist.ReduceOp.SUM, async_op)
     if full.is_cuda:

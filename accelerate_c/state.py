@@ -33,21 +33,15 @@ _AT_EXIT: list = []
 
 
 def _let_gloo_workers_finish():
-    """At exit of a process whose group accelerate_c created: a gloo worker thread destroys a
+    """At exit of a process that used a gloo group with accelerate_c: a gloo worker thread destroys a
     finished work a moment after waking its waiter; if that releases a tensor whose Python
     object only C++ still holds (torch's own temporaries, e.g. inside all_gather_object), the
     worker needs the GIL, and once the interpreter is finalizing CPython ends the thread inside a
     noexcept destructor: std::terminate after a finished run. Our own collectives keep their
     tensors referenced (collectives.py); for torch's, the workers get a moment, with the
     GIL released, to finish while the interpreter is still alive."""
-    if _gloo_group_alive():
-        time.sleep(0.2)
-
-
-def _gloo_group_alive() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
+    # also after destroy_process_group(): the works of a destroyed group may still be finishing
+    time.sleep(0.2)
 
 
 class PartialState:
@@ -88,9 +82,11 @@ class PartialState:
                 if kwargs.get("init_method") is not None:
                     init["init_method"] = kwargs["init_method"]
                 dist.init_process_group(**init)
-                if _let_gloo_workers_finish not in _AT_EXIT:  # once, however often a group is made
-                    _AT_EXIT.append(_let_gloo_workers_finish)
-                    atexit.register(_let_gloo_workers_finish)
+            if _let_gloo_workers_finish not in _AT_EXIT and dist.get_backend() == "gloo":
+                # once, however often a group is made, and whoever made it (a script that
+                # initialised its own group runs our collectives on it all the same)
+                _AT_EXIT.append(_let_gloo_workers_finish)
+                atexit.register(_let_gloo_workers_finish)
             if not use_cuda:  # shared memory or gloo for the CPU collectives (a collective: every rank is here)
                 t = kwargs.get("timeout")
                 collectives.select_cpu_comm(kwargs.get("cpu_comm"), t.total_seconds() if t is not None else None)
