@@ -483,20 +483,30 @@ static size_t piece_elems(const ac_shm_t *c, size_t es, size_t mult) {
 }
 
 /* ---- the collectives -------------------------------------------------------------------------- */
-ac_result_t ac_shm_all_reduce(ac_shm_t *c, const void *send, void *recv, size_t count, ac_shm_dtype_t dt,
-                              ac_redop_t op) {
-  reduce_fn fn;
-  AC_CHECK(check_op(dt, op, &fn));
+/* The checks and the start of a reduction (all-reduce, reduce-scatter): count elements per buffer. */
+static ac_result_t begin_reduction(ac_shm_t *c, const char *what, uint64_t kind, const void *send, void *recv,
+                                   size_t count, ac_shm_dtype_t dt, ac_redop_t op, reduce_fn *fn) {
+  AC_CHECK(check_op(dt, op, fn));
   size_t es = ac_shm_dtype_size(dt);
   AC_CHECK(check_buf(send, count, es, "send"));
   AC_CHECK(check_buf(recv, count, es, "recv"));
-  AC_CHECK(begin(c, "all_reduce", K_ALL_REDUCE, count, (uint64_t)dt, (uint64_t)op));
+  return begin(c, what, kind, count, (uint64_t)dt, (uint64_t)op);
+}
+
+/* A collective with nothing to move: its arguments are still checked against the other ranks'. */
+static ac_result_t empty(ac_shm_t *c) {
+  AC_CHECK(first_barrier(c));
+  return barrier(c);
+}
+
+ac_result_t ac_shm_all_reduce(ac_shm_t *c, const void *send, void *recv, size_t count, ac_shm_dtype_t dt,
+                              ac_redop_t op) {
+  reduce_fn fn;
+  AC_CHECK(begin_reduction(c, "all_reduce", K_ALL_REDUCE, send, recv, count, dt, op, &fn));
+  size_t es = ac_shm_dtype_size(dt);
   int n = c->nranks;
   const void *src[AC_SHM_MAX_RANKS];
-  if (count == 0) {
-    AC_CHECK(first_barrier(c));
-    return barrier(c);
-  }
+  if (count == 0) return empty(c);
   if (count * es <= SMALL_BYTES && count * es <= c->half_bytes) {
     /* latency path: one copy in, and every rank reduces the whole message itself (the same
      * operations in the same order everywhere, so the same bits) */
@@ -535,17 +545,11 @@ ac_result_t ac_shm_all_reduce(ac_shm_t *c, const void *send, void *recv, size_t 
 ac_result_t ac_shm_reduce_scatter(ac_shm_t *c, const void *send, void *recv, size_t count, ac_shm_dtype_t dt,
                                   ac_redop_t op) {
   reduce_fn fn;
-  AC_CHECK(check_op(dt, op, &fn));
+  AC_CHECK(begin_reduction(c, "reduce_scatter", K_REDUCE_SCATTER, send, recv, count, dt, op, &fn));
   size_t es = ac_shm_dtype_size(dt);
-  AC_CHECK(check_buf(send, count, es, "send"));
-  AC_CHECK(check_buf(recv, count, es, "recv"));
-  AC_CHECK(begin(c, "reduce_scatter", K_REDUCE_SCATTER, count, (uint64_t)dt, (uint64_t)op));
   int n = c->nranks;
   const void *src[AC_SHM_MAX_RANKS];
-  if (count == 0) {
-    AC_CHECK(first_barrier(c));
-    return barrier(c);
-  }
+  if (count == 0) return empty(c);
   size_t piece = piece_elems(c, es, (size_t)n);
   if (piece == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "shm slot of %zu bytes is too small for %d ranks",
                                  c->half_bytes * 2, n);
@@ -582,10 +586,7 @@ ac_result_t ac_shm_all_gather(ac_shm_t *c, const void *send, void *recv, const s
   AC_CHECK(check_buf(recv, total, es, "recv"));
   AC_CHECK(begin(c, "all_gather", K_ALL_GATHER, hash, (uint64_t)dt, total));
   size_t piece = piece_elems(c, es, 1);
-  if (most == 0) {
-    AC_CHECK(first_barrier(c));
-    return barrier(c);
-  }
+  if (most == 0) return empty(c);
   for (size_t off = 0; off < most; off += piece) {
     int hf = c->half;
     size_t mine = counts[c->rank] > off ? counts[c->rank] - off : 0;
@@ -611,10 +612,7 @@ ac_result_t ac_shm_broadcast(ac_shm_t *c, void *buf, size_t count, ac_shm_dtype_
   if (root < 0 || root >= c->nranks) return AC_FAIL(AC_ERR_INVALID_ARG, "root %d is not in 0..%d", root, c->nranks - 1);
   AC_CHECK(check_buf(buf, count, es, "buf"));
   AC_CHECK(begin(c, "broadcast", K_BROADCAST, count, (uint64_t)dt, (uint64_t)root));
-  if (count == 0) {
-    AC_CHECK(first_barrier(c));
-    return barrier(c);
-  }
+  if (count == 0) return empty(c);
   size_t piece = piece_elems(c, es, 1);
   for (size_t off = 0; off < count; off += piece) {
     size_t m = count - off < piece ? count - off : piece;

@@ -211,6 +211,19 @@ static PyObject *submit(PyObject *op, const ac_shm_op_t *o, shm_view *views, int
   Py_RETURN_NONE;
 }
 
+/* submit() keeping the Python objects `a` and `b` (the tensors) alive with the request. */
+static PyObject *submit_keeping(PyObject *op, const ac_shm_op_t *o, shm_view *views, int nviews, PyObject *a,
+                                PyObject *b, int async) {
+  PyObject *keep = PyTuple_Pack(2, a, b);
+  if (!keep) {
+    for (int i = 0; i < nviews; i++) release(&views[i]);
+    return NULL;
+  }
+  PyObject *res = submit(op, o, views, nviews, keep, async);
+  Py_DECREF(keep);
+  return res;
+}
+
 /* ---- ShmComm -------------------------------------------------------------------------------- */
 static int shm_init(PyObject *op, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"name", "nranks", "rank", "slot_bytes", "timeout_s", NULL};
@@ -271,14 +284,7 @@ static PyObject *shm_all_reduce(PyObject *op, PyObject *args, PyObject *kwds) {
   }
   ac_shm_op_t o = {.kind = AC_SHM_OP_ALL_REDUCE, .send = v[0].data, .recv = nv == 2 ? v[1].data : v[0].data,
                    .count = v[0].n, .dt = v[0].dt, .op = rop};
-  PyObject *keep = PyTuple_Pack(2, t, out);
-  if (!keep) {
-    for (int i = 0; i < nv; i++) release(&v[i]);
-    return NULL;
-  }
-  PyObject *res = submit(op, &o, v, nv, keep, async);
-  Py_DECREF(keep);
-  return res;
+  return submit_keeping(op, &o, v, nv, t, out, async);
 }
 
 static PyObject *shm_reduce_scatter(PyObject *op, PyObject *args, PyObject *kwds) {
@@ -304,15 +310,7 @@ static PyObject *shm_reduce_scatter(PyObject *op, PyObject *args, PyObject *kwds
   }
   ac_shm_op_t o = {.kind = AC_SHM_OP_REDUCE_SCATTER, .send = v[1].data, .recv = v[0].data, .count = v[0].n,
                    .dt = v[0].dt, .op = rop};
-  PyObject *keep = PyTuple_Pack(2, o_, t);
-  if (!keep) {
-    release(&v[0]);
-    release(&v[1]);
-    return NULL;
-  }
-  PyObject *res = submit(op, &o, v, 2, keep, async);
-  Py_DECREF(keep);
-  return res;
+  return submit_keeping(op, &o, v, 2, o_, t, async);
 }
 
 static PyObject *shm_all_gather(PyObject *op, PyObject *args, PyObject *kwds) {
@@ -364,15 +362,7 @@ static PyObject *shm_all_gather(PyObject *op, PyObject *args, PyObject *kwds) {
   }
   ac_shm_op_t o = {.kind = AC_SHM_OP_ALL_GATHER, .send = v[1].data, .recv = v[0].data, .dt = v[0].dt,
                    .counts = counts};
-  PyObject *keep = PyTuple_Pack(2, o_, t);
-  if (!keep) {
-    release(&v[0]);
-    release(&v[1]);
-    return NULL;
-  }
-  PyObject *res = submit(op, &o, v, 2, keep, async);
-  Py_DECREF(keep);
-  return res;
+  return submit_keeping(op, &o, v, 2, o_, t, async);
 }
 
 static PyObject *shm_broadcast(PyObject *op, PyObject *args, PyObject *kwds) {
@@ -384,24 +374,13 @@ static PyObject *shm_broadcast(PyObject *op, PyObject *args, PyObject *kwds) {
   shm_view v;
   if (view(t, 1, "tensor", &v) < 0) return NULL;
   ac_shm_op_t o = {.kind = AC_SHM_OP_BROADCAST, .recv = v.data, .count = v.n, .dt = v.dt, .root = root};
-  PyObject *keep = PyTuple_Pack(1, t);
-  if (!keep) {
-    release(&v);
-    return NULL;
-  }
-  PyObject *res = submit(op, &o, &v, 1, keep, async);
-  Py_DECREF(keep);
-  return res;
+  return submit_keeping(op, &o, &v, 1, t, Py_None, async);
 }
 
 static PyObject *shm_barrier(PyObject *op, PyObject *unused) {
   (void)unused;
   ac_shm_op_t o = {.kind = AC_SHM_OP_BARRIER};
-  PyObject *keep = PyTuple_New(0);
-  if (!keep) return NULL;
-  PyObject *res = submit(op, &o, NULL, 0, keep, 0);
-  Py_DECREF(keep);
-  return res;
+  return submit_keeping(op, &o, NULL, 0, Py_None, Py_None, 0);
 }
 
 static PyObject *shm_set_timeout(PyObject *op, PyObject *arg) {
