@@ -241,3 +241,18 @@ def bytes_table(title: str, times: dict, ours_name: str, nbytes: int, repeats: i
     print(f"\n{title} (median of {repeats}; 'vs ours' = their time / our time, > 1: ours is faster)")
     print_table(["contender", "ms", "q1-q3 ms", "GB/s", "vs ours"], rows)
     return s
+
+
+def launch_on(world: int, script: str, argv) -> int:
+    """Runs `script --worker *argv` on `world` CPU processes through accelerate_c's launcher
+    (a free port, none of this process's torchrun variables); returns the exit status."""
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("accelerate-c", path=os.path.dirname(sys.executable)) or shutil.which("accelerate-c")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    cmd = [exe, "launch", "--num_processes", str(world), "--cpu", "--main_process_port", "0",
+           os.path.abspath(script), "--worker", *[str(a) for a in argv]]
+    return subprocess.call(cmd, env=env)

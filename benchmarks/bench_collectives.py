@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -27,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import _targets  # noqa: E402
+from _common import launch_on  # noqa: E402
 
 BENCH = "bench_collectives"
 KB = 1 << 10
@@ -124,14 +123,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-    exe = shutil.which("accelerate-c", path=os.path.dirname(sys.executable)) or shutil.which("accelerate-c")
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
     rc = 0
     for w in [int(x) for x in args.worlds.split(",")]:
-        cmd = [exe, "launch", "--num_processes", str(w), "--cpu", "--main_process_port", "0",
-               os.path.abspath(__file__), "--worker", "--max-mb", str(args.max_mb), "--repeats", str(args.repeats)]
-        rc |= subprocess.call(cmd, env=env)
+        rc |= launch_on(w, __file__, ["--max-mb", args.max_mb, "--repeats", args.repeats])
     return rc
 
 
