@@ -40,6 +40,36 @@ def batches_of(case, ds, world, rank):
     return [tuple(t.clone() for t in b) for b in shard]
 
 
+class Addends:
+    """The largest magnitude each parameter's local gradient reaches in a window, over every rank:
+    the size of the terms a 16-bit cross-rank sum adds (compare.py bounds the rounding of such a
+    sum by it). Tensor hooks see each micro-batch's gradient before it is accumulated or reduced;
+    they return nothing, so the reference's arithmetic is untouched."""
+
+    def __init__(self, params):
+        self._acc = [None] * len(params)
+        self._peak = [0.0] * len(params)
+        for j, p in enumerate(params):
+            p.register_hook(lambda g, j=j: self._seen(j, g))
+
+    def _seen(self, j, g):
+        g = g.detach().float()
+        self._acc[j] = g.clone() if self._acc[j] is None else self._acc[j] + g
+        for t in (g, self._acc[j]):
+            finite = t[torch.isfinite(t)]
+            if finite.numel():
+                self._peak[j] = max(self._peak[j], finite.abs().max().item())
+
+    def take(self) -> list[float]:
+        """This window's peaks (MAX over ranks), and a new window."""
+        peaks = torch.tensor(self._peak, dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        self._acc = [None] * len(self._acc)
+        self._peak = [0.0] * len(self._peak)
+        return peaks.tolist()
+
+
 def wrap(case, models, world):
     if world == 1:
         return models
@@ -72,6 +102,7 @@ def run(case: dict) -> dict:
     world, rank = world_rank()
     models = W.models(case)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
+    addends = Addends(params)
     nets = wrap(case, models, world)
     opts = W.optimizers(case, params)
     sched = W.schedule(opts[0])
@@ -80,14 +111,14 @@ def run(case: dict) -> dict:
     batches = batches_of(case, W.dataset(case), world, rank)
     trace = {"steps": [], "initial": [p.detach().float().clone() for p in params]}
     with Join(nets) if case["uneven"] else contextlib.nullcontext():
-        _train(case, nets, models, params, opts, sched, scaler, amp, batches, world, rank, trace)
+        _train(case, nets, models, params, opts, sched, scaler, amp, batches, world, rank, trace, addends)
     trace["final"] = [p.detach().float().clone() for p in params]
     if case["eval"]:
         trace["eval"] = evaluate(case, models[0], amp)
     return trace
 
 
-def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world, rank, trace):
+def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world, rank, trace, addends):
     for epoch in range(case["epochs"]):
         epoch_batches = batches[case["skip_first"]:] if epoch == 0 else batches
         n = len(epoch_batches)
@@ -107,6 +138,7 @@ def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world,
                 continue
             norm = _step(case, params, opts, scaler, world, sched, trace)
             trace["steps"][-1]["norm"] = norm
+            trace["steps"][-1]["addends"] = addends.take()
             W.zero_grads(case, opts, models, params)
 
 

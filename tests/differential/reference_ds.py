@@ -22,7 +22,7 @@ import torch
 from ds_scaler_rule import ReferenceScaler
 
 from . import workload as W
-from .reference import batches_of, evaluate, world_rank, wrap
+from .reference import Addends, batches_of, evaluate, world_rank, wrap
 
 _DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,6 +34,7 @@ def run(case: dict) -> dict:
     params = []
     for m in models:
         params += [p for p in m.parameters() if p.requires_grad and all(p is not q for q in params)]
+    addends = Addends(params)
     nets = wrap(case, models, world)
     masters = [p.detach().float().clone() for p in params]
     opts = W.optimizers(case, masters)
@@ -61,6 +62,7 @@ def run(case: dict) -> dict:
                 (loss * scaler.cur_scale if scaler is not None else loss).backward()
             if window_end:
                 _step(case, params, masters, opts, sched, scaler, world, trace)
+                trace["steps"][-1]["addends"] = addends.take()
                 _zero_grads(case, models, params, masters)
     trace["final"] = [p.detach().float().clone() for p in params]
     if case["eval"]:
