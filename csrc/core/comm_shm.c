@@ -35,6 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "comm_shm_window.h"
 #include "half.h"
 
 #define SHM_MAGIC 0x3176636d68735f61ULL /* "a_shmcv1" */
@@ -77,6 +78,7 @@ struct ac_shm {
   int broken;
   _Atomic int aborted; /* ac_shm_abort: fail at once */
   const char *what; /* the collective now running, for messages */
+  unsigned nwindows; /* windows made so far (ac_shm_next_window_name; not the progress thread's) */
   char name[AC_SHM_NAME_MAX];
 };
 
@@ -139,7 +141,7 @@ static void sleep_ms(int ms) {
 }
 
 /* Opens (rank 0: creates and sizes) the segment file; *fd on success. */
-static ac_result_t open_segment(const char *name, int rank, size_t total, double deadline, int *fd) {
+ac_result_t ac_shm_open_segment(const char *name, int rank, size_t total, double deadline, int *fd) {
   if (rank == 0) {
     int f = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (f < 0)
@@ -200,7 +202,7 @@ ac_result_t ac_shm_create(ac_shm_t **out, const char *name, int nranks, int rank
   c->half_bytes = slot_bytes / 2;
   c->timeout_ms = timeout_ms;
   int fd = -1;
-  ac_result_t r = open_segment(name, rank, total, deadline, &fd);
+  ac_result_t r = ac_shm_open_segment(name, rank, total, deadline, &fd);
   if (r != AC_OK) {
     free(c);
     return r;
@@ -262,6 +264,15 @@ fail:
   free(c);
   return r;
 }
+
+void ac_shm_next_window_name(ac_shm_t *c, char *name, size_t cap, int *timeout_ms) {
+  /* a window name stays within AC_SHM_NAME_MAX: the group's name is cut short if need be (the
+   * counter keeps the windows of one group apart; the group's random part, the groups) */
+  snprintf(name, cap, "%.*s-w%u", AC_SHM_NAME_MAX - 16, c->name, c->nwindows++);
+  *timeout_ms = c->timeout_ms;
+}
+
+double ac_shm_now_s(void) { return now_s(); }
 
 void ac_shm_destroy(ac_shm_t *c) {
   if (!c) return;
@@ -371,7 +382,7 @@ static ac_result_t barrier(ac_shm_t *c) {
   return AC_OK;
 }
 
-enum { K_ALL_REDUCE = 1, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_BARRIER };
+enum { K_ALL_REDUCE = 1, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_BARRIER, K_WINDOW_ALL_REDUCE };
 
 /* Starts a collective: publishes what this rank is calling, so that the first barrier can check
  * that every rank calls the same thing. */
@@ -623,6 +634,45 @@ ac_result_t ac_shm_broadcast(ac_shm_t *c, void *buf, size_t count, ac_shm_dtype_
     c->half ^= 1;
   }
   return barrier(c);
+}
+
+/* Elements reduced, then written to every region, at a time: the block is still in cache when it
+ * is copied out (256 KiB of fp32). */
+#define WINDOW_BLOCK 65536
+
+ac_result_t ac_shm_window_all_reduce(ac_shm_t *c, ac_shm_window_t *w, size_t offset, size_t count,
+                                     ac_shm_dtype_t dt, ac_redop_t op) {
+  reduce_fn fn;
+  AC_CHECK(check_op(dt, op, &fn));
+  if (!c || !w) return AC_FAIL(AC_ERR_INVALID_ARG, "window all_reduce: communicator or window is NULL");
+  size_t es = ac_shm_dtype_size(dt);
+  if (w->nranks != c->nranks || w->rank != c->rank)
+    return AC_FAIL(AC_ERR_INVALID_ARG, "window all_reduce: the window is rank %d of %d, the group rank %d of %d",
+                   w->rank, w->nranks, c->rank, c->nranks);
+  if (offset > w->usable_bytes / es || count > w->usable_bytes / es - offset)
+    return AC_FAIL(AC_ERR_INVALID_ARG, "window all_reduce: elements [%zu, %zu) of %s are outside the window's %zu "
+                   "bytes", offset, offset + count, dtype_name(dt), w->usable_bytes);
+  AC_CHECK(begin(c, "window all_reduce", K_WINDOW_ALL_REDUCE, count, (uint64_t)dt | ((uint64_t)op << 8), offset));
+  if (count == 0) return empty(c);
+  int n = c->nranks;
+  AC_CHECK(first_barrier(c)); /* every rank's range is in its region */
+  size_t sl = (count + (size_t)n - 1) / (size_t)n;
+  sl = (sl + ALIGN_ELEMS - 1) / ALIGN_ELEMS * ALIGN_ELEMS;
+  size_t lo = (size_t)c->rank * sl < count ? (size_t)c->rank * sl : count;
+  size_t hi = lo + sl < count ? lo + sl : count;
+  /* Only this rank reads or writes its slice of the range in any region until the next barrier
+   * (every rank keeps to its own slice), so the result can go straight into every region. */
+  const void *src[AC_SHM_MAX_RANKS];
+  for (size_t i = lo; i < hi; i += WINDOW_BLOCK) {
+    size_t m = hi - i < WINDOW_BLOCK ? hi - i : WINDOW_BLOCK;
+    size_t at = (offset + i) * es;
+    for (int q = 0; q < n; q++) src[q] = ac_shm_window_region(w, q) + at;
+    unsigned char *mine = ac_shm_window_region(w, c->rank) + at;
+    fn(mine, src, n, m, op);
+    for (int q = 0; q < n; q++)
+      if (q != c->rank) memcpy(ac_shm_window_region(w, q) + at, mine, m * es);
+  }
+  return barrier(c); /* every slice is everywhere; no rank touches the range before this */
 }
 
 ac_result_t ac_shm_barrier(ac_shm_t *c) {

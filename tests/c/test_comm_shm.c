@@ -496,7 +496,107 @@ TEST(async_requests_run_in_order_and_close_fails_what_is_left) {
   }
 }
 
+/* ---- windows: a buffer in the shared segment, all-reduced in place with no copy ------------- */
+typedef struct {
+  reduce_case_t k;
+  size_t offset;
+  long outside[8]; /* elements outside [offset, offset + count) that changed */
+} window_case_t;
+
+static ac_result_t window_rank(ac_shm_t *c, job_t *j, int rank) {
+  window_case_t *w = j->arg;
+  reduce_case_t *k = &w->k;
+  size_t es = ac_shm_dtype_size(k->dt), total = w->offset + k->count + 3;
+  ac_shm_window_t *win = NULL;
+  /* a first window the collective does not use: the second is found by its counter on every rank */
+  ac_shm_window_t *spare = NULL;
+  AC_CHECK(ac_shm_window_create(&spare, c, 100));
+  ac_result_t r = ac_shm_window_create(&win, c, total * es);
+  if (r != AC_OK) {
+    ac_shm_window_destroy(spare);
+    return r;
+  }
+  unsigned char *base = ac_shm_window_base(win);
+  CHECK(((uintptr_t)base & 63) == 0);
+  memset(base, 0x5a, total * es);
+  fill(base + w->offset * es, k->dt, k->count, rank, k->integral);
+  r = ac_shm_window_all_reduce(c, win, w->offset, k->count, k->dt, k->op);
+  long bad = 0, outside = 0;
+  for (size_t i = 0; r == AC_OK && i < k->count; i++) {
+    double want = expected(k->dt, k->op, j->nranks, i, k->integral), got = get(base + w->offset * es, k->dt, i);
+    double tol = (k->dt == AC_SHM_F32 && !k->integral && (k->op == AC_RED_SUM || k->op == AC_RED_AVG))
+                     ? 1e-6 * (1 + fabs(want)) : 0;
+    if (fabs(got - want) > tol) bad++;
+  }
+  for (size_t b = 0; b < total * es; b++)
+    if ((b < w->offset * es || b >= (w->offset + k->count) * es) && base[b] != 0x5a) outside++;
+  k->bad[rank] = bad;
+  w->outside[rank] = outside;
+  ac_shm_window_destroy(win);
+  ac_shm_window_destroy(spare);
+  return r;
+}
+
+TEST(window_all_reduce_matches_the_reference_in_every_region) {
+  static const ac_shm_dtype_t dts[] = {AC_SHM_F32, AC_SHM_F64, AC_SHM_F16, AC_SHM_BF16, AC_SHM_I32, AC_SHM_I64};
+  static const ac_redop_t ops[] = {AC_RED_SUM, AC_RED_MAX, AC_RED_AVG};
+  static const size_t counts[] = {0, 1, 17, 4099, 300001}; /* the last crosses the reduce block per rank */
+  for (int nr = 2; nr <= 4; nr++)
+    for (size_t d = 0; d < 6; d++)
+      for (size_t o = 0; o < 3; o++)
+        for (size_t s = 0; s < 5; s++) {
+          if (ops[o] == AC_RED_AVG && (dts[d] == AC_SHM_I32 || dts[d] == AC_SHM_I64)) continue;
+          if (counts[s] > 100000 && (nr != 3 || o != 0)) continue; /* big: once per dtype */
+          window_case_t w = {{dts[d], ops[o], counts[s], 1, dts[d] >= AC_SHM_F16, {0}}, s % 2 ? 5 : 0, {0}};
+          job_t j = {.nranks = nr, .fn = window_rank, .arg = &w};
+          int failed = run_job(&j);
+          CHECK_MSG(failed == 0, "%d ranks, dtype %d, op %d, %zu elements: %s", nr, (int)dts[d], (int)ops[o], counts[s],
+                    j.error[0]);
+          for (int r = 0; r < nr; r++) {
+            CHECK_MSG(w.k.bad[r] == 0, "%d ranks, dtype %d, op %d, %zu elements at %zu: rank %d has %ld wrong", nr,
+                      (int)dts[d], (int)ops[o], counts[s], w.offset, r, w.k.bad[r]);
+            CHECK_MSG(w.outside[r] == 0, "rank %d: %ld bytes outside the range changed", r, w.outside[r]);
+          }
+        }
+}
+
+static ac_result_t window_mismatch_rank(ac_shm_t *c, job_t *j, int rank) {
+  (void)j;
+  ac_shm_window_t *win = NULL;
+  AC_CHECK(ac_shm_window_create(&win, c, 4096));
+  /* a range outside the window is refused before any rank waits (the group stays usable) */
+  if (ac_shm_window_all_reduce(c, win, 1000, 64, AC_SHM_F32, AC_RED_SUM) != AC_ERR_INVALID_ARG) {
+    ac_shm_window_destroy(win);
+    return AC_FAIL(AC_ERR_STATE, "a range outside the window was accepted");
+  }
+  /* rank 1 names another range: every rank fails, naming the mismatch */
+  ac_result_t r = ac_shm_window_all_reduce(c, win, rank == 1 ? 16 : 0, 64, AC_SHM_F32, AC_RED_SUM);
+  ac_shm_window_destroy(win);
+  return r;
+}
+
+TEST(window_mismatch_and_bad_ranges_are_refused) {
+  job_t j = {.nranks = 3, .fn = window_mismatch_rank};
+  CHECK_EQ_INT(run_job(&j), 3);
+  for (int r = 0; r < 3; r++)
+    CHECK_MSG(strstr(j.error[r], "different") != NULL, "rank %d: %s", r, j.error[r]);
+  ac_shm_t *c = NULL;
+  char name[64];
+  fresh_name(name, sizeof name);
+  CHECK_EQ_INT(ac_shm_create(&c, name, 1, 0, SLOT, 2000), AC_OK);
+  ac_shm_window_t *w = NULL;
+  CHECK_EQ_INT(ac_shm_window_create(&w, c, 0), AC_ERR_INVALID_ARG);
+  CHECK_EQ_INT(ac_shm_window_create(&w, c, 256), AC_OK);
+  CHECK_EQ_INT(ac_shm_window_all_reduce(c, w, 60, 5, AC_SHM_F32, AC_RED_SUM), AC_ERR_INVALID_ARG);
+  CHECK(strstr(ac_last_error(), "outside the window") != NULL);
+  CHECK_EQ_INT(ac_shm_window_all_reduce(c, w, 60, 4, AC_SHM_F32, AC_RED_SUM), AC_OK);
+  ac_shm_window_destroy(w);
+  ac_shm_destroy(c);
+}
+
 static const tu_test_t tests[] = {
+    TU_CASE(window_all_reduce_matches_the_reference_in_every_region),
+    TU_CASE(window_mismatch_and_bad_ranges_are_refused),
     TU_CASE(async_requests_run_in_order_and_close_fails_what_is_left),
     TU_CASE(all_reduce_matches_the_reference),
     TU_CASE(max_and_min_keep_nan_from_any_rank),

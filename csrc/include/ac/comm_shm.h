@@ -76,6 +76,30 @@ ac_result_t ac_shm_all_gather(ac_shm_t *c, const void *send, void *recv, const s
 ac_result_t ac_shm_broadcast(ac_shm_t *c, void *buf, size_t count, ac_shm_dtype_t dt, int root);
 ac_result_t ac_shm_barrier(ac_shm_t *c);
 
+/* ---- shared windows (csrc/core/comm_shm_window.c) ---------------------------------------------
+ * A window is memory every rank of the group maps: one region of `bytes` per rank. A buffer that
+ * lives in this rank's region (the reducer's flat gradient buffer) is all-reduced in place with no
+ * copy in or out: each rank reduces its slice of the range straight from every rank's region and
+ * writes the result into every region (docs/collectives.md, "Windows"). Creating one is a
+ * collective of the group in the window's own segment (named from the group's, with a counter:
+ * every rank creates its windows in the same order); it does not use the group's queue. The
+ * segment is unlinked once every rank has mapped it. */
+typedef struct ac_shm_window ac_shm_window_t;
+
+/* Joins the group's next window of `bytes` per rank (> 0). Blocks until every rank has mapped it
+ * or the group's timeout passes. *out: ac_shm_window_destroy. */
+ac_result_t ac_shm_window_create(ac_shm_window_t **out, ac_shm_t *c, size_t bytes);
+/* This rank's region (64-byte aligned, zeroed at creation) and its usable size. */
+void *ac_shm_window_base(const ac_shm_window_t *w);
+size_t ac_shm_window_bytes(const ac_shm_window_t *w);
+/* Unmaps it; NULL is a no-op. The caller makes sure no collective still uses it. */
+void ac_shm_window_destroy(ac_shm_window_t *w);
+/* Elements [offset, offset + count) of dtype `dt` in every rank's region become op over ranks of
+ * them (every rank passes the same window, offset, count, dtype and op: checked). Two barriers:
+ * everyone's data is in place; everyone's slice is reduced and written everywhere. */
+ac_result_t ac_shm_window_all_reduce(ac_shm_t *c, ac_shm_window_t *w, size_t offset, size_t count,
+                                     ac_shm_dtype_t dt, ac_redop_t op);
+
 /* Makes every collective of `c` that is running or starts later fail at once with AC_ERR_STATE
  * (a communicator being closed while its progress thread waits on a peer). Thread-safe. */
 void ac_shm_abort(ac_shm_t *c);
@@ -90,12 +114,14 @@ typedef enum {
   AC_SHM_OP_REDUCE_SCATTER = 1,
   AC_SHM_OP_ALL_GATHER = 2,
   AC_SHM_OP_BROADCAST = 3,
-  AC_SHM_OP_BARRIER = 4
+  AC_SHM_OP_BARRIER = 4,
+  AC_SHM_OP_WINDOW_ALL_REDUCE = 5
 } ac_shm_kind_t;
 
 /* One collective's arguments, as the blocking functions above take them (all_gather: counts;
- * broadcast: recv is the buffer, root; the rest: send, recv, count, op). The buffers must stay
- * valid until the request is waited for; counts is copied. */
+ * broadcast: recv is the buffer, root; window all-reduce: window, offset, count, op; the rest:
+ * send, recv, count, op). The buffers (and the window) must stay valid until the request is
+ * waited for; counts is copied. */
 typedef struct {
   ac_shm_kind_t kind;
   const void *send;
@@ -105,6 +131,8 @@ typedef struct {
   ac_redop_t op;
   int root;
   const size_t *counts;
+  ac_shm_window_t *window;
+  size_t offset;
 } ac_shm_op_t;
 
 typedef struct ac_shm_queue ac_shm_queue_t;
