@@ -60,10 +60,12 @@ class Addends:
             if finite.numel():
                 self._peak[j] = max(self._peak[j], finite.abs().max().item())
 
-    def take(self) -> list[float]:
-        """This window's peaks (MAX over ranks), and a new window."""
+    def take(self, across_ranks: bool = True) -> list[float]:
+        """This window's peaks (MAX over ranks; this rank's alone where ranks step unevenly, as a
+        collective there would not meet its peers: a smaller floor, a stricter comparison), and a
+        new window."""
         peaks = torch.tensor(self._peak, dtype=torch.float64)
-        if dist.is_initialized():
+        if across_ranks and dist.is_initialized():
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         self._acc = [None] * len(self._acc)
         self._peak = [0.0] * len(self._peak)
@@ -138,7 +140,7 @@ def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world,
                 continue
             norm = _step(case, params, opts, scaler, world, sched, trace)
             trace["steps"][-1]["norm"] = norm
-            trace["steps"][-1]["addends"] = addends.take()
+            trace["steps"][-1]["addends"] = addends.take(across_ranks=not case["uneven"])
             W.zero_grads(case, opts, models, params)
 
 
