@@ -151,6 +151,20 @@ def all_gather(outs, t):
         return dist.all_gather(outs, t)
 
 
+def shared_buffer(numel: int, dtype):
+    """A zeroed CPU tensor in memory every rank of the default group maps (a shared window: the
+    all-reduces below then reduce it in place with no copy), or None when the CPU collectives do
+    not go through shared memory or /dev/shm lacks the room. A collective of the default group."""
+    if cpu_comm() != "shm" or not _SHM.supports(torch.empty(0, dtype=dtype)):
+        return None
+    return _SHM.window_tensor(numel, dtype)
+
+
+def in_shared_buffer(t) -> bool:
+    """Whether t lies in a shared_buffer() (its all_reduce is reduced in place there)."""
+    return cpu_comm() == "shm" and t.device.type == "cpu" and _SHM.in_window(t)
+
+
 def barrier():
     """Every rank of the default group has reached this point."""
     if cpu_comm() == "shm":

@@ -78,7 +78,7 @@ class GradLayout:
                                   self.on_first, self.on_buckets, self._copy_in)
         offsets, _ = self.reducer.layout()
         self.offsets = offsets
-        self.flat = alloc_flat(self.reducer.total(), self.dtype, self.device)
+        self.flat = self.alloc_buffer(self.reducer.total())
         self.views = [self.flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
         # the alignment gaps between ranges: zero, and kept zero (see scale_), so that
         # whole-buffer passes and bucket all-reduces read zeros there
@@ -104,6 +104,10 @@ class GradLayout:
         # marked ready without running Python; the rest goes to _copy_in
         self.hooks = [p.register_post_accumulate_grad_hook(self.reducer.hook(i, v))
                       for i, (p, v) in enumerate(zip(self.params, self.views))]
+
+    def alloc_buffer(self, numel: int) -> torch.Tensor:
+        """The zeroed flat buffer (grads.GradGroup lets its strategy place it: shared memory)."""
+        return alloc_flat(numel, self.dtype, self.device)
 
     @torch.no_grad()
     def relayout(self, order):

@@ -45,6 +45,9 @@ class GradGroup(GradLayout):
             self.found_dev = torch.zeros(1, dtype=torch.float32, device=self.device)
             self.stats_dev = torch.zeros(3, dtype=torch.float32, device=self.device)  # sumsq, maxabs, non-finite
 
+    def alloc_buffer(self, numel: int) -> torch.Tensor:
+        return self.manager.strategy.alloc_buffer(numel, self.dtype, self.device)
+
     # ---- what the hooks call ------------------------------------------------------------
     def on_first(self):
         """The first gradient of this group in a backward: a new step for the unscale state;

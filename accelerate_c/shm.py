@@ -16,6 +16,7 @@ import os
 import secrets
 import socket
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -67,6 +68,8 @@ class ShmGroup:
         self.comm = comm
         self.group = group
         self.timeout_s = timeout_s
+        self._warned_room = False
+        self._windows = weakref.WeakSet()  # the window tensors alive (in_window)
 
     @classmethod
     def create(cls, group=None, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: Optional[float] = None):
@@ -127,6 +130,39 @@ class ShmGroup:
 
     def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False):
         return self.comm.broadcast(t.detach(), src, async_op)
+
+    def window_tensor(self, numel: int, dtype: torch.dtype):
+        """A zeroed 1-D tensor of `numel` elements living in a shared window (memory every rank
+        maps), which all_reduce then reduces in place with no copy in or out; None, on every
+        rank, where /dev/shm lacks the room (rank 0 decides, warning once). A collective of the
+        group: every rank asks for the same windows in the same order."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.zeros(0, dtype=dtype)
+        room = torch.ones(1, dtype=torch.int32)
+        if self.rank == 0:
+            free = _shm_free_bytes()
+            # the segment, and as much again for the next one made while this one is alive (a
+            # re-laid gradient buffer)
+            room[0] = int(free is None or free >= 2 * self.size * nbytes + (1 << 20))
+        self.comm.broadcast(room, 0)
+        if not room[0]:
+            if not self._warned_room:
+                self._warned_room = True
+                warnings.warn(f"/dev/shm has {(_shm_free_bytes() or 0) >> 20} MiB free, too little for shared "
+                              f"gradient buffers of {self.size} x {nbytes >> 20} MiB: they are reduced through "
+                              "copies instead (slower). Enlarge /dev/shm (docker: --shm-size) to avoid it.",
+                              stacklevel=3)
+            return None
+        t = torch.frombuffer(self.comm.window(nbytes), dtype=dtype)
+        self._windows.add(t)
+        return t
+
+    def in_window(self, t: torch.Tensor) -> bool:
+        """Whether t lies in a window of this group (its all_reduce then takes the window path)."""
+        p = t.data_ptr()
+        return any(w.data_ptr() <= p and p + t.numel() * t.element_size() <= w.data_ptr() + w.numel() * w.element_size()
+                   for w in self._windows)
 
     def barrier(self) -> None:
         self.comm.barrier()

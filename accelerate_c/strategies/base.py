@@ -12,6 +12,8 @@ writes the buffer's other fields; the buffers never read that state.
 """
 from __future__ import annotations
 
+from ..grad_layout import alloc_flat
+
 
 class HookSums:
     """The single-process strategy's state per buffer (group.strategy_state)."""
@@ -42,6 +44,11 @@ class GradStrategy:
     # ---- prepare ------------------------------------------------------------------------
     def prepare_model(self, model, manager) -> None:
         """Accelerator.prepare_model, before the model's buffers are built."""
+
+    def alloc_buffer(self, numel: int, dtype, device):
+        """A zeroed flat gradient buffer for a group about to be laid out (a collective where a
+        strategy places it in memory the processes share: every rank lays out its groups alike)."""
+        return alloc_flat(numel, dtype, device)
 
     def attach(self, group, previous=None) -> None:
         """A buffer was built, rebuilt (`previous`: the strategy state of the buffer it

@@ -142,6 +142,18 @@ class DDPStrategy(GradStrategy):
         # per forward: buffers from rank 0 (broadcast_buffers) and join_uneven_inputs' notices
         register_forward_sync(model, manager, self)
 
+    def alloc_buffer(self, numel, dtype, device):
+        """CPU buffers live in a shared window when the CPU collectives go through shared memory:
+        each bucket's all-reduce then reads every rank's gradients where backward wrote them and
+        writes the average back there, with no copy in or out (docs/collectives.md, "Windows").
+        Not for a buffer whose buckets travel cast (a 16-bit comm hook of fp32 gradients): its
+        wire buffers are what is reduced."""
+        if torch.device(device).type == "cpu" and self.hook_dtype in (None, dtype):
+            shared = collectives.shared_buffer(numel, dtype)
+            if shared is not None:
+                return shared
+        return super().alloc_buffer(numel, dtype, device)
+
     def attach(self, g, previous=None):
         g.strategy_state = BucketState()
         self._bind(g)
@@ -521,6 +533,14 @@ class _ShadowHook:
                 if nccl:
                     zeros = torch.zeros(count, dtype=g.dtype, device=g.device)
                     comm.nccl.all_reduce(zeros, stream=torch.cuda.current_stream(g.device).cuda_stream)
+                    continue
+                if wires[b] is None and collectives.in_shared_buffer(t):
+                    # the others reduce their shared buffers in place, so must this rank (the
+                    # window collective is another kind): its zeros there, its gradients kept
+                    kept = t.clone()
+                    t.zero_()
+                    collectives.all_reduce(t)
+                    t.copy_(kept)
                     continue
                 # the dtype the others send this bucket in (the same rule as launch)
                 wire = t.dtype if wires[b] is None else wires[b].dtype

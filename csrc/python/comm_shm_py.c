@@ -7,6 +7,7 @@
 #include "pyac.h"
 
 #include "ac/comm_shm.h"
+#include "shm_window_py.h"
 
 typedef struct {
   PyObject_HEAD
@@ -284,6 +285,15 @@ static PyObject *shm_all_reduce(PyObject *op, PyObject *args, PyObject *kwds) {
   }
   ac_shm_op_t o = {.kind = AC_SHM_OP_ALL_REDUCE, .send = v[0].data, .recv = nv == 2 ? v[1].data : v[0].data,
                    .count = v[0].n, .dt = v[0].dt, .op = rop};
+  size_t es = ac_shm_dtype_size(v[0].dt), at;
+  ac_shm_window_t *w;
+  if (nv == 1 && pyac_shm_window_find(((ShmObject *)op)->q, v[0].data, v[0].n * es, &w, &at) && at % es == 0) {
+    /* the tensor lives in a shared window: reduced there, no copy in or out (every rank's does:
+     * a rank whose tensor does not is named by the collective's argument check) */
+    o.kind = AC_SHM_OP_WINDOW_ALL_REDUCE;
+    o.window = w;
+    o.offset = at / es;
+  }
   return submit_keeping(op, &o, v, nv, t, out, async);
 }
 
@@ -383,6 +393,23 @@ static PyObject *shm_barrier(PyObject *op, PyObject *unused) {
   return submit_keeping(op, &o, NULL, 0, Py_None, Py_None, 0);
 }
 
+static PyObject *shm_window(PyObject *op, PyObject *arg) {
+  Py_ssize_t n = PyLong_AsSsize_t(arg);
+  if (n == -1 && PyErr_Occurred()) return NULL;
+  ac_shm_queue_t *q = open_queue(op);
+  if (!q) return NULL;
+  if (n <= 0) {
+    PyErr_Format(PyExc_ValueError, "window: nbytes must be positive, got %zd", n);
+    return NULL;
+  }
+  ac_shm_window_t *w = NULL;
+  ac_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = ac_shm_window_create(&w, ac_shm_queue_comm(q), (size_t)n);
+  Py_END_ALLOW_THREADS
+  if (r != AC_OK) return pyac_raise_value(pyac_module_of(op), r);
+  return pyac_shm_window_wrap(op, q, w);
+}
+
 static PyObject *shm_set_timeout(PyObject *op, PyObject *arg) {
   double s = PyFloat_AsDouble(arg);
   if (s == -1.0 && PyErr_Occurred()) return NULL;
@@ -403,6 +430,7 @@ static PyObject *shm_close(PyObject *op, PyObject *unused) {
   ShmObject *self = (ShmObject *)op;
   ac_shm_queue_t *q = self->q;
   self->q = NULL;
+  pyac_shm_windows_forget(q);
   if (q) {
     /* what is still queued fails at once (ShmWork.wait raises it); the thread is joined */
     Py_BEGIN_ALLOW_THREADS ac_shm_queue_destroy(q);
@@ -424,6 +452,7 @@ static PyObject *shm_get_size(PyObject *op, void *closure) {
 static void shm_dealloc(PyObject *op) {
   ShmObject *self = (ShmObject *)op;
   if (self->q) {
+    pyac_shm_windows_forget(self->q);
     Py_BEGIN_ALLOW_THREADS ac_shm_queue_destroy(self->q);
     Py_END_ALLOW_THREADS
     self->q = NULL;
@@ -444,6 +473,9 @@ static PyMethodDef shm_methods[] = {
     {"broadcast", (PyCFunction)(void (*)(void))shm_broadcast, METH_VARARGS | METH_KEYWORDS,
      "broadcast(tensor, root, async_op=False): tensor on every rank = tensor of root"},
     {"barrier", shm_barrier, METH_NOARGS, "barrier(): returns when every rank has called it"},
+    {"window", shm_window, METH_O,
+     "window(nbytes): a ShmWindow, this rank's region of nbytes in memory every rank maps (a collective: every rank "
+     "makes its windows in the same order); a tensor in it (torch.frombuffer) is all-reduced there, with no copy"},
     {"set_timeout", shm_set_timeout, METH_O, "set_timeout(seconds): the timeout of later collectives"},
     {"close", shm_close, METH_NOARGS, "close(): what is still queued fails; the segment is unmapped"},
     {NULL, NULL, 0, NULL},

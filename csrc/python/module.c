@@ -89,6 +89,11 @@ static int module_exec(PyObject *m) {
   rc = PyModule_AddObjectRef(m, "ShmWork", shm_work);
   Py_DECREF(shm_work);
   if (rc < 0) return -1;
+  PyObject *shm_window = PyType_FromModuleAndSpec(m, &pyac_shm_window_spec, NULL);
+  if (!shm_window) return -1;
+  rc = PyModule_AddObjectRef(m, "ShmWindow", shm_window);
+  Py_DECREF(shm_window);
+  if (rc < 0) return -1;
   if (PyModule_AddObjectRef(m, "has_cuda", ac_cuda_built() ? Py_True : Py_False) < 0) return -1;
   if (PyModule_AddStringConstant(m, "dlpack_version", "1.0") < 0) return -1;
   if (PyModule_AddFunctions(m, pyac_safetensors_methods) < 0) return -1;

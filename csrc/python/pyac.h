@@ -138,6 +138,7 @@ extern PyType_Spec pyac_comm_spec;
 extern PyType_Spec pyac_shard_plan_spec;
 extern PyType_Spec pyac_shm_comm_spec;
 extern PyType_Spec pyac_shm_work_spec;
+extern PyType_Spec pyac_shm_window_spec;
 extern PyMethodDef pyac_comm_methods[];
 
 /* The NCCL communicator behind an accelerate_c._C.NcclComm (NULL after close()). */

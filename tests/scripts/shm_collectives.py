@@ -9,6 +9,10 @@ torch in the same processes, over gloo:
   stated tolerance (summation order) and bitwise against the rank-order sum; float16/bfloat16
   against the float32 sum in rank order rounded once, bitwise;
 - reduce_scatter, all_gather (equal and unequal sizes) and broadcast from every root, exactly;
+- windows (ShmGroup.window_tensor): views of a tensor living in shared memory all-reduced in place
+  (the zero-copy path) against the same rank-order reference, with what lies outside each view
+  untouched; the window path is really taken: a window tensor on one rank against a plain one on
+  the other is refused as a different collective;
 - one 256 MiB float32 all-reduce (argv "big").
 argv[1] "faults": rank 1 stays away from a collective (rank 0 must raise a timeout naming it), then
 rank 1 is killed with SIGKILL inside one (rank 0 must raise naming it as dead).
@@ -140,6 +144,41 @@ def check_others():
     shm.barrier()
 
 
+def check_windows():
+    seed = 5000
+    for dtype in DTYPES:
+        total = 3 * SLOT + 1000  # larger than a slot: the copy path would take several pieces
+        win = shm.window_tensor(total, dtype)
+        assert win is not None and win.dtype == dtype and win.numel() == total and not win.any()
+        for op in OPS:
+            if op == "avg" and not dtype.is_floating_point:
+                continue
+            for lo, n in ((0, total), (17, 1001), (5, 1), (total - 3, 0)):
+                seed += 1
+                fill = data(dtype, total, seed)
+                win.copy_(fill)
+                view = win[lo:lo + n]
+                stack = gathered(view.clone())
+                shm.all_reduce(view, OPS[op])
+                want = rank_order(stack, op, dtype)
+                if not same(view, want):
+                    fails.append(f"rank {rank}: window all_reduce {op} {dtype} [{lo}:{lo + n}] differs")
+                rest = torch.cat([win[:lo], win[lo + n:]])
+                if not same(rest, torch.cat([fill[:lo], fill[lo + n:]])):
+                    fails.append(f"rank {rank}: window all_reduce {op} {dtype} changed elements outside [{lo}:{lo + n}]")
+    # every rank's view must be in a window: one rank's tensor outside it is named, not misread
+    # (a mismatch breaks the group, so this is checked on a group of its own)
+    other = ShmGroup.create(slot_bytes=SLOT, timeout_s=20)
+    w = other.window_tensor(1000, torch.float32)
+    try:
+        other.all_reduce(w if rank == 0 else torch.zeros(1000))
+        fails.append(f"rank {rank}: a window all_reduce against a plain one returned")
+    except RuntimeError as e:
+        if "different" not in str(e):
+            fails.append(f"rank {rank}: window/plain mismatch message: {e}")
+    other.close()
+
+
 def check_big():
     n = (256 << 20) // 4
     x = torch.randint(-4, 5, (n,), generator=torch.Generator().manual_seed(rank)).float()
@@ -193,6 +232,7 @@ if mode == "faults":
 if mode in ("all", "big"):
     check_all_reduce()
     check_others()
+    check_windows()
 if mode == "big":
     check_big()
 ok = torch.tensor([0 if fails else 1])
