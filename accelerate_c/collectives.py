@@ -75,6 +75,7 @@ def _keep_views(tensors):
 # else through torch.distributed. Each channel keeps its own call order, the same on every rank.
 _SHM = None
 _SHM_FOR = None  # the default group the communicator was made for
+_CHOICE = None  # what was asked for it ("shm", "gloo", "auto")
 ENV_COMM = "ACCELERATE_C_COMM"
 
 
@@ -84,16 +85,20 @@ def select_cpu_comm(choice: str | None = None, timeout_s: float | None = None) -
     or "auto" (shm where possible); the default is "gloo" for now (docs/collectives.md).
     timeout_s: the collectives' timeout (default: the process group's backend default). A
     collective of the default group when it makes the communicator. Returns what is in use."""
-    global _SHM, _SHM_FOR
+    global _SHM, _SHM_FOR, _CHOICE
     world = dist.group.WORLD
-    if _SHM_FOR is world and world is not None:
-        return "shm" if _SHM is not None else "gloo"
+    explicit = choice is not None
     choice = (choice or os.environ.get(ENV_COMM) or "gloo").strip().lower()
     if choice not in ("shm", "gloo", "auto"):
-        raise ValueError(f"{ENV_COMM}={choice!r}: use 'shm', 'gloo' or 'auto'")
+        raise ValueError(f"{'CpuCommKwargs(comm=...)' if explicit else ENV_COMM}={choice!r}: use 'shm', 'gloo' or "
+                         "'auto'")
+    if _SHM_FOR is world and world is not None and not (explicit and choice != _CHOICE):
+        # decided for this group already (a later Accelerator asking for another way explicitly
+        # switches: every rank makes its Accelerators at the same points)
+        return "shm" if _SHM is not None else "gloo"
     if _SHM is not None:
         _SHM.close()
-    _SHM, _SHM_FOR = None, world
+    _SHM, _SHM_FOR, _CHOICE = None, world, choice
     if choice == "gloo" or dist.get_world_size() < 2:
         return "gloo"
     from .shm import ShmGroup  # noqa: PLC0415 (the extension's shm type, only when asked for)

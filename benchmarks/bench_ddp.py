@@ -22,6 +22,12 @@ loader), the same optimizer, fp32 by default:
   accelerate_c  the same code with `from accelerate_c import Accelerator` (bucketed all-reduce
                 launched from gradient hooks while backward runs, waited at its end)
 
+--shm adds two contenders: accelerate_c_shm (the same code with CpuCommKwargs(comm="shm"): the
+CPU collectives through shared memory, the gradient buffers in shared windows reduced in place)
+and accelerate_c_nosync (every step under accelerator.no_sync: no reduction at all, the bound a
+faster all-reduce approaches; left out of the correctness check, as it computes something else).
+Its target: (t_gloo - t_shm) / (t_gloo - t_nosync) >= 0.70 in median step times.
+
 Batches are pre-built tensors (no DataLoader) so the comparison is about gradient reduction, not
 data loading. Models:
   gpt   benchmarks/models.py's "bench" preset (13.8M parameters, the model of bench_step.py),
@@ -69,6 +75,7 @@ With 2 ranks on 2 cores and gloo underneath all three, parity is expected, not a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import shlex
@@ -97,6 +104,10 @@ from _common import (  # noqa: E402
 import _targets  # noqa: E402
 
 NAMES = ["torch_ddp", "accelerate", "accelerate_c"]  # the first one is the correctness reference
+# --shm: accelerate_c over shared memory, and with no reduction at all (the bound); target: the
+# shared-memory run gets >= 70% of the step time the bound saves over gloo
+SHM_NAMES = ("accelerate_c_shm", "accelerate_c_nosync")
+TARGET_SHM_SHARE = 0.70
 TARGET_VS_ACCELERATE = 1.00
 TARGET_VS_TORCH_DDP = 0.97
 PARAM_RTOL = {"no": 1e-5, "bf16": 1e-3}
@@ -177,7 +188,7 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         dist.all_reduce(t)
         return t.tolist()
 
-    names = list(NAMES)
+    names = list(NAMES) + (list(SHM_NAMES) if args.shm else [])
     if accelerate is None:
         names.remove("accelerate")
 
@@ -271,14 +282,18 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
                 opt.zero_grad()
             return step, raw, (lambda: grad_bytes), (model, opt)
         mod = accelerate if name == "accelerate" else accelerate_c
-        accelerator = mod.Accelerator(cpu=True, mixed_precision=spec.precision)
+        kwargs = {}
+        if name.startswith("accelerate_c"):  # each says how its CPU collectives travel (--shm)
+            kwargs["kwargs_handlers"] = [accelerate_c.utils.CpuCommKwargs(comm="shm" if name == "accelerate_c_shm"
+                                                                          else "gloo")]
+        accelerator = mod.Accelerator(cpu=True, mixed_precision=spec.precision, **kwargs)
         if accelerator.num_processes != world:
             raise SystemExit(f"{name}'s Accelerator sees {accelerator.num_processes} processes, not {world}")
         model, opt = accelerator.prepare(raw, spec.make_opt(raw.parameters()))
         if torch.get_num_threads() != threads:  # keep every contender on the same thread count
             say(f"note: {name} changed torch threads {threads} -> {torch.get_num_threads()}; restored")
             torch.set_num_threads(threads)
-        if name == "accelerate_c":
+        if name.startswith("accelerate_c"):
             def nbytes():
                 return sum(g.flat.numel() * g.flat.element_size() for g in accelerator._grads.groups)
         else:
@@ -289,8 +304,11 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
                 return grad_bytes
 
         def step(i):
-            loss = spec.loss_of(model, spec.batches[i])
-            accelerator.backward(loss)
+            # accelerate_c_nosync: the same step with no gradient reduction at all (no_sync on
+            # every step), the bound a faster all-reduce can approach
+            with accelerator.no_sync(model) if name == "accelerate_c_nosync" else contextlib.nullcontext():
+                loss = spec.loss_of(model, spec.batches[i])
+                accelerator.backward(loss)
             opt.step()
             opt.zero_grad()
         return step, raw, nbytes, (accelerator, model, opt)
@@ -326,6 +344,9 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         Also warms the processes up (allocator, gloo connections) before any timing."""
         ref, out = None, {}
         for name in names:
+            if name == "accelerate_c_nosync":  # not the same computation: only a bound (--shm)
+                out[name] = (0.0, 0.0)
+                continue
             step, raw, _, keep = prepare(name, spec)
             for i in range(args.check_steps):
                 step(i)
@@ -477,6 +498,17 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         to_record.append(("torch_ddp", r_med, TARGET_VS_TORCH_DDP))
         ratio_rows.append(["accelerate_c / torch_ddp", f"{r_med:.3f}x", f"{ours.q1 / S['torch_ddp'].median:.3f}x",
                            f"{ours.q3 / S['torch_ddp'].median:.3f}x", f">= {TARGET_VS_TORCH_DDP:.2f}x", verdict(ok)])
+        if args.shm:
+            t_gloo, t_shm, t_none = (1 / S[n].median for n in ("accelerate_c", "accelerate_c_shm",
+                                                               "accelerate_c_nosync"))
+            share = (t_gloo - t_shm) / (t_gloo - t_none) if t_gloo > t_none else float("nan")
+            ok = share >= TARGET_SHM_SHARE
+            results.append((key, "accelerate_c_nosync", ok))
+            to_record.append(("the all-reduce skipped: share of its saving over gloo won by shm", share,
+                              TARGET_SHM_SHARE))
+            ratio_rows.append(["(gloo - shm) / (gloo - no reduction), step time", f"{share:.2f}",
+                               f"{1e3 * t_gloo:.0f} ms", f"{1e3 * t_shm:.0f} / {1e3 * t_none:.0f} ms",
+                               f">= {TARGET_SHM_SHARE:.2f}", verdict(ok)])
         say("ratios of steps/s (median: median/median; q1, q3: our quartile / their median):")
         if main:
             print_table(["ratio", "median", "q1", "q3", "target (median)", ""], ratio_rows)
@@ -507,7 +539,8 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         limit = (f"gloo loopback {bus * nb / b_med / 1e9:.2f} GB/s bus; all-reduce alone "
                  f"{100 * b_med * S['accelerate_c'].median:.0f}% of our step")
         for other, ratio, goal in to_record if main else ():
-            _targets.target("bench_ddp", f"{key}: steps/s vs {other}, {world} processes", ratio, goal, limit=limit)
+            what = f"{key}: {other}" if other.startswith("the all-reduce") else f"{key}: steps/s vs {other}"
+            _targets.target("bench_ddp", f"{what}, {world} processes", ratio, goal, limit=limit)
         if load is not None and load > 0.25:
             say(f"warning: other processes kept ~{load:.1f} CPUs busy while timing {key}; the numbers are noisy")
         say(f"({key} took {time.perf_counter() - t_model:.0f} s)")
@@ -540,6 +573,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check-steps", type=int, default=3,
                     help="steps of the untimed correctness check, before timing (default 3)")
     ap.add_argument("--loopback-iters", type=int, default=3, help="loopback all-reduces per repeat (default 3)")
+    ap.add_argument("--shm", action="store_true",
+                    help="also accelerate_c over shared memory and accelerate_c with no reduction (the bound)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 repeats x 2 steps (+1 warm-up), 2 check steps")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

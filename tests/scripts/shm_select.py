@@ -47,5 +47,24 @@ with warnings.catch_warnings(record=True) as caught:
 assert any("/dev/shm has" in str(w.message) and "--shm-size" in str(w.message) for w in caught), \
     [str(w.message) for w in caught]
 acc.wait_for_everyone()
+
+# a later explicit choice switches (every rank makes it at the same point); an implicit one keeps
+# what is in use; the reduce after each still equals gloo's
+assert collectives.select_cpu_comm("gloo") == "gloo" and collectives.cpu_comm() == "gloo"
+assert collectives.select_cpu_comm() == "gloo"
+assert torch.equal(acc.reduce(x, "sum"), want)
+assert collectives.select_cpu_comm("shm") == "shm" and collectives.cpu_comm() == "shm"
+assert torch.equal(acc.reduce(x, "sum"), want)
+# the gradient buffers of a model prepared now live in a shared window, and its averaged
+# gradients equal torch's: every rank's own gradient all-reduced through gloo, divided by n
+model = acc.prepare(torch.nn.Linear(7, 3))
+w, bias = (t.detach().clone().requires_grad_() for t in (model.weight, model.bias))
+torch.nn.functional.linear(x, w, bias).square().mean().backward()
+acc.backward(model(x).square().mean())
+for mine, ref in ((model.weight.grad, w.grad), (model.bias.grad, bias.grad)):
+    assert collectives.in_shared_buffer(mine)
+    dist.all_reduce(ref)
+    assert torch.allclose(mine, ref / n, rtol=1e-6, atol=1e-6), (mine, ref / n)
+acc.wait_for_everyone()
 if r == 0:
     print("shm select OK", flush=True)
