@@ -98,6 +98,10 @@ def select_cpu_comm(choice: str | None = None, timeout_s: float | None = None) -
         return "shm" if _SHM is not None else "gloo"
     if _SHM is not None:
         _SHM.close()
+    for sub in _SUBGROUPS.values():
+        if sub is not None:
+            sub.close()
+    _SUBGROUPS.clear()
     _SHM, _SHM_FOR, _CHOICE = None, world, choice
     if choice == "gloo" or dist.get_world_size() < 2:
         return "gloo"
@@ -110,15 +114,32 @@ def select_cpu_comm(choice: str | None = None, timeout_s: float | None = None) -
     return "shm" if _SHM is not None else "gloo"
 
 
-def cpu_comm() -> str:
-    """"shm" or "gloo": how CPU collectives of the default group travel now."""
-    return "shm" if _SHM is not None and _SHM_FOR is dist.group.WORLD else "gloo"
+def cpu_comm(group=None) -> str:
+    """"shm" or "gloo": how CPU collectives of the default group (or of `group`, once it has had
+    a collective here) travel now."""
+    if _SHM is None or _SHM_FOR is not dist.group.WORLD:
+        return "gloo"
+    if group is None or group is dist.group.WORLD:
+        return "shm"
+    return "shm" if _SUBGROUPS.get(group) is not None else "gloo"
+
+
+# shared-memory communicators of other process groups (new_group), made at a group's first
+# collective here (every member makes that call at the same point); None for a group whose ranks
+# span hosts. Dropped with the default group's communicator.
+_SUBGROUPS: dict = {}
 
 
 def _shm_for(t, group=None, op=None):
-    if _SHM is None or group is not None or _SHM_FOR is not dist.group.WORLD:
+    if _SHM is None or _SHM_FOR is not dist.group.WORLD or not _SHM.supports(t, op):
         return None
-    return _SHM if _SHM.supports(t, op) else None
+    if group is None or group is dist.group.WORLD:
+        return _SHM
+    if group not in _SUBGROUPS:
+        from .shm import ShmGroup  # noqa: PLC0415 (as in select_cpu_comm)
+
+        _SUBGROUPS[group] = ShmGroup.create(group, timeout_s=_SHM.timeout_s)
+    return _SUBGROUPS[group]
 
 
 def all_reduce(t, **kwargs):

@@ -13,6 +13,8 @@ torch in the same processes, over gloo:
   (the zero-copy path) against the same rank-order reference, with what lies outside each view
   untouched; the window path is really taken: a window tensor on one rank against a plain one on
   the other is refused as a different collective;
+- subgroups (3+ processes): accelerate_c's collectives with group= a new_group of ranks {0, 1} and
+  of the rest, in flight together with the world group's, each against gloo's on the same group;
 - one 256 MiB float32 all-reduce (argv "big").
 argv[1] "faults": rank 1 stays away from a collective (rank 0 must raise a timeout naming it), then
 rank 1 is killed with SIGKILL inside one (rank 0 must raise naming it as dead).
@@ -179,6 +181,36 @@ def check_windows():
     other.close()
 
 
+def check_subgroups():
+    from accelerate_c import collectives
+
+    assert collectives.select_cpu_comm("shm") == "shm"
+    ranks = [[0, 1], list(range(2, world))]
+    groups = [dist.new_group(r) for r in ranks]  # every rank makes every group, as torch asks
+    mine = groups[0] if rank < 2 else groups[1]
+    for seed, n in ((1, 1000), (2, 3 * SLOT + 5)):
+        x = data(torch.float32, n, 7000 + seed).round()  # integers: any order gives the same sum
+        y = data(torch.float32, n, 8000 + seed).round()
+        want_sub, want_world = x.clone(), y.clone()
+        dist.all_reduce(want_sub, group=mine)
+        dist.all_reduce(want_world)
+        got_sub, got_world = x.clone(), y.clone()
+        w1 = collectives.all_reduce(got_sub, group=mine, async_op=True)
+        w2 = collectives.all_reduce(got_world, async_op=True)
+        w2.wait()
+        w1.wait()
+        if not (torch.equal(got_sub, want_sub) and torch.equal(got_world, want_world)):
+            fails.append(f"rank {rank}: subgroup and world all_reduce in flight together differ from gloo's (n={n})")
+        gathered_sub = torch.empty(n * len(ranks[0 if rank < 2 else 1]))
+        collectives.all_gather_into_tensor(gathered_sub, x, group=mine)
+        ref = torch.empty_like(gathered_sub)
+        dist.all_gather_into_tensor(ref, x, group=mine)
+        if not torch.equal(gathered_sub, ref):
+            fails.append(f"rank {rank}: subgroup all_gather differs from gloo's (n={n})")
+    if collectives.cpu_comm(mine) != "shm":
+        fails.append(f"rank {rank}: the subgroup's collectives did not go through shared memory")
+
+
 def check_big():
     n = (256 << 20) // 4
     x = torch.randint(-4, 5, (n,), generator=torch.Generator().manual_seed(rank)).float()
@@ -233,6 +265,8 @@ if mode in ("all", "big"):
     check_all_reduce()
     check_others()
     check_windows()
+    if world >= 3:
+        check_subgroups()
 if mode == "big":
     check_big()
 ok = torch.tensor([0 if fails else 1])
