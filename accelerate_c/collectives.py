@@ -105,12 +105,17 @@ def select_cpu_comm(choice: str | None = None, timeout_s: float | None = None) -
     _SHM, _SHM_FOR, _CHOICE = None, world, choice
     if choice == "gloo" or dist.get_world_size() < 2:
         return "gloo"
-    from .shm import ShmGroup  # noqa: PLC0415 (the extension's shm type, only when asked for)
+    from .shm import ShmGroup, hosts_of  # noqa: PLC0415 (the extension's shm type, only when asked for)
+    from .shm_hier import HierGroup  # noqa: PLC0415
 
-    _SHM = ShmGroup.create(timeout_s=timeout_s)  # None where the ranks span hosts or /dev/shm is too small (it warns)
+    hosts = hosts_of()
+    if len(set(hosts)) == 1:
+        _SHM = ShmGroup.create(timeout_s=timeout_s, hosts=hosts)  # None where /dev/shm is too small (it warns)
+    else:  # shared memory within each host, gloo between the hosts' leaders
+        _SHM = HierGroup.create(hosts, timeout_s=timeout_s)
     if _SHM is None and choice == "shm":
-        warnings.warn(f"{ENV_COMM}=shm, but shared memory cannot carry this group's collectives (its ranks are on "
-                      "several hosts, or /dev/shm is too small: warned above); CPU collectives use gloo", stacklevel=2)
+        warnings.warn(f"{ENV_COMM}=shm, but shared memory cannot carry this group's collectives (/dev/shm is too "
+                      "small: warned above); CPU collectives use gloo", stacklevel=2)
     return "shm" if _SHM is not None else "gloo"
 
 
@@ -128,6 +133,12 @@ def cpu_comm(group=None) -> str:
 # collective here (every member makes that call at the same point); None for a group whose ranks
 # span hosts. Dropped with the default group's communicator.
 _SUBGROUPS: dict = {}
+
+
+def hierarchical() -> bool:
+    """Whether the default group's CPU collectives go through shared memory within each host and
+    gloo between hosts (shm_hier.HierGroup: the ranks span several hosts)."""
+    return cpu_comm() == "shm" and not hasattr(_SHM, "comm")
 
 
 def _shm_for(t, group=None, op=None):

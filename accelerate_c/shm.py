@@ -44,6 +44,13 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def hosts_of(group=None) -> list:
+    """Every rank's host_id(), in the group's rank order. A collective of `group`."""
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, host_id(), group=group)
+    return hosts
+
+
 def _shm_free_bytes():
     """Free bytes in /dev/shm (None when it cannot be told)."""
     try:
@@ -72,13 +79,13 @@ class ShmGroup:
         self._windows = weakref.WeakSet()  # the window tensors alive (in_window)
 
     @classmethod
-    def create(cls, group=None, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: Optional[float] = None):
+    def create(cls, group=None, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: Optional[float] = None,
+               hosts: Optional[list] = None):
         """The group's shared-memory communicator, or None when its ranks are not all on this
-        host. A collective of `group`: every rank calls it."""
+        host. A collective of `group`: every rank calls it. hosts: hosts_of(group), when the
+        caller has it already."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        hosts = [None] * world
-        dist.all_gather_object(hosts, host_id(), group=group)
-        if len(set(hosts)) != 1:
+        if len(set(hosts_of(group) if hosts is None else hosts)) != 1:
             return None
         # rank 0 draws the name and checks that /dev/shm has room (a segment it could not make
         # would leave the others waiting for it until the timeout); all follow its answer

@@ -55,6 +55,18 @@ def test_random_configurations_over_shared_memory(monkeypatch):
         _fail(failures)
 
 
+@pytest.mark.timeout(900)
+def test_random_configurations_over_hosts_joined_by_gloo(monkeypatch):
+    """The ranks say they are on 2 hosts (run.py --hosts 2): shared memory within each host, gloo
+    between the hosts' leaders (accelerate_c/shm_hier.py), against the same torch references;
+    the worker checks that the collectives really split by host."""
+    monkeypatch.setenv("ACCELERATE_C_COMM", "shm")
+    monkeypatch.setenv("AC_DIFF_HOSTS", "2")
+    failures = harness.run_seeds(range(710_001, 710_001 + SHM_CASES // 2), log=lambda s: None)
+    if failures:
+        _fail(failures)
+
+
 def _torch_buckets(numel, esize, caps):
     dtype = {2: torch.bfloat16, 4: torch.float32}[esize]
     tensors = [torch.empty(n, dtype=dtype) for n in numel]

@@ -54,3 +54,15 @@ def test_the_accelerator_selects_shared_memory_and_agrees_with_gloo(env):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "shm select OK" in res.stdout
     assert _segments() <= before
+
+
+def test_ranks_on_two_hosts_go_through_shared_memory_within_and_gloo_between():
+    """4 processes saying they are on 2 hosts of 2: the Accelerator's collectives go
+    hierarchically (shm within each host, gloo between the leaders), each equal to torch's own
+    over gloo, a prepared model's gradients averaged as torch's (tests/scripts/shm_hier.py)."""
+    before = _segments()
+    res = launch(["--num_processes", "4", "--cpu", "--main_process_port", "0", os.path.join(SCRIPTS, "shm_hier.py")],
+                 env={"ACCELERATE_C_COMM": "shm"}, timeout=wait_s(180))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "shm hier OK" in res.stdout
+    assert _segments() <= before

@@ -4,6 +4,7 @@
     python tests/differential/run.py --seconds 3600            # soak: new seeds until time is up
     python tests/differential/run.py --replay 1234             # one case, with its traceback
     python tests/differential/run.py --cases 100 --comm shm    # accelerate_c over shared memory
+    python tests/differential/run.py --cases 40 --comm shm --hosts 2  # ranks split over 2 "hosts"
 
 Cases of one world size share one launched process group (a launch costs seconds here); a case
 that raises ends its batch and the rest are relaunched. Every failure prints the one-line
@@ -111,9 +112,10 @@ def run_cases(cases, timeout: float = 900.0, log=print) -> list[tuple[dict, list
 def report(case: dict, errors: list[str]) -> str:
     lines = [f"FAILED case {case['seed']}: {describe(case)}"]
     lines += ["  " + e for e in errors[:8]]
-    comm = os.environ.get("ACCELERATE_C_COMM")
+    comm, hosts = os.environ.get("ACCELERATE_C_COMM"), os.environ.get("AC_DIFF_HOSTS")
     lines.append(f"  replay: {sys.executable} tests/differential/run.py --replay {case['seed']} --world {case['world']}"
-                 f" --sharding {case['sharding']}" + (f" --comm {comm}" if comm else ""))
+                 f" --sharding {case['sharding']}" + (f" --comm {comm}" if comm else "")
+                 + (f" --hosts {hosts}" if hosts else ""))
     return "\n".join(lines)
 
 
@@ -129,9 +131,13 @@ def main(argv=None) -> int:
     ap.add_argument("--comm", choices=("gloo", "shm"),
                     help="how accelerate_c's CPU collectives travel (ACCELERATE_C_COMM; the torch references stay on "
                          "gloo): the shared-memory axis")
+    ap.add_argument("--hosts", type=int, help="with --comm shm: the ranks say they are on this many hosts (rank r on "
+                    "host r %% hosts), so shared memory carries each host's part and gloo joins the hosts")
     args = ap.parse_args(argv)
     if args.comm:
         os.environ["ACCELERATE_C_COMM"] = args.comm  # inherited by every launch
+    if args.hosts:
+        os.environ["AC_DIFF_HOSTS"] = str(args.hosts)  # worker.py sets each rank's host id from it
     start = time.monotonic()
     if args.regressions:
         failures = run_cases([dict(c) for c in REGRESSIONS.values()])

@@ -38,6 +38,8 @@ def main(cases_path: str, out_path: str) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("AC_DIFF_TIMEOUT", "90"))))
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if os.environ.get("AC_DIFF_HOSTS"):  # run.py --hosts: this rank's "host", read when the subject picks its comm
+        os.environ["ACCELERATE_C_SHM_HOST_ID"] = f"host-{rank % int(os.environ['AC_DIFF_HOSTS'])}"
     torch.set_num_threads(1)
     with open(cases_path) as f:
         cases = json.load(f)
@@ -50,6 +52,9 @@ def main(cases_path: str, out_path: str) -> int:
             if os.environ.get("ACCELERATE_C_COMM") == "shm" and dist.is_initialized() and \
                     collectives.cpu_comm() != "shm":  # the shm axis (run.py --comm shm) must really run over shm
                 raise RuntimeError("ACCELERATE_C_COMM=shm, but the CPU collectives went through gloo")
+            if os.environ.get("AC_DIFF_HOSTS") and dist.is_initialized() and dist.get_world_size() > 1 and \
+                    not collectives.hierarchical():
+                raise RuntimeError("run.py --hosts: the ranks' collectives were not split by host")
             t1 = time.perf_counter()
             ref = (reference_ds if W.deepspeed_16bit(case) else reference).run(case)
             errors = compare.compare(case, sub, ref)
