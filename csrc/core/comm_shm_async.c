@@ -27,6 +27,7 @@ struct ac_shm_queue {
   ac_shm_t *comm;
   pthread_t thread;
   int started, stopping;
+  int busy; /* a collective is running (on the progress thread or inline, ac_shm_run) */
   pthread_mutex_t lock;
   pthread_cond_t cv;
   ac_shm_req_t *head, *tail;
@@ -56,7 +57,8 @@ static void *progress(void *p) {
   ac_shm_queue_t *q = p;
   for (;;) {
     pthread_mutex_lock(&q->lock);
-    while (!q->head && !q->stopping) pthread_cond_wait(&q->cv, &q->lock);
+    while ((!q->head || q->busy) && !q->stopping) pthread_cond_wait(&q->cv, &q->lock);
+    while (q->busy) pthread_cond_wait(&q->cv, &q->lock); /* stopping: an inline run ends first */
     ac_shm_req_t *r = q->head;
     if (!r) { /* stopping, and nothing left */
       pthread_mutex_unlock(&q->lock);
@@ -64,8 +66,13 @@ static void *progress(void *p) {
     }
     q->head = r->next;
     if (!q->head) q->tail = NULL;
+    q->busy = 1;
     pthread_mutex_unlock(&q->lock);
     ac_result_t res = run(q->comm, &r->op);
+    pthread_mutex_lock(&q->lock);
+    q->busy = 0;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->lock);
     pthread_mutex_lock(&r->lock);
     r->result = res;
     snprintf(r->msg, sizeof r->msg, "%s", res == AC_OK ? "" : ac_last_error());
@@ -133,6 +140,28 @@ ac_result_t ac_shm_submit(ac_shm_queue_t *q, const ac_shm_op_t *op, ac_shm_req_t
   return AC_OK;
 }
 
+ac_result_t ac_shm_run(ac_shm_queue_t *q, const ac_shm_op_t *op) {
+  if (!q || !op) return AC_FAIL(AC_ERR_INVALID_ARG, "queue and op must not be NULL");
+  pthread_mutex_lock(&q->lock);
+  if (!q->stopping && !q->head && !q->busy) {
+    /* nothing queued or running: run it here, sparing the hand-off to the progress thread and
+     * back (two thread wake-ups, most of a small collective's latency); what is submitted
+     * meanwhile waits behind it */
+    q->busy = 1;
+    pthread_mutex_unlock(&q->lock);
+    ac_result_t res = run(q->comm, op);
+    pthread_mutex_lock(&q->lock);
+    q->busy = 0;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->lock);
+    return res;
+  }
+  pthread_mutex_unlock(&q->lock);
+  ac_shm_req_t *r = NULL;
+  AC_CHECK(ac_shm_submit(q, op, &r));
+  return ac_shm_req_wait(r);
+}
+
 int ac_shm_req_done(ac_shm_req_t *r) {
   if (!r) return 1;
   pthread_mutex_lock(&r->lock);
@@ -163,7 +192,8 @@ void ac_shm_queue_destroy(ac_shm_queue_t *q) {
   ac_shm_abort(q->comm);
   pthread_mutex_lock(&q->lock);
   q->stopping = 1;
-  pthread_cond_signal(&q->cv);
+  pthread_cond_broadcast(&q->cv);
+  while (q->busy) pthread_cond_wait(&q->cv, &q->lock); /* an inline run (aborted) ends first */
   int started = q->started;
   pthread_mutex_unlock(&q->lock);
   if (started) pthread_join(q->thread, NULL);

@@ -2,7 +2,8 @@
  * ShmWork, the handle of one asynchronous collective. Tensors arrive through DLPack (CPU,
  * C-contiguous; float32/64, float16, bfloat16, int32, int64). Every collective goes through the
  * communicator's queue (its progress thread runs them in call order, whichever Python thread
- * called); a blocking one waits with the GIL released, an async_op=True one returns a ShmWork that
+ * called; a blocking one finding the queue idle runs on the calling thread); a blocking one waits
+ * with the GIL released, an async_op=True one returns a ShmWork that
  * keeps its tensors (and their DLPack exports) alive until it is waited for. */
 #include "pyac.h"
 
@@ -183,6 +184,14 @@ PyType_Spec pyac_shm_work_spec = {
 static PyObject *submit(PyObject *op, const ac_shm_op_t *o, shm_view *views, int nviews, PyObject *keep,
                         int async) {
   ac_shm_queue_t *q = open_queue(op);
+  if (q && !async) { /* on this thread when the queue is idle (ac_shm_run): no hand-off */
+    ac_result_t r;
+    Py_BEGIN_ALLOW_THREADS r = ac_shm_run(q, o);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < nviews; i++) release(&views[i]);
+    if (r != AC_OK) return pyac_raise_value(pyac_module_of(op), r);
+    Py_RETURN_NONE;
+  }
   ac_shm_req_t *req = NULL;
   ac_result_t r = q ? ac_shm_submit(q, o, &req) : AC_ERR_STATE;
   if (!q || r != AC_OK) {

@@ -452,6 +452,24 @@ static ac_result_t async_rank(ac_shm_t *c, job_t *j, int rank) {
   int n = j->nranks;
   for (int k = 0; r == AC_OK && k < K; k++)
     for (int i = 0; i < N; i++) bad[rank] += buf[k][i] != (float)(10 * n * (n - 1) / 2 + n * (k + i % 7));
+  /* blocking runs (inline when the queue is idle) interleaved with queued requests keep the order */
+  for (int k = 0; r == AC_OK && k < K; k++) {
+    for (int i = 0; i < N; i++) buf[k][i] = (float)(rank + k);
+    ac_shm_op_t op = {.kind = AC_SHM_OP_ALL_REDUCE, .send = buf[k], .recv = buf[k], .count = N, .dt = AC_SHM_F32,
+                      .op = AC_RED_SUM};
+    if (k % 2) {
+      r = ac_shm_run(q, &op);
+    } else {
+      ac_shm_req_t *one = NULL;
+      r = ac_shm_submit(q, &op, &one);
+      if (r == AC_OK && k % 4 == 0) r = ac_shm_req_wait(one);
+      else ac_shm_req_release(one);
+    }
+  }
+  ac_shm_op_t fence = {.kind = AC_SHM_OP_BARRIER};
+  if (r == AC_OK) r = ac_shm_run(q, &fence);
+  for (int k = 0; r == AC_OK && k < K; k++)
+    for (int i = 0; i < N; i++) bad[rank] += buf[k][i] != (float)(n * (n - 1) / 2 + n * k);
   /* a blocking call after them, through the queue, then closing with a request whose peers never
    * come (only rank 0 submits it): it fails at once instead of waiting for the timeout */
   ac_shm_op_t bar = {.kind = AC_SHM_OP_BARRIER};

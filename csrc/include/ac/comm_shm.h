@@ -143,6 +143,10 @@ ac_result_t ac_shm_queue_create(ac_shm_queue_t **out, ac_shm_t *c);
 ac_shm_t *ac_shm_queue_comm(ac_shm_queue_t *q);
 /* Queues `op`; *req: ac_shm_req_wait or ac_shm_req_release it. */
 ac_result_t ac_shm_submit(ac_shm_queue_t *q, const ac_shm_op_t *op, ac_shm_req_t **req);
+/* Runs `op` and returns its result: on the calling thread when nothing is queued or running (a
+ * blocking collective then costs no thread hand-off), else queued behind the rest and waited for.
+ * Either way in submission order. */
+ac_result_t ac_shm_run(ac_shm_queue_t *q, const ac_shm_op_t *op);
 /* 1 once the request has run (result ready), else 0. */
 int ac_shm_req_done(ac_shm_req_t *r);
 /* Blocks until the request has run; returns its result (its error message becomes this
