@@ -82,13 +82,14 @@ ENV_COMM = "ACCELERATE_C_COMM"
 def select_cpu_comm(choice: str | None = None, timeout_s: float | None = None) -> str:
     """Decides, once per default process group, how CPU collectives travel: "shm" (shared memory,
     when every rank is on this host) or "gloo". `choice` (else ACCELERATE_C_COMM): "shm", "gloo"
-    or "auto" (shm where possible); the default is "gloo" for now (docs/collectives.md).
+    or "auto" (the default: shared memory within each host, where /dev/shm has the room;
+    docs/collectives.md).
     timeout_s: the collectives' timeout (default: the process group's backend default). A
     collective of the default group when it makes the communicator. Returns what is in use."""
     global _SHM, _SHM_FOR, _CHOICE
     world = dist.group.WORLD
     explicit = choice is not None
-    choice = (choice or os.environ.get(ENV_COMM) or "gloo").strip().lower()
+    choice = (choice or os.environ.get(ENV_COMM) or "auto").strip().lower()
     if choice not in ("shm", "gloo", "auto"):
         raise ValueError(f"{'CpuCommKwargs(comm=...)' if explicit else ENV_COMM}={choice!r}: use 'shm', 'gloo' or "
                          "'auto'")
@@ -142,6 +143,9 @@ def hierarchical() -> bool:
 
 
 def _shm_for(t, group=None, op=None):
+    """The shared-memory communicator for a collective of `group` on `t` with `op` (None: sum), or
+    None for gloo. dist.ReduceOp is touched only once shared memory is on (a test's stand-in for
+    torch.distributed has none)."""
     if _SHM is None or _SHM_FOR is not dist.group.WORLD or not _SHM.supports(t, op):
         return None
     if group is None or group is dist.group.WORLD:
@@ -156,11 +160,9 @@ def _shm_for(t, group=None, op=None):
 def all_reduce(t, **kwargs):
     """dist.all_reduce(t, **kwargs) (async_op too), safe at exit (see above); through shared
     memory when that was selected and supports the tensor."""
-    if _SHM is not None:  # (dist may be a test's stand-in without ReduceOp when shm is off)
-        op = kwargs.get("op", dist.ReduceOp.SUM)
-        shm = _shm_for(t, kwargs.get("group"), op)
-        if shm is not None:
-            return shm.all_reduce(t, op, kwargs.get("async_op", False))
+    shm = _shm_for(t, kwargs.get("group"), kwargs.get("op"))
+    if shm is not None:
+        return shm.all_reduce(t, kwargs.get("op", dist.ReduceOp.SUM), kwargs.get("async_op", False))
     _keep((t,))
     with _outside_backward_tls():
         return dist.all_reduce(t, **kwargs)
@@ -228,11 +230,10 @@ def all_gather_into_tensor(out, t, **kwargs):
 
 def reduce_scatter_tensor(out, t, **kwargs):
     """This rank's part of the sum of every rank's `t` into `out` (async_op too), safe at exit."""
-    if _SHM is not None:
-        op = kwargs.get("op", dist.ReduceOp.SUM)
-        shm = _shm_for(t, kwargs.get("group"), op)
-        if shm is not None and out.is_contiguous() and t.is_contiguous():
-            return shm.reduce_scatter(out.view(-1), t.view(-1), op, kwargs.get("async_op", False))
+    shm = _shm_for(t, kwargs.get("group"), kwargs.get("op"))
+    if shm is not None and out.is_contiguous() and t.is_contiguous():
+        return shm.reduce_scatter(out.view(-1), t.view(-1), kwargs.get("op", dist.ReduceOp.SUM),
+                                  kwargs.get("async_op", False))
     _keep((t, out))
     with _outside_backward_tls():
         return _REDUCE_SCATTER_1(out, t, **kwargs)
@@ -288,7 +289,7 @@ def reduce_chunks(full, rank: int, world: int, async_op: bool = False):
     """Chunk `rank` of `full` (1-D, `world` equal chunks) becomes the sum over ranks of that chunk
     (an in-place reduce-scatter); the other chunks are left undefined (scratch)."""
     chunk = full.numel() // world
-    shm = _shm_for(full, op=dist.ReduceOp.SUM) if _SHM is not None else None
+    shm = _shm_for(full)
     if shm is not None:
         return shm.reduce_scatter(full[rank * chunk:(rank + 1) * chunk], full, dist.ReduceOp.SUM, async_op)
     if full.is_cuda:

@@ -50,6 +50,9 @@ class ShardGroup:
         self.rank = rank
         self._shard = None
         self._owned = None
+        # per bucket (start in the full buffer, chunk, start in the shard, ...): the plan's,
+        # read once (a step walks them every time)
+        self.buckets = tuple(plan.buckets())
 
     @property
     def shard(self) -> torch.Tensor:
@@ -93,7 +96,7 @@ class ShardGroup:
         all_gather_into_tensor)."""
         world = self.plan.world
         return [(shard[local:local + chunk], full[start:start + world * chunk])
-                for start, chunk, local, _, _ in self.plan.buckets()]
+                for start, chunk, local, _, _ in self.buckets]
 
     def load_shard(self, tensors: Sequence[torch.Tensor], shard: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Copies this rank's owned part of each full-size tensor (in plan parameter order) into

@@ -15,7 +15,8 @@ and out), and of a tensor living in a shared window (reduced in place: how the r
 buffers go, "all_reduce win").
 
 Targets (at 32 MiB; 64 KiB for latency): busbw >= 50% of the memcpy bandwidth at that
-size, shm >= 4x gloo, 64 KiB all-reduce latency >= 20x better than gloo.
+size, shm >= 4x gloo, 64 KiB all-reduce latency >= 20x better than gloo; accelerate_c's
+accelerator.reduce of 8 MiB (accelerate_c.utils.reduce) >= 4x faster over shm than over gloo.
 """
 from __future__ import annotations
 
@@ -111,6 +112,23 @@ def worker(args) -> int:
                 if nbytes == 64 * KB and coll == "all_reduce" and how == "shm":
                     _targets.target(BENCH, f"all_reduce 64 KiB latency shm vs gloo, {world} procs", g / s, 20.0,
                                     limit=f"gloo {g * 1e6:.0f} us, shm {s * 1e6:.1f} us")
+    # accelerator.reduce (accelerate_c.utils.reduce: a copy, the shape check, the all-reduce) of
+    # 8 MiB, with the CPU collectives on gloo and then on shared memory
+    from accelerate_c import collectives
+    from accelerate_c.utils import reduce as ac_reduce
+
+    x8 = torch.ones((8 << 20) // 4)
+    reps = args.repeats * 4
+    collectives.select_cpu_comm("gloo")
+    t_gloo = timed(lambda: ac_reduce(x8), reps)
+    collectives.select_cpu_comm("shm")
+    t_shm = timed(lambda: ac_reduce(x8), reps)
+    if rank == 0:
+        print(f"accelerator.reduce of 8 MiB: gloo {t_gloo * 1e3:.2f} ms, shm {t_shm * 1e3:.2f} ms, "
+              f"{t_gloo / t_shm:.1f}x")
+        _targets.target(BENCH, f"accelerator.reduce 8 MiB shm vs gloo, {world} procs", t_gloo / t_shm, 4.0,
+                        limit=f"gloo {t_gloo * 1e3:.1f} ms, shm {t_shm * 1e3:.2f} ms")
+    collectives.select_cpu_comm("gloo")
     shm.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """ZeRO on CPU processes: memory per rank and training-step throughput of accelerate_c's DDP,
 ZeRO-1 and ZeRO-2 beside torch's ZeroRedundancyOptimizer + DDP, on a ~100M-parameter GPT
 (vocabulary 8192, so the embedding is a small part of it), AdamW (foreach=False: see adamw()),
-fp32, 2 and 4 processes (gloo).
+fp32, 2 and 4 processes (gloo; --comm shm: accelerate_c's contenders over shared memory).
 
     .venv/bin/python benchmarks/bench_sharding.py                  # 2 and 4 processes (~8 min here)
     .venv/bin/python benchmarks/bench_sharding.py --worlds 2 --repeats 2 --steps 2
@@ -101,6 +101,7 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
     import accelerate_c.state
     from accelerate.utils import DeepSpeedPlugin
     from accelerate_c import Accelerator
+    from accelerate_c.utils import CpuCommKwargs
     from models import GPT, GPTConfig, make_tokens
 
     dist.init_process_group("gloo")
@@ -139,7 +140,7 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
                                           weight_decay=0.01, foreach=False)
             return {"model": ddp, "inner": model, "opt": opt, "backward": lambda loss: loss.backward(), "acc": None}
-        kw = {}
+        kw = {"kwargs_handlers": [CpuCommKwargs(comm=args.comm)]}
         if name != "ddp":
             plugin = DeepSpeedPlugin(zero_stage=int(name[-1]), gradient_clipping=0.0)
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
@@ -293,13 +294,17 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=13)
     ap.add_argument("--d-model", type=int, default=768)
     ap.add_argument("--seq", type=int, default=64, help="tokens per rank and step")
+    ap.add_argument("--comm", choices=("gloo", "shm"), default="gloo",
+                    help="how accelerate_c's contenders' CPU collectives travel (CpuCommKwargs; torch_zero stays on "
+                         "gloo): shm for the shared-memory collectives")
     ap.add_argument("--contender", choices=NAMES, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
     forward = ["--repeats", str(args.repeats), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--layers", str(args.layers), "--d-model", str(args.d_model), "--seq", str(args.seq)]
+               "--layers", str(args.layers), "--d-model", str(args.d_model), "--seq", str(args.seq),
+               "--comm", args.comm]
     rc = 0
     for w in (int(x) for x in args.worlds.split(",")):
         with tempfile.TemporaryDirectory(prefix="bench_sharding_") as out:

@@ -42,10 +42,10 @@ def test_a_silent_or_killed_rank_is_an_error_naming_it():
     assert "shm faults OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
-@pytest.mark.parametrize("env", [{"ACCELERATE_C_COMM": "shm"}, {"ACCELERATE_C_COMM": "auto"},
+@pytest.mark.parametrize("env", [{"ACCELERATE_C_COMM": "shm"}, {"ACCELERATE_C_COMM": ""},
                                  {"ACCELERATE_C_COMM": "gloo", "SHM_SELECT_BY": "handler"}])
 def test_the_accelerator_selects_shared_memory_and_agrees_with_gloo(env):
-    """ACCELERATE_C_COMM=shm|auto, or CpuCommKwargs("shm") over ACCELERATE_C_COMM=gloo: reduce / gather / broadcast / wait_for_everyone through shared
+    """ACCELERATE_C_COMM=shm, the default (unset: auto), or CpuCommKwargs("shm") over ACCELERATE_C_COMM=gloo: reduce / gather / broadcast / wait_for_everyone through shared
     memory, equal to torch's collectives over gloo; ranks on several hosts or a /dev/shm too small
     for the segment get gloo (tests/scripts/shm_select.py)."""
     before = _segments()

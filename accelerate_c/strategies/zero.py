@@ -291,7 +291,7 @@ class Zero1Strategy(DDPStrategy):
                                    "..., load_state_dict(assign=True)); do that before prepare()")
         inflight = []
         with torch.no_grad():
-            for start, chunk, local, _, _ in group.plan.buckets():
+            for start, chunk, local, _, _ in group.buckets:
                 if chunk == 0:
                     continue
                 if len(inflight) == 2:

@@ -480,10 +480,9 @@ static ac_result_t check_op(ac_shm_dtype_t dt, ac_redop_t op, reduce_fn *fn) {
   return AC_OK;
 }
 
-static ac_result_t check_buf(const void *p, size_t n, size_t es, const char *what) {
+static ac_result_t check_buf(const void *p, size_t n, const char *what) {
   if (n > 0 && !p) return AC_FAIL(AC_ERR_INVALID_ARG, "%s is NULL for %zu elements", what, n);
   if (n > SIZE_MAX / 8 / AC_SHM_MAX_RANKS) return AC_FAIL(AC_ERR_INVALID_ARG, "%s: %zu elements is too many", what, n);
-  (void)es;
   return AC_OK;
 }
 
@@ -498,9 +497,8 @@ static size_t piece_elems(const ac_shm_t *c, size_t es, size_t mult) {
 static ac_result_t begin_reduction(ac_shm_t *c, const char *what, uint64_t kind, const void *send, void *recv,
                                    size_t count, ac_shm_dtype_t dt, ac_redop_t op, reduce_fn *fn) {
   AC_CHECK(check_op(dt, op, fn));
-  size_t es = ac_shm_dtype_size(dt);
-  AC_CHECK(check_buf(send, count, es, "send"));
-  AC_CHECK(check_buf(recv, count, es, "recv"));
+  AC_CHECK(check_buf(send, count, "send"));
+  AC_CHECK(check_buf(recv, count, "recv"));
   return begin(c, what, kind, count, (uint64_t)dt, (uint64_t)op);
 }
 
@@ -586,7 +584,7 @@ ac_result_t ac_shm_all_gather(ac_shm_t *c, const void *send, void *recv, const s
   int n = c->nranks;
   size_t total = 0, most = 0;
   uint64_t hash = 0;
-  AC_CHECK(check_buf(send, counts[c->rank], es, "send"));
+  AC_CHECK(check_buf(send, counts[c->rank], "send"));
   for (int q = 0; q < n; q++) {
     if (counts[q] > SIZE_MAX / 8 / AC_SHM_MAX_RANKS)
       return AC_FAIL(AC_ERR_INVALID_ARG, "counts[%d] = %zu is too many elements", q, counts[q]);
@@ -594,7 +592,7 @@ ac_result_t ac_shm_all_gather(ac_shm_t *c, const void *send, void *recv, const s
     most = counts[q] > most ? counts[q] : most;
     hash = (hash ^ counts[q]) * 0x100000001B3ULL;
   }
-  AC_CHECK(check_buf(recv, total, es, "recv"));
+  AC_CHECK(check_buf(recv, total, "recv"));
   AC_CHECK(begin(c, "all_gather", K_ALL_GATHER, hash, (uint64_t)dt, total));
   size_t piece = piece_elems(c, es, 1);
   if (most == 0) return empty(c);
@@ -621,7 +619,7 @@ ac_result_t ac_shm_broadcast(ac_shm_t *c, void *buf, size_t count, ac_shm_dtype_
   if (es == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "invalid dtype code %d", (int)dt);
   if (!c) return AC_FAIL(AC_ERR_INVALID_ARG, "communicator is NULL");
   if (root < 0 || root >= c->nranks) return AC_FAIL(AC_ERR_INVALID_ARG, "root %d is not in 0..%d", root, c->nranks - 1);
-  AC_CHECK(check_buf(buf, count, es, "buf"));
+  AC_CHECK(check_buf(buf, count, "buf"));
   AC_CHECK(begin(c, "broadcast", K_BROADCAST, count, (uint64_t)dt, (uint64_t)root));
   if (count == 0) return empty(c);
   size_t piece = piece_elems(c, es, 1);
