@@ -727,8 +727,11 @@ class Accelerator(ParallelismNames):
         use_gather_object = use_gather_object or not all_tensors
         data = ops.gather_object(input_data) if use_gather_object else self.gather(input_data)
         gs = self.gradient_state
-        # duplicates exist only when several processes padded the last batch
-        if self.num_processes > 1 and gs.end_of_dataloader and gs.remainder > 0:
+        # the last batch cut to the samples that remain, on any number of processes, as accelerate
+        # does: across processes it drops the padding duplicates; on one process too, where a
+        # caller that padded its input to the nominal batch size (transformers' evaluation loop
+        # repeats each batch's loss eval_batch_size times) relies on it
+        if gs.end_of_dataloader and gs.remainder > 0:
             if use_gather_object:
                 return data[: gs.remainder]
             return recursively_apply(lambda t: t[: gs.remainder] if t.dim() > 0 else t, data)
