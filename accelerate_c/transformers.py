@@ -18,6 +18,7 @@ not shadow it)."""
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
 from datetime import timedelta
 
@@ -38,10 +39,16 @@ SUPPORTED = ("5.23.0", "5.24.0")
 TESTED_VERSION = "5.23.0"
 
 
+def installed_version() -> str:
+    """The installed transformers distribution's version (its metadata: transformers' lazy
+    module object can be replaced in sys.modules, its metadata cannot)."""
+    return importlib.metadata.version("transformers")
+
+
 def check_transformers_version(version: str | None = None):
-    """A RuntimeError naming the installed and the supported transformers versions, unless the
-    installed one is in SUPPORTED."""
-    found = version if version is not None else transformers.__version__
+    """A RuntimeError naming the installed (or given) and the supported transformers versions,
+    unless that version is in SUPPORTED."""
+    found = version if version is not None else installed_version()
     low, high = (Version(v) for v in SUPPORTED)
     if not low <= Version(found) < high:
         raise RuntimeError(f"accelerate_c.transformers.Trainer: transformers {found} is not supported; it is tested "

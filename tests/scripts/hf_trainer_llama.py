@@ -3,12 +3,13 @@ own Trainer) or on accelerate_c (`--backend accelerate_c`: accelerate_c.transfor
 the only line that differs). A tiny LlamaForCausalLM from a config, gradient accumulation,
 clipping, eval with compute_metrics, save_steps + save_total_limit.
 
-    script.py OUT RESULT.json --backend B --mp no,bf16 [--interrupt-at K] [--resume]
+    script.py OUT RESULT.json --backend B [--mp no,bf16] [--part MP --interrupt-at K] [--resume MP]
 
 For each precision in --mp, trains into OUT/<mp> and writes the log history, train_loss,
-eval metrics, the checkpoints left and the final parameters (OUT/<mp>/final.pt, rank 0).
---interrupt-at K stops after step K (the checkpoint there is kept); --resume continues from the
-newest checkpoint in OUT/<mp>, in this new process."""
+eval metrics, the checkpoints left and the final parameters (OUT/<mp>/final.pt, rank 0) under
+RESULT.json's key <mp>. --part MP then runs the same training into OUT/<MP>-part, stopped after
+step K (key "<MP>-part"); --resume MP, in a later process, continues OUT/<MP>-part from its
+newest checkpoint (key "<MP>-resumed")."""
 from __future__ import annotations
 
 import argparse
@@ -93,13 +94,19 @@ def main():
     p.add_argument("out")
     p.add_argument("result")
     p.add_argument("--backend", choices=("accelerate", "accelerate_c"), required=True)
-    p.add_argument("--mp", default="no,bf16")
-    p.add_argument("--interrupt-at", type=int, default=None)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--mp", default="")
+    p.add_argument("--part", default=None)
+    p.add_argument("--interrupt-at", type=int, default=4)
+    p.add_argument("--resume", default=None)
     a = p.parse_args()
     results = {}
-    for mp in a.mp.split(","):
-        results[mp] = run(os.path.join(a.out, mp), a.backend, mp, a.interrupt_at, a.resume)
+    for mp in filter(None, a.mp.split(",")):
+        results[mp] = run(os.path.join(a.out, mp), a.backend, mp)
+    if a.part:
+        results[f"{a.part}-part"] = run(os.path.join(a.out, f"{a.part}-part"), a.backend, a.part, a.interrupt_at)
+    if a.resume:
+        results[f"{a.resume}-resumed"] = run(os.path.join(a.out, f"{a.resume}-part"), a.backend, a.resume,
+                                             resume=True)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(a.result, "w") as f:
             json.dump(results, f, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
