@@ -13,12 +13,15 @@ import json
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
+
+from .training_args_fields import classify, is_transformers_args, transformers_defaults
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 # transformers' other SchedulerType values: known, refused with "not supported yet"
@@ -35,33 +38,6 @@ ACCELERATOR_CONFIG_DEFAULTS = {
 }
 GRAD_ACC_KEYS = ("num_steps", "adjust_scheduler", "sync_with_dataloader", "sync_each_batch")
 
-# transformers fields accelerate_c's Trainer has no feature for: accepted at these (transformers')
-# default values, so a dict dumped from transformers' TrainingArguments loads; any other value is
-# refused as "not supported yet".
-_UNSUPPORTED_AT_DEFAULT = {
-    "do_predict": (False,), "prediction_loss_only": (False,), "eval_delay": (0, 0.0, None),
-    "torch_compile": (False,), "torch_compile_backend": (None,), "torch_compile_mode": (None,),
-    "push_to_hub": (False,), "hub_model_id": (None,), "hub_strategy": ("every_save",), "hub_token": (None,),
-    "hub_private_repo": (None, False), "hub_always_push": (False,), "label_smoothing_factor": (0, 0.0),
-    "tf32": (None,), "local_rank": (-1,), "tpu_num_cores": (None,), "debug": ("", [], None),
-    "past_index": (-1,), "group_by_length": (False,), "length_column_name": ("length",),
-    "ignore_data_skip": (False,), "optim_args": (None,), "adafactor": (False,), "fp16_opt_level": ("O1",),
-    "half_precision_backend": ("auto",), "bf16_full_eval": (False,), "fp16_full_eval": (False,),
-    "jit_mode_eval": (False,), "use_ipex": (False,), "torchdynamo": (None,), "ray_scope": ("last",),
-    "include_inputs_for_metrics": (False,), "include_for_metrics": ([], None), "neftune_noise_alpha": (None,),
-    "optim_target_modules": (None,), "batch_eval_metrics": (False,), "use_liger_kernel": (False,),
-    "liger_kernel_config": (None,), "restore_callback_states_from_checkpoint": (False,),
-    "average_tokens_across_devices": (True, False), "parallelism_config": (None,), "project": (None,),
-    "trackio_space_id": (None,), "hub_revision": (None,), "fsdp_min_num_params": (0,),
-    "fsdp_transformer_layer_cls_to_wrap": (None,), "gradient_checkpointing_kwargs": (None,),
-    "include_tokens_per_second": (False,), "include_num_input_tokens_seen": (False, "no"),
-    "auto_find_batch_size": (False,), "torch_empty_cache_steps": (None,), "use_mps_device": (False,),
-    "mp_parameters": ("",), "log_level": ("passive",), "log_level_replica": ("warning",),
-    "log_on_each_node": (True,), "skip_memory_metrics": (True,), 
-    "eval_do_concat_batches": (True,), "split_batches": (None,), "dispatch_batches": (None,),
-    "ddp_backend_kwargs": (None,), "eval_use_gather_object": (False,),
-    "use_legacy_prediction_loop": (False,), "hub_private": (None,),
-}
 _ALIASES = {"evaluation_strategy": "eval_strategy", "no_cuda": "use_cpu"}
 
 
@@ -171,6 +147,8 @@ class TrainingArguments:
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self):
+        # transformers fields read by from_dict and ignored (training_args_fields.py); not a field
+        self.carried = {}
         if self.output_dir is None:
             self.output_dir = "trainer_output"  # transformers' default since 4.50
         self.output_dir = os.fspath(self.output_dir)
@@ -314,6 +292,8 @@ class TrainingArguments:
             self.do_eval = True
 
     def _check_features(self):
+        if self.fsdp is None:  # transformers 5's default
+            self.fsdp = ""
         if isinstance(self.fsdp, bool):
             self.fsdp = "full_shard" if self.fsdp else ""
         if isinstance(self.fsdp, (list, tuple)):
@@ -392,13 +372,16 @@ class TrainingArguments:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "dict") -> "TrainingArguments":
-        """From a mapping of field names to values (the keys of transformers' TrainingArguments).
-        transformers fields that accelerate_c has no feature for are accepted at their default
-        values (so `transformers.TrainingArguments(...).to_dict()` loads) and refused otherwise."""
+        """From a mapping of field names to values (the keys of transformers' TrainingArguments,
+        e.g. its `to_dict()`). transformers' other fields (training_args_fields.py): those about
+        training mechanics accelerate_c has not built are refused by name unless at their
+        default; the rest are kept in `.carried` and ignored, with one warning naming those not
+        at their default. A name transformers does not have either is an error."""
         if not isinstance(data, dict):
             raise ValueError(f"TrainingArguments from {source}: expected a mapping, got {type(data).__name__}")
         names = {f.name: f for f in fields(cls)}
-        kwargs = {}
+        kwargs, carried, listed = {}, {}, []
+        hf_defaults = None
         for key, value in data.items():
             name = _ALIASES.get(key, key)
             if key == "no_cuda":
@@ -407,15 +390,26 @@ class TrainingArguments:
                 if name in kwargs:
                     raise ValueError(f"TrainingArguments from {source}: {key!r} given twice (also as an alias)")
                 kwargs[name] = _coerce(names[name], value)
-            elif key in _UNSUPPORTED_AT_DEFAULT:
-                if value not in _UNSUPPORTED_AT_DEFAULT[key]:
-                    raise ValueError(f"TrainingArguments.{key}={value!r} (from {source}): not supported yet by "
-                                     f"accelerate_c; leave it at {_UNSUPPORTED_AT_DEFAULT[key][0]!r}")
-            else:
-                close = difflib.get_close_matches(key, list(names), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"TrainingArguments from {source}: unknown field {key!r}{hint}")
-        return cls(**kwargs)
+                continue
+            if hf_defaults is None:
+                hf_defaults = transformers_defaults()
+            kind, detail = classify(key, value, hf_defaults)
+            if kind == "refuse":
+                raise ValueError(f"TrainingArguments.{key}={value!r} (from {source}): {detail}")
+            if kind == "carry":
+                carried[key] = value
+                if detail:
+                    listed.append(f"{key}={value!r}")
+                continue
+            close = difflib.get_close_matches(key, list(names) + list(hf_defaults), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"TrainingArguments from {source}: unknown field {key!r}{hint}")
+        if listed:
+            warnings.warn(f"TrainingArguments (from {source}): these transformers fields do not concern accelerate_c's "
+                          f"training mechanics and are carried but ignored: {', '.join(listed)}", stacklevel=2)
+        args = cls(**kwargs)
+        args.carried = carried
+        return args
 
     @classmethod
     def from_json_file(cls, path: str) -> "TrainingArguments":
@@ -448,9 +442,12 @@ def _coerce(f, value):
 
 
 def load_training_args(source) -> TrainingArguments:
-    """TrainingArguments from a TrainingArguments, a dict, or a .json / .yaml / .yml file."""
+    """TrainingArguments from a TrainingArguments (accelerate_c's, or transformers': read
+    through its to_dict()), a dict, or a .json / .yaml / .yml file."""
     if isinstance(source, TrainingArguments):
         return source
+    if is_transformers_args(source):
+        return TrainingArguments.from_dict(source.to_dict(), source=f"{type(source).__name__} of transformers")
     if isinstance(source, dict):
         return TrainingArguments.from_dict(source)
     path = os.fspath(source)
@@ -613,7 +610,8 @@ def accelerator_kwargs(args: TrainingArguments) -> dict:
         raise NotImplementedError("TrainingArguments.accelerator_config.use_configured_state=True is not supported "
                                   "yet by accelerate_c")
     ga = dict(cfg.pop("gradient_accumulation_kwargs") or {})
-    if "num_steps" in ga and args.gradient_accumulation_steps > 1:
+    # (equal counts agree: transformers' Trainer copies num_steps into gradient_accumulation_steps)
+    if "num_steps" in ga and args.gradient_accumulation_steps > 1 and args.gradient_accumulation_steps != ga["num_steps"]:
         raise ValueError("TrainingArguments: accelerator_config.gradient_accumulation_kwargs.num_steps and "
                          "gradient_accumulation_steps > 1 are both set; set only one")
     ga["num_steps"] = ga.get("num_steps", args.gradient_accumulation_steps)
