@@ -144,6 +144,7 @@ class TrainingArguments:
     ddp_timeout: int = 1800
     resume_from_checkpoint: str | None = None
     gradient_checkpointing: bool = False
+    prediction_loss_only: bool = False
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self):
@@ -535,6 +536,7 @@ class TrainerCallback:
     def on_evaluate(self, args, state, control, **kwargs): pass
     def on_save(self, args, state, control, **kwargs): pass
     def on_log(self, args, state, control, **kwargs): pass
+    def on_predict(self, args, state, control, **kwargs): pass
 
 
 # ---------------------------------------------------------------------- schedules and weight decay

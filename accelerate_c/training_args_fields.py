@@ -35,7 +35,7 @@ MECHANICS_AT_DEFAULT = {
     "ignore_data_skip": (False,), "auto_find_batch_size": (False,), "torch_empty_cache_steps": (None,),
     "average_tokens_across_devices": (True, False), "past_index": (-1,), "label_smoothing_factor": (0, 0.0),
     "optim_args": (None,), "adafactor": (False,), "neftune_noise_alpha": (None,), "optim_target_modules": (None,),
-    "use_liger_kernel": (False,), "liger_kernel_config": (None,), "prediction_loss_only": (False,),
+    "use_liger_kernel": (False,), "liger_kernel_config": (None,),
     "eval_delay": (0, 0.0, None), "include_inputs_for_metrics": (False,), "include_for_metrics": ([], None),
     "batch_eval_metrics": (False,), "eval_do_concat_batches": (True,), "eval_use_gather_object": (False,),
     "use_legacy_prediction_loop": (False,), "restore_callback_states_from_checkpoint": (False,),
