@@ -23,10 +23,9 @@ from torch import nn
 
 from .training_args_fields import classify, is_transformers_args, transformers_defaults
 
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+from .lr_schedules import SCHEDULER_KWARGS, SCHEDULERS, get_scheduler  # noqa: E402,F401  (get_scheduler: re-exported)
 # transformers' other SchedulerType values: known, refused with "not supported yet"
-_OTHER_SCHEDULERS = ("cosine_with_restarts", "polynomial", "inverse_sqrt", "reduce_lr_on_plateau",
-                     "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+_OTHER_SCHEDULERS = ("reduce_lr_on_plateau", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad")
@@ -99,7 +98,7 @@ class TrainingArguments:
     lr_scheduler_type: str = "linear"
     lr_scheduler_kwargs: dict | None = field(default_factory=dict)
     warmup_ratio: float = 0.0
-    warmup_steps: int = 0
+    warmup_steps: float = 0
     logging_dir: str | None = None
     logging_strategy: str = "steps"
     logging_first_step: bool = False
@@ -187,13 +186,18 @@ class TrainingArguments:
 
     def _check_ints(self):
         spec = {"per_device_train_batch_size": 1, "per_device_eval_batch_size": 1, "gradient_accumulation_steps": 1,
-                "warmup_steps": 0, "dataloader_num_workers": 0, "ddp_timeout": 1, "seed": None}
+                "dataloader_num_workers": 0, "ddp_timeout": 1, "seed": None}
         for name, lo in spec.items():
             v = getattr(self, name)
             if not _is_int(v):
                 raise _err(name, f"expected an integer, got {v!r}")
             if lo is not None and v < lo:
                 raise _err(name, f"must be >= {lo}, got {v}")
+        w = self.warmup_steps
+        if not _is_num(w) or not math.isfinite(w) or w < 0 or (w >= 1 and w != int(w)):
+            raise _err("warmup_steps", f"expected a whole number of steps >= 0, or a float in (0, 1) (a ratio of the "
+                                       f"total training steps), got {w!r}")
+        self.warmup_steps = int(w) if w >= 1 or w == 0 else float(w)
         if not _is_int(self.max_steps) or (self.max_steps < 1 and self.max_steps != -1):
             raise _err("max_steps", f"expected a positive integer, or -1 (train num_train_epochs), got "
                                     f"{self.max_steps!r}")
@@ -249,7 +253,7 @@ class TrainingArguments:
             self.lr_scheduler_kwargs = {}
         if not isinstance(self.lr_scheduler_kwargs, dict):
             raise _err("lr_scheduler_kwargs", f"expected a mapping, got {self.lr_scheduler_kwargs!r}")
-        allowed = {"cosine": {"num_cycles"}}.get(self.lr_scheduler_type, set())
+        allowed = SCHEDULER_KWARGS.get(self.lr_scheduler_type, set())
         for k in self.lr_scheduler_kwargs:
             if k not in allowed:
                 raise _err("lr_scheduler_kwargs", f"{self.lr_scheduler_type!r} takes no argument {k!r}"
@@ -361,8 +365,12 @@ class TrainingArguments:
         return self.per_device_eval_batch_size
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
-        """warmup_steps when > 0, else ceil(num_training_steps * warmup_ratio) (transformers' rule)."""
-        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(num_training_steps * self.warmup_ratio)
+        """warmup_steps when >= 1; a fraction in (0, 1) of the training steps, rounded up
+        (transformers 5's rule); otherwise ceil(num_training_steps * warmup_ratio)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        ratio = self.warmup_steps if self.warmup_steps > 0 else self.warmup_ratio
+        return math.ceil(num_training_steps * ratio)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:
@@ -540,41 +548,6 @@ class TrainerCallback:
 
 
 # ---------------------------------------------------------------------- schedules and weight decay
-
-
-def _linear(step, *, warmup, total):
-    if step < warmup:
-        return step / max(1, warmup)
-    return max(0.0, (total - step) / max(1, total - warmup))
-
-
-def _cosine(step, *, warmup, total, num_cycles=0.5):
-    if step < warmup:
-        return step / max(1, warmup)
-    progress = (step - warmup) / max(1, total - warmup)
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress)))
-
-
-def _constant(step, *, warmup=0, total=0):
-    return 1.0
-
-
-def _constant_with_warmup(step, *, warmup, total=0):
-    return step / max(1.0, warmup) if step < warmup else 1.0
-
-
-_SCHEDULES = {"linear": _linear, "cosine": _cosine, "constant": _constant,
-              "constant_with_warmup": _constant_with_warmup}
-
-
-def get_scheduler(name: str, optimizer, num_warmup_steps: int = 0, num_training_steps: int = 0, **kwargs):
-    """transformers' get_scheduler for linear / cosine / constant / constant_with_warmup: a
-    LambdaLR over the optimizer's steps."""
-    if name not in _SCHEDULES:
-        raise ValueError(f"lr_scheduler_type {name!r} is not supported yet by accelerate_c (supported: "
-                         f"{', '.join(_SCHEDULES)})")
-    fn = functools.partial(_SCHEDULES[name], warmup=num_warmup_steps, total=num_training_steps, **kwargs)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
 
 _NORM_NAME = re.compile(r"(bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.))", re.IGNORECASE)

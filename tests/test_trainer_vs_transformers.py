@@ -98,3 +98,31 @@ def test_metric_reports_match_transformers(tmp_path, capsys):
             assert json.load(f) == json.load(g), name
     with open(tmp_path / "ours" / "trainer_state.json") as f:
         assert json.load(f)["global_step"] == ours.state.global_step
+
+
+@pytest.mark.parametrize("kind,kwargs", [
+    ("linear", {}), ("cosine", {"num_cycles": 0.7}), ("cosine_with_restarts", {"num_cycles": 3}),
+    ("polynomial", {"lr_end": 1e-4, "power": 2.0}), ("constant", {}), ("constant_with_warmup", {}),
+    ("inverse_sqrt", {}), ("inverse_sqrt", {"timescale": 5}), ("cosine_with_min_lr", {"min_lr": 1e-4}),
+    ("cosine_with_min_lr", {"min_lr_rate": 0.2})])
+@pytest.mark.parametrize("warmup_steps", [3, 0.25])
+def test_lr_scheduler_types_and_fractional_warmup_match_transformers(tmp_path, kind, kwargs, warmup_steps):
+    total = 17
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path), warmup_steps=warmup_steps, report_to="none")
+    ours_args = accelerate_c.TrainingArguments(output_dir=str(tmp_path), warmup_steps=warmup_steps,
+                                               lr_scheduler_type=kind, lr_scheduler_kwargs=dict(kwargs))
+    assert ours_args.get_warmup_steps(total) == hf_args.get_warmup_steps(total)
+    warm = hf_args.get_warmup_steps(total)
+    rates = []
+    for get in (transformers.get_scheduler, accelerate_c.training_args.get_scheduler):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+        sched = get(kind, opt, num_warmup_steps=warm, num_training_steps=total,
+                    **({"scheduler_specific_kwargs": dict(kwargs)} if get is transformers.get_scheduler
+                       else dict(kwargs)))
+        seq = []
+        for _ in range(total + 2):
+            seq.append(sched.get_last_lr()[0])
+            opt.step()
+            sched.step()
+        rates.append(seq)
+    assert rates[1] == pytest.approx(rates[0], rel=1e-12, abs=1e-15)
