@@ -34,6 +34,8 @@ from .trainer_utils import (  # noqa: F401  (get_last_checkpoint, default_data_c
     RemoveColumnsCollator,
     default_data_collator,
     get_last_checkpoint,
+    is_causal_lm,
+    label_smoothed_loss,
     output_field,
     sorted_checkpoints,
 )
@@ -261,7 +263,16 @@ class Trainer(EvaluationLoop):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The model's own "loss" output, or compute_loss_func(outputs, labels)."""
         labels = None
+        smoothing = self.args.label_smoothing_factor
         if isinstance(inputs, dict):
+            if smoothing and self.compute_loss_func is None and inputs.get("labels") is not None:
+                # transformers' label smoothing: the model runs without labels, the loss is ours
+                inputs = dict(inputs)
+                labels = inputs.pop("labels")
+                outputs = model(**inputs)
+                shift = is_causal_lm(self.accelerator.unwrap_model(model))
+                loss = label_smoothed_loss(outputs, labels, smoothing, shift=shift)
+                return (loss, outputs) if return_outputs else loss
             if self.compute_loss_func is not None:
                 inputs = dict(inputs)
                 labels = tuple(inputs.pop(n) for n in (self.args.label_names or ["labels"]) if n in inputs)

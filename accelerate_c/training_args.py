@@ -144,6 +144,7 @@ class TrainingArguments:
     resume_from_checkpoint: str | None = None
     gradient_checkpointing: bool = False
     prediction_loss_only: bool = False
+    label_smoothing_factor: float = 0.0
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self):
@@ -217,6 +218,7 @@ class TrainingArguments:
     def _check_floats(self):
         spec = {"learning_rate": (0, None), "weight_decay": (0, None), "adam_epsilon": (0, None),
                 "max_grad_norm": (0, None), "num_train_epochs": (0, None), "warmup_ratio": (0, 1),
+                "label_smoothing_factor": (0, 1),
                 "adam_beta1": (0, 1), "adam_beta2": (0, 1)}
         for name, (lo, hi) in spec.items():
             v = getattr(self, name)

@@ -33,7 +33,7 @@ MECHANICS_AT_DEFAULT = {
     "dataloader_multiprocessing_context": (None,), "dataloader_in_order": (True, None),
     "train_sampling_strategy": ("random",), "group_by_length": (False,), "length_column_name": ("length",),
     "ignore_data_skip": (False,), "auto_find_batch_size": (False,), "torch_empty_cache_steps": (None,),
-    "average_tokens_across_devices": (True, False), "past_index": (-1,), "label_smoothing_factor": (0, 0.0),
+    "average_tokens_across_devices": (True, False), "past_index": (-1,),
     "optim_args": (None,), "adafactor": (False,), "neftune_noise_alpha": (None,), "optim_target_modules": (None,),
     "use_liger_kernel": (False,), "liger_kernel_config": (None,),
     "eval_delay": (0, 0.0, None), "include_inputs_for_metrics": (False,), "include_for_metrics": ([], None),

@@ -126,3 +126,16 @@ def test_lr_scheduler_types_and_fractional_warmup_match_transformers(tmp_path, k
             sched.step()
         rates.append(seq)
     assert rates[1] == pytest.approx(rates[0], rel=1e-12, abs=1e-15)
+
+
+def test_label_smoothing_matches_transformers(tmp_path):
+    ref, ours = _pair(tmp_path, label_smoothing_factor=0.1, max_steps=3, logging_steps=1, save_strategy="no",
+                      learning_rate=1e-3)
+    a, b = ref.evaluate(), ours.evaluate()
+    plain = _pair(tmp_path / "plain")[1].evaluate()["eval_loss"]
+    assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-6) and b["eval_loss"] != pytest.approx(plain)
+    ref.train()
+    ours.train()
+    la = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    lb = [h["loss"] for h in ours.state.log_history if "loss" in h]
+    assert len(lb) == len(la) == 3 and lb == pytest.approx(la, abs=5e-5)  # ours: 4 decimals
