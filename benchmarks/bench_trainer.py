@@ -10,7 +10,9 @@ Model: LlamaForCausalLM from a config (hidden 384, 6 layers, 6 heads, 2 key/valu
 AdamW, clipping at 1.0, no evaluation, no checkpoints. Every contender runs in fresh processes
 with the same settings and seed: accelerate on 1 process as plain `python`, on 2 through torchrun
 with ACCELERATE_USE_CPU=true (accelerate's launcher with --cpu starts one process); ours through
-`accelerate-c launch --cpu`. OMP_NUM_THREADS = cores / processes for both. Repeats alternate
+`accelerate-c launch --cpu`. OMP_NUM_THREADS = cores / processes for both (--threads N to set it:
+on a machine shared with other work, 2 threads per process measured 4-10x slower than 1 and
+swung the ratio both ways). Repeats alternate
 the contenders (A, B, A, B, ...) so drifts of the machine hit both alike; the medians are
 compared.
 
@@ -107,7 +109,7 @@ def _launch(backend, world, a, tmp, i):
             "--steps", str(a.steps), "--warmup", str(a.warmup)]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = str(max(1, logical_cpus() // world))
+    env["OMP_NUM_THREADS"] = str(a.threads or max(1, logical_cpus() // world))
     bindir = os.path.dirname(sys.executable)
     if backend == "accelerate":
         env["ACCELERATE_USE_CPU"] = "true"
@@ -139,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
     ap.add_argument("--worlds", default="1,2")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="OMP_NUM_THREADS per process (default: cores / processes); 1 is steadier on a shared machine")
     a = ap.parse_args(argv)
     if a.worker:
         worker(a)

@@ -40,7 +40,7 @@ MAKE_BENCH = {
     "bench_sharding": ["--repeats", "2", "--steps", "2"],
     "bench_chunk_collectives": ["--repeats", "3"],
     "bench_collectives": ["--repeats", "3"],
-    "bench_trainer": ["--repeats", "3", "--steps", "6"],
+    "bench_trainer": ["--repeats", "3", "--steps", "6", "--threads", "1"],  # 1 thread: steady on shared cores
 }
 QUICK = {"bench_kernels": ["--quick"], "bench_safetensors": ["--repeats", "1", "--mb", "40"],
          "bench_checkpoint": ["--repeats", "1", "--layers", "1", "--width", "512"],
