@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import functools
 import json
 import math
 import os
@@ -18,12 +17,11 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
-import torch
 from torch import nn
 
+from .lr_schedules import SCHEDULER_KWARGS, SCHEDULERS, get_scheduler  # noqa: F401  (get_scheduler: re-exported)
 from .training_args_fields import classify, is_transformers_args, transformers_defaults
 
-from .lr_schedules import SCHEDULER_KWARGS, SCHEDULERS, get_scheduler  # noqa: E402,F401  (get_scheduler: re-exported)
 # transformers' other SchedulerType values: known, refused with "not supported yet"
 _OTHER_SCHEDULERS = ("reduce_lr_on_plateau", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 INTERVALS = ("no", "steps", "epoch")
