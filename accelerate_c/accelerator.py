@@ -21,6 +21,7 @@ from .strategies.zero import Zero1Strategy
 from .strategies.zero2 import Zero2Strategy
 from .grads import GradManager, clip_coef
 from .optimizer import AcceleratedOptimizer
+from .parallelism import ParallelismNames
 from .plugins import check_kind, kind_of, refuse_features, resolve_deepspeed_plugin, resolve_dynamo_plugin
 from .ds_scaler import DeepSpeedScaler
 from .scaler import LossScaler
@@ -79,7 +80,7 @@ def _model_parameters(opt) -> list:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-class Accelerator:
+class Accelerator(ParallelismNames):
     """Creates the training state and wraps models, optimizers, schedulers and data loaders.
 
     Parameters and their order are accelerate 1.15's, so positional and keyword calls bind the
@@ -211,6 +212,7 @@ class Accelerator:
                                           "accelerate_c yet (on CPU processes the state is on the CPU already)")
             self.state.distributed_type = DistributedType.DEEPSPEED
             self.deepspeed_plugin = ds_plugin
+            self.state.set_deepspeed_plugin(ds_plugin)
             mixed_precision = self.state.mixed_precision = self.sharding.mixed_precision
             if self.sharding.gradient_accumulation_steps != steps:
                 steps = gradient_accumulation_plugin.num_steps = self.sharding.gradient_accumulation_steps
@@ -725,8 +727,11 @@ class Accelerator:
         use_gather_object = use_gather_object or not all_tensors
         data = ops.gather_object(input_data) if use_gather_object else self.gather(input_data)
         gs = self.gradient_state
-        # duplicates exist only when several processes padded the last batch
-        if self.num_processes > 1 and gs.end_of_dataloader and gs.remainder > 0:
+        # the last batch cut to the samples that remain, on any number of processes, as accelerate
+        # does: across processes it drops the padding duplicates; on one process too, where a
+        # caller that padded its input to the nominal batch size (transformers' evaluation loop
+        # repeats each batch's loss eval_batch_size times) relies on it
+        if gs.end_of_dataloader and gs.remainder > 0:
             if use_gather_object:
                 return data[: gs.remainder]
             return recursively_apply(lambda t: t[: gs.remainder] if t.dim() > 0 else t, data)

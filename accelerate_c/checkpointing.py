@@ -35,7 +35,7 @@ from .checkpoint_layout import (AUTO_NAME_RE, CHECKPOINT_FORMAT, CHECKPOINT_VERS
                                 loader_state, suffix)
 from .checkpoint_load import load_state
 from . import collectives, zero_checkpoint
-from .model_io import find_aliases, save_model as _save_model
+from .model_io import find_aliases, save_config_files, save_model as _save_model
 from .durable import fsync_dir, write_durable
 from .safetensors_io import after_ready, record_ready, save_file
 from .state_io import CheckpointError, PickleRequiredError, rng_state, write_json_durable, write_state
@@ -185,8 +185,15 @@ def save_model(acc, model, save_directory, max_shard_size="10GB", safe_serializa
     if any(p.device.type == "meta" for p in model.parameters()):
         raise RuntimeError("You can't save the model since some parameters are on the meta device.")
     state_dict = acc.get_state_dict(model)
-    _run_on_writer(acc, lambda: _save_model(state_dict, save_directory, max_shard_size=max_shard_size,
-                                            safe_serialization=safe_serialization), "save the model")
+    unwrapped = acc.unwrap_model(model)
+
+    def write():
+        _save_model(state_dict, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+        # a PreTrainedModel's config.json (+ generation_config.json), so from_pretrained(dir) loads
+        # it: accelerate writes only the weights (a difference from accelerate, docs/checkpoints.md)
+        save_config_files(unwrapped, save_directory)
+
+    _run_on_writer(acc, write, "save the model")
 
 
 def _remove_leftovers(base: str, name: str, token: str, auto: bool) -> None:

@@ -309,3 +309,27 @@ def load_model_weights(model: torch.nn.Module, directory, strict: bool = True) -
                 for n, t in targets.items():
                     t.copy_(loaded_sd[path][n])
     return IncompatibleKeys(missing, unexpected)
+
+
+def save_config_files(model, save_directory: str) -> list:
+    """For a transformers PreTrainedModel (recognised by its `config.save_pretrained`, so
+    transformers need not be imported here): config.json, and generation_config.json when the
+    model can generate, as the model's own save_pretrained writes them (the config records the
+    architecture and the parameters' dtype). Without config.json, `from_pretrained(dir)` falls
+    back to a default configuration (for Llama a 7B model) instead of the saved one. Returns the
+    names written; nothing for any other module."""
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "save_pretrained", None)):
+        return []
+    first = next(iter(model.parameters()), None)
+    if first is not None:
+        config.dtype = str(first.dtype).split(".")[-1]
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(save_directory)
+    written = ["config.json"]
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if callable(getattr(generation, "save_pretrained", None)) and callable(can_generate) and can_generate():
+        generation.save_pretrained(save_directory)
+        written.append("generation_config.json")
+    return written

@@ -271,6 +271,27 @@ class AcceleratorState(PartialState):
     def _reset_state(cls, reset_partial_state: bool = True):
         cls._shared.clear()
 
+    # accelerate's names for the parallelism plugins (transformers' Trainer reads them to pick
+    # its code paths). accelerate_c builds no FSDP, tensor/context parallelism or Megatron-LM:
+    # those are None, as in accelerate for a run without them.
+    fsdp_plugin = None
+    torch_tp_plugin = None
+    megatron_lm_plugin = None
+    parallelism_config = None
+    device_mesh = None
+    is_fsdp2 = False
+
+    @property
+    def deepspeed_plugin(self):
+        """The active DeepSpeedPlugin under DeepSpeed (ZeRO), else None (accelerate's rule)."""
+        if self._shared.get("distributed_type") != DistributedType.DEEPSPEED:
+            return None
+        return self._shared.get("active_deepspeed_plugin")
+
+    def set_deepspeed_plugin(self, plugin):
+        """Records the DeepSpeedPlugin the Accelerator runs under (deepspeed_plugin reads it)."""
+        self._shared["active_deepspeed_plugin"] = plugin
+
 
 class GradientState:
     """Whether this step synchronises gradients, and where the active data loader stands."""

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 
 from .accelerator import Accelerator
 from .checkpointing import torch_save_durable
+from .trainer_eval import EvaluationLoop, PredictionOutput  # noqa: F401  (PredictionOutput: transformers' name)
 from .training_args import (  # noqa: F401  (re-exported: transformers has them in its trainer modules)
     EvalPrediction,
     TrainerCallback,
@@ -31,15 +32,12 @@ from .trainer_utils import (  # noqa: F401  (get_last_checkpoint, default_data_c
     PREFIX_CHECKPOINT_DIR,
     TRAINER_STATE_NAME,
     RemoveColumnsCollator,
-    batch_size_of,
-    concat_nested,
     default_data_collator,
-    detach_cpu,
     get_last_checkpoint,
+    is_causal_lm,
+    label_smoothed_loss,
     output_field,
-    pad_tokens,
     sorted_checkpoints,
-    to_numpy,
 )
 from .utils.random import set_seed
 
@@ -49,7 +47,7 @@ TRAINING_ARGS_NAME = "training_args.bin"
 TrainOutput = namedtuple("TrainOutput", ["global_step", "training_loss", "metrics"])
 
 
-class Trainer:
+class Trainer(EvaluationLoop):
     """transformers' Trainer loop on accelerate_c's Accelerator.
 
     The batch goes to the model as transformers sends it: a dict batch as `model(**batch)` (so
@@ -265,7 +263,16 @@ class Trainer:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The model's own "loss" output, or compute_loss_func(outputs, labels)."""
         labels = None
+        smoothing = self.args.label_smoothing_factor
         if isinstance(inputs, dict):
+            if smoothing and self.compute_loss_func is None and inputs.get("labels") is not None:
+                # transformers' label smoothing: the model runs without labels, the loss is ours
+                inputs = dict(inputs)
+                labels = inputs.pop("labels")
+                outputs = model(**inputs)
+                shift = is_causal_lm(self.accelerator.unwrap_model(model))
+                loss = label_smoothed_loss(outputs, labels, smoothing, shift=shift)
+                return (loss, outputs) if return_outputs else loss
             if self.compute_loss_func is not None:
                 inputs = dict(inputs)
                 labels = tuple(inputs.pop(n) for n in (self.args.label_names or ["labels"]) if n in inputs)
@@ -392,6 +399,7 @@ class Trainer:
         self._logged_loss_sum = 0.0
         self._last_logged_step = self.state.global_step
         self._grad_norm = None
+        self._learning_rate = None
         start = time.time()
         start_step = self.state.global_step
         self._bar = None
@@ -456,6 +464,8 @@ class Trainer:
                     if args.max_grad_norm and args.max_grad_norm > 0:
                         self._grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     self.optimizer.step()
+                    # the rate this step used, logged as transformers logs it (before the schedule moves)
+                    self._learning_rate = self.lr_scheduler.get_last_lr()[0]
                     if not acc.optimizer_step_was_skipped:
                         self.lr_scheduler.step()
                     self.optimizer.zero_grad()
@@ -512,7 +522,8 @@ class Trainer:
             logs = {"loss": round(mean / steps, 4)}
             if self._grad_norm is not None:  # read here, not at every step: no device sync per step
                 logs["grad_norm"] = float(self._grad_norm)
-            logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+            logs["learning_rate"] = self._learning_rate if self._learning_rate is not None else \
+                self.lr_scheduler.get_last_lr()[0]
             self._tr_loss.zero_()
             self._last_logged_step = s.global_step
             self.log(logs)
@@ -549,77 +560,6 @@ class Trainer:
                                                else value < s.best_metric)
             if better:
                 s.best_metric, s.best_global_step = value, s.global_step
-        return metrics
-
-    def prediction_step(self, model, inputs, prediction_loss_only=False, ignore_keys=None):
-        """(loss, logits, labels) for one batch, without gradients."""
-        labels = self._labels_of(inputs)
-        has_labels = labels is not None
-        with torch.no_grad():
-            if has_labels:
-                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-                loss = loss.detach()
-            else:
-                loss = None
-                outputs = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-        if prediction_loss_only:
-            return loss, None, None
-        ignore = set(ignore_keys or []) | {"loss"}
-        if isinstance(outputs, dict) or hasattr(outputs, "keys"):
-            logits = tuple(v for k, v in outputs.items() if k not in ignore)
-            logits = logits[0] if len(logits) == 1 else logits
-        elif isinstance(outputs, (tuple, list)):
-            logits = tuple(outputs[1:]) if (has_labels and self.compute_loss_func is None) else tuple(outputs)
-            logits = logits[0] if len(logits) == 1 else logits
-        else:
-            logits = outputs
-        return loss, logits, labels
-
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        """Runs the model over the eval set; returns {prefix_loss, compute_metrics' results
-        (prefixed), prefix_runtime, ...}, gathered over all processes (gather_for_metrics)."""
-        acc = self.accelerator
-        dl = self.get_eval_dataloader(eval_dataset)
-        model = self._prepare_model()
-        was_training = model.training
-        model.eval()
-        start = time.time()
-        losses, preds, labels = [], [], []
-        n = 0
-        want_preds = self.compute_metrics is not None
-        for inputs in dl:
-            loss, logits, lab = self.prediction_step(model, inputs, prediction_loss_only=not want_preds,
-                                                     ignore_keys=ignore_keys)
-            bs = batch_size_of(inputs)
-            if loss is not None:
-                losses.append(acc.gather_for_metrics(loss.reshape(1).repeat(bs)).float().cpu())
-            if want_preds:
-                if self.preprocess_logits_for_metrics is not None:
-                    logits = self.preprocess_logits_for_metrics(logits, lab)
-                if acc.num_processes > 1:
-                    logits = pad_tokens(acc, logits)
-                    lab = pad_tokens(acc, lab) if lab is not None else None
-                preds.append(detach_cpu(acc.gather_for_metrics(logits)))
-                if lab is not None:
-                    labels.append(detach_cpu(acc.gather_for_metrics(lab)))
-            n += bs
-        if was_training:
-            model.train()
-        metrics = {}
-        if want_preds and preds:
-            p = concat_nested(preds)
-            l_ = concat_nested(labels) if labels else None
-            metrics = dict(self.compute_metrics(EvalPrediction(to_numpy(p), None if l_ is None else to_numpy(l_))))
-        if losses:
-            metrics["loss"] = torch.cat(losses).mean().item()
-        runtime = time.time() - start
-        total = n * acc.num_processes
-        metrics.update(runtime=round(runtime, 4),
-                       samples_per_second=round(total / runtime, 3) if runtime > 0 else 0.0)
-        metrics = {(k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}"): v
-                   for k, v in metrics.items()}
-        self.log(metrics)
-        self.control = self._call("on_evaluate", metrics=metrics)
         return metrics
 
     # ------------------------------------------------------------------ checkpoints

@@ -120,3 +120,29 @@ def concat_nested(chunks):
     if isinstance(chunks[0], (tuple, list)):
         return type(chunks[0])(concat_nested([c[i] for c in chunks]) for i in range(len(chunks[0])))
     return cat_padded(chunks) if chunks[0].dim() > 0 else torch.stack(chunks)
+
+
+def is_causal_lm(model) -> bool:
+    """Whether `model` is a transformers causal language model (its class named *ForCausalLM, as
+    transformers' causal-LM classes are): its labels are the inputs, predicted one step ahead."""
+    return type(model).__name__.endswith("ForCausalLM") and hasattr(model, "config")
+
+
+def label_smoothed_loss(outputs, labels, epsilon: float, shift: bool = False, ignore_index: int = -100):
+    """Cross-entropy with label smoothing `epsilon`, as transformers' Trainer computes it: (1 -
+    epsilon) x the mean negative log-likelihood of the labels plus epsilon x the mean over the
+    vocabulary of the negative log-probabilities, both averaged over the positions whose label
+    is not `ignore_index`. `shift`: position t predicts label t + 1 (causal LMs)."""
+    logits = output_field(outputs, "logits")
+    if logits is None:
+        logits = outputs[0]
+    if shift:
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    neg_log_probs = -torch.nn.functional.log_softmax(logits, dim=-1)
+    if labels.dim() == neg_log_probs.dim() - 1:
+        labels = labels.unsqueeze(-1)
+    ignored = labels.eq(ignore_index)
+    nll = neg_log_probs.gather(dim=-1, index=labels.clamp(min=0)).masked_fill(ignored, 0.0)
+    spread = neg_log_probs.sum(dim=-1, keepdim=True, dtype=torch.float32).masked_fill(ignored, 0.0)
+    active = ignored.numel() - ignored.long().sum()
+    return (1 - epsilon) * nll.sum() / active + epsilon * spread.sum() / (active * neg_log_probs.shape[-1])

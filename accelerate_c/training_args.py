@@ -8,22 +8,22 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import functools
 import json
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
-import torch
 from torch import nn
 
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+from .lr_schedules import SCHEDULER_KWARGS, SCHEDULERS, get_scheduler  # noqa: F401  (get_scheduler: re-exported)
+from .training_args_fields import classify, is_transformers_args, transformers_defaults
+
 # transformers' other SchedulerType values: known, refused with "not supported yet"
-_OTHER_SCHEDULERS = ("cosine_with_restarts", "polynomial", "inverse_sqrt", "reduce_lr_on_plateau",
-                     "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+_OTHER_SCHEDULERS = ("reduce_lr_on_plateau", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad")
@@ -35,33 +35,6 @@ ACCELERATOR_CONFIG_DEFAULTS = {
 }
 GRAD_ACC_KEYS = ("num_steps", "adjust_scheduler", "sync_with_dataloader", "sync_each_batch")
 
-# transformers fields accelerate_c's Trainer has no feature for: accepted at these (transformers')
-# default values, so a dict dumped from transformers' TrainingArguments loads; any other value is
-# refused as "not supported yet".
-_UNSUPPORTED_AT_DEFAULT = {
-    "do_predict": (False,), "prediction_loss_only": (False,), "eval_delay": (0, 0.0, None),
-    "torch_compile": (False,), "torch_compile_backend": (None,), "torch_compile_mode": (None,),
-    "push_to_hub": (False,), "hub_model_id": (None,), "hub_strategy": ("every_save",), "hub_token": (None,),
-    "hub_private_repo": (None, False), "hub_always_push": (False,), "label_smoothing_factor": (0, 0.0),
-    "tf32": (None,), "local_rank": (-1,), "tpu_num_cores": (None,), "debug": ("", [], None),
-    "past_index": (-1,), "group_by_length": (False,), "length_column_name": ("length",),
-    "ignore_data_skip": (False,), "optim_args": (None,), "adafactor": (False,), "fp16_opt_level": ("O1",),
-    "half_precision_backend": ("auto",), "bf16_full_eval": (False,), "fp16_full_eval": (False,),
-    "jit_mode_eval": (False,), "use_ipex": (False,), "torchdynamo": (None,), "ray_scope": ("last",),
-    "include_inputs_for_metrics": (False,), "include_for_metrics": ([], None), "neftune_noise_alpha": (None,),
-    "optim_target_modules": (None,), "batch_eval_metrics": (False,), "use_liger_kernel": (False,),
-    "liger_kernel_config": (None,), "restore_callback_states_from_checkpoint": (False,),
-    "average_tokens_across_devices": (True, False), "parallelism_config": (None,), "project": (None,),
-    "trackio_space_id": (None,), "hub_revision": (None,), "fsdp_min_num_params": (0,),
-    "fsdp_transformer_layer_cls_to_wrap": (None,), "gradient_checkpointing_kwargs": (None,),
-    "include_tokens_per_second": (False,), "include_num_input_tokens_seen": (False, "no"),
-    "auto_find_batch_size": (False,), "torch_empty_cache_steps": (None,), "use_mps_device": (False,),
-    "mp_parameters": ("",), "log_level": ("passive",), "log_level_replica": ("warning",),
-    "log_on_each_node": (True,), "skip_memory_metrics": (True,), 
-    "eval_do_concat_batches": (True,), "split_batches": (None,), "dispatch_batches": (None,),
-    "ddp_backend_kwargs": (None,), "eval_use_gather_object": (False,),
-    "use_legacy_prediction_loop": (False,), "hub_private": (None,),
-}
 _ALIASES = {"evaluation_strategy": "eval_strategy", "no_cuda": "use_cpu"}
 
 
@@ -123,7 +96,7 @@ class TrainingArguments:
     lr_scheduler_type: str = "linear"
     lr_scheduler_kwargs: dict | None = field(default_factory=dict)
     warmup_ratio: float = 0.0
-    warmup_steps: int = 0
+    warmup_steps: float = 0
     logging_dir: str | None = None
     logging_strategy: str = "steps"
     logging_first_step: bool = False
@@ -168,9 +141,13 @@ class TrainingArguments:
     ddp_timeout: int = 1800
     resume_from_checkpoint: str | None = None
     gradient_checkpointing: bool = False
+    prediction_loss_only: bool = False
+    label_smoothing_factor: float = 0.0
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self):
+        # transformers fields read by from_dict and ignored (training_args_fields.py); not a field
+        self.carried = {}
         if self.output_dir is None:
             self.output_dir = "trainer_output"  # transformers' default since 4.50
         self.output_dir = os.fspath(self.output_dir)
@@ -208,13 +185,18 @@ class TrainingArguments:
 
     def _check_ints(self):
         spec = {"per_device_train_batch_size": 1, "per_device_eval_batch_size": 1, "gradient_accumulation_steps": 1,
-                "warmup_steps": 0, "dataloader_num_workers": 0, "ddp_timeout": 1, "seed": None}
+                "dataloader_num_workers": 0, "ddp_timeout": 1, "seed": None}
         for name, lo in spec.items():
             v = getattr(self, name)
             if not _is_int(v):
                 raise _err(name, f"expected an integer, got {v!r}")
             if lo is not None and v < lo:
                 raise _err(name, f"must be >= {lo}, got {v}")
+        w = self.warmup_steps
+        if not _is_num(w) or not math.isfinite(w) or w < 0 or (w >= 1 and w != int(w)):
+            raise _err("warmup_steps", f"expected a whole number of steps >= 0, or a float in (0, 1) (a ratio of the "
+                                       f"total training steps), got {w!r}")
+        self.warmup_steps = int(w) if w >= 1 or w == 0 else float(w)
         if not _is_int(self.max_steps) or (self.max_steps < 1 and self.max_steps != -1):
             raise _err("max_steps", f"expected a positive integer, or -1 (train num_train_epochs), got "
                                     f"{self.max_steps!r}")
@@ -234,6 +216,7 @@ class TrainingArguments:
     def _check_floats(self):
         spec = {"learning_rate": (0, None), "weight_decay": (0, None), "adam_epsilon": (0, None),
                 "max_grad_norm": (0, None), "num_train_epochs": (0, None), "warmup_ratio": (0, 1),
+                "label_smoothing_factor": (0, 1),
                 "adam_beta1": (0, 1), "adam_beta2": (0, 1)}
         for name, (lo, hi) in spec.items():
             v = getattr(self, name)
@@ -270,7 +253,7 @@ class TrainingArguments:
             self.lr_scheduler_kwargs = {}
         if not isinstance(self.lr_scheduler_kwargs, dict):
             raise _err("lr_scheduler_kwargs", f"expected a mapping, got {self.lr_scheduler_kwargs!r}")
-        allowed = {"cosine": {"num_cycles"}}.get(self.lr_scheduler_type, set())
+        allowed = SCHEDULER_KWARGS.get(self.lr_scheduler_type, set())
         for k in self.lr_scheduler_kwargs:
             if k not in allowed:
                 raise _err("lr_scheduler_kwargs", f"{self.lr_scheduler_type!r} takes no argument {k!r}"
@@ -314,6 +297,8 @@ class TrainingArguments:
             self.do_eval = True
 
     def _check_features(self):
+        if self.fsdp is None:  # transformers 5's default
+            self.fsdp = ""
         if isinstance(self.fsdp, bool):
             self.fsdp = "full_shard" if self.fsdp else ""
         if isinstance(self.fsdp, (list, tuple)):
@@ -380,8 +365,12 @@ class TrainingArguments:
         return self.per_device_eval_batch_size
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
-        """warmup_steps when > 0, else ceil(num_training_steps * warmup_ratio) (transformers' rule)."""
-        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(num_training_steps * self.warmup_ratio)
+        """warmup_steps when >= 1; a fraction in (0, 1) of the training steps, rounded up
+        (transformers 5's rule); otherwise ceil(num_training_steps * warmup_ratio)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        ratio = self.warmup_steps if self.warmup_steps > 0 else self.warmup_ratio
+        return math.ceil(num_training_steps * ratio)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:
@@ -392,13 +381,16 @@ class TrainingArguments:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "dict") -> "TrainingArguments":
-        """From a mapping of field names to values (the keys of transformers' TrainingArguments).
-        transformers fields that accelerate_c has no feature for are accepted at their default
-        values (so `transformers.TrainingArguments(...).to_dict()` loads) and refused otherwise."""
+        """From a mapping of field names to values (the keys of transformers' TrainingArguments,
+        e.g. its `to_dict()`). transformers' other fields (training_args_fields.py): those about
+        training mechanics accelerate_c has not built are refused by name unless at their
+        default; the rest are kept in `.carried` and ignored, with one warning naming those not
+        at their default. A name transformers does not have either is an error."""
         if not isinstance(data, dict):
             raise ValueError(f"TrainingArguments from {source}: expected a mapping, got {type(data).__name__}")
         names = {f.name: f for f in fields(cls)}
-        kwargs = {}
+        kwargs, carried, listed = {}, {}, []
+        hf_defaults = None
         for key, value in data.items():
             name = _ALIASES.get(key, key)
             if key == "no_cuda":
@@ -407,15 +399,26 @@ class TrainingArguments:
                 if name in kwargs:
                     raise ValueError(f"TrainingArguments from {source}: {key!r} given twice (also as an alias)")
                 kwargs[name] = _coerce(names[name], value)
-            elif key in _UNSUPPORTED_AT_DEFAULT:
-                if value not in _UNSUPPORTED_AT_DEFAULT[key]:
-                    raise ValueError(f"TrainingArguments.{key}={value!r} (from {source}): not supported yet by "
-                                     f"accelerate_c; leave it at {_UNSUPPORTED_AT_DEFAULT[key][0]!r}")
-            else:
-                close = difflib.get_close_matches(key, list(names), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"TrainingArguments from {source}: unknown field {key!r}{hint}")
-        return cls(**kwargs)
+                continue
+            if hf_defaults is None:
+                hf_defaults = transformers_defaults()
+            kind, detail = classify(key, value, hf_defaults)
+            if kind == "refuse":
+                raise ValueError(f"TrainingArguments.{key}={value!r} (from {source}): {detail}")
+            if kind == "carry":
+                carried[key] = value
+                if detail:
+                    listed.append(f"{key}={value!r}")
+                continue
+            close = difflib.get_close_matches(key, list(names) + list(hf_defaults), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"TrainingArguments from {source}: unknown field {key!r}{hint}")
+        if listed:
+            warnings.warn(f"TrainingArguments (from {source}): these transformers fields do not concern accelerate_c's "
+                          f"training mechanics and are carried but ignored: {', '.join(listed)}", stacklevel=2)
+        args = cls(**kwargs)
+        args.carried = carried
+        return args
 
     @classmethod
     def from_json_file(cls, path: str) -> "TrainingArguments":
@@ -448,9 +451,12 @@ def _coerce(f, value):
 
 
 def load_training_args(source) -> TrainingArguments:
-    """TrainingArguments from a TrainingArguments, a dict, or a .json / .yaml / .yml file."""
+    """TrainingArguments from a TrainingArguments (accelerate_c's, or transformers': read
+    through its to_dict()), a dict, or a .json / .yaml / .yml file."""
     if isinstance(source, TrainingArguments):
         return source
+    if is_transformers_args(source):
+        return TrainingArguments.from_dict(source.to_dict(), source=f"{type(source).__name__} of transformers")
     if isinstance(source, dict):
         return TrainingArguments.from_dict(source)
     path = os.fspath(source)
@@ -538,44 +544,10 @@ class TrainerCallback:
     def on_evaluate(self, args, state, control, **kwargs): pass
     def on_save(self, args, state, control, **kwargs): pass
     def on_log(self, args, state, control, **kwargs): pass
+    def on_predict(self, args, state, control, **kwargs): pass
 
 
 # ---------------------------------------------------------------------- schedules and weight decay
-
-
-def _linear(step, *, warmup, total):
-    if step < warmup:
-        return step / max(1, warmup)
-    return max(0.0, (total - step) / max(1, total - warmup))
-
-
-def _cosine(step, *, warmup, total, num_cycles=0.5):
-    if step < warmup:
-        return step / max(1, warmup)
-    progress = (step - warmup) / max(1, total - warmup)
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress)))
-
-
-def _constant(step, *, warmup=0, total=0):
-    return 1.0
-
-
-def _constant_with_warmup(step, *, warmup, total=0):
-    return step / max(1.0, warmup) if step < warmup else 1.0
-
-
-_SCHEDULES = {"linear": _linear, "cosine": _cosine, "constant": _constant,
-              "constant_with_warmup": _constant_with_warmup}
-
-
-def get_scheduler(name: str, optimizer, num_warmup_steps: int = 0, num_training_steps: int = 0, **kwargs):
-    """transformers' get_scheduler for linear / cosine / constant / constant_with_warmup: a
-    LambdaLR over the optimizer's steps."""
-    if name not in _SCHEDULES:
-        raise ValueError(f"lr_scheduler_type {name!r} is not supported yet by accelerate_c (supported: "
-                         f"{', '.join(_SCHEDULES)})")
-    fn = functools.partial(_SCHEDULES[name], warmup=num_warmup_steps, total=num_training_steps, **kwargs)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
 
 _NORM_NAME = re.compile(r"(bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.))", re.IGNORECASE)
@@ -613,7 +585,8 @@ def accelerator_kwargs(args: TrainingArguments) -> dict:
         raise NotImplementedError("TrainingArguments.accelerator_config.use_configured_state=True is not supported "
                                   "yet by accelerate_c")
     ga = dict(cfg.pop("gradient_accumulation_kwargs") or {})
-    if "num_steps" in ga and args.gradient_accumulation_steps > 1:
+    # (equal counts agree: transformers' Trainer copies num_steps into gradient_accumulation_steps)
+    if "num_steps" in ga and args.gradient_accumulation_steps > 1 and args.gradient_accumulation_steps != ga["num_steps"]:
         raise ValueError("TrainingArguments: accelerator_config.gradient_accumulation_kwargs.num_steps and "
                          "gradient_accumulation_steps > 1 are both set; set only one")
     ga["num_steps"] = ga.get("num_steps", args.gradient_accumulation_steps)

@@ -40,13 +40,15 @@ MAKE_BENCH = {
     "bench_sharding": ["--repeats", "2", "--steps", "2"],
     "bench_chunk_collectives": ["--repeats", "3"],
     "bench_collectives": ["--repeats", "3"],
+    "bench_trainer": ["--repeats", "3", "--steps", "6", "--threads", "1"],  # 1 thread: steady on shared cores
 }
 QUICK = {"bench_kernels": ["--quick"], "bench_safetensors": ["--repeats", "1", "--mb", "40"],
          "bench_checkpoint": ["--repeats", "1", "--layers", "1", "--width", "512"],
          "bench_step": ["--quick"], "bench_ddp": ["--quick"],
          "bench_sharding": ["--worlds", "2", "--repeats", "1", "--steps", "1", "--layers", "2", "--d-model", "384"],
          "bench_chunk_collectives": ["--worlds", "2", "--buckets", "2", "--repeats", "1"],
-         "bench_collectives": ["--worlds", "2", "--max-mb", "32", "--repeats", "1"]}
+         "bench_collectives": ["--worlds", "2", "--max-mb", "32", "--repeats", "1"],
+         "bench_trainer": ["--repeats", "1", "--steps", "3", "--warmup", "1"]}
 TIMEOUT_S = 3600  # a benchmark that hangs is stopped, recorded as failed, and the others run
 
 

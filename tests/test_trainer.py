@@ -73,8 +73,9 @@ def test_schedulers(tmp_path, kind, expect):
     trainer.train()
     lrs = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
     assert len(lrs) == 8
-    for step, lr in enumerate(lrs, start=1):  # logged after the scheduler stepped: the next step's lr
-        want = 1e-2 * (1.0 if kind == "constant" else step / 3 if step < 3 else expect(step, 3, 8))
+    for step, lr in enumerate(lrs, start=1):  # the rate step `step` used (the schedule at step - 1), as transformers
+        k = step - 1
+        want = 1e-2 * (1.0 if kind == "constant" else k / 3 if k < 3 else expect(k, 3, 8))
         assert lr == pytest.approx(want, rel=1e-6, abs=1e-12), (step, lr, want)
 
 
@@ -86,8 +87,9 @@ def test_logging_steps_and_eval_steps(tmp_path):
     assert [e["step"] for e in hist if "eval_loss" in e] == [4, 8]
     assert "train_loss" in hist[-1] and hist[-1]["step"] == 10
     for e in hist:
-        if "loss" in e:  # lr logged is the linear schedule's after that step
-            assert e["learning_rate"] == pytest.approx(1e-2 * (10 - e["step"]) / 7, rel=1e-6)
+        if "loss" in e:  # lr logged is the rate that step used: the linear schedule's at step - 1
+            k = e["step"] - 1
+            assert e["learning_rate"] == pytest.approx(1e-2 * (k / 3 if k < 3 else (10 - k) / 7), rel=1e-6)
     t2 = _trainer(tmp_path / "b", max_steps=4, logging_steps=3, logging_first_step=True)
     t2.train()
     assert [e["step"] for e in t2.state.log_history if "loss" in e] == [1, 3]

@@ -1,0 +1,141 @@
+"""accelerate_c's own Trainer against transformers' Trainer (on accelerate 1.15) in the same
+test, on a tiny LlamaForCausalLM: evaluate with compute_metrics (the model's
+keys_to_ignore_at_inference: its cache is not a prediction), predict, prediction_loss_only,
+the learning rate logged at each step, and the metric reports."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import accelerate_c
+from helpers import fresh_state  # noqa: F401  (autouse: fresh Accelerator states per test)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+import hf_trainer_llama as script  # noqa: E402
+
+
+def _pair(tmp_path, compute_metrics=script.compute_metrics, **kw):
+    """(transformers' Trainer, ours) on equal models, data and arguments."""
+    common = dict(per_device_train_batch_size=4, per_device_eval_batch_size=4, use_cpu=True, report_to="none",
+                  disable_tqdm=True, seed=3, optim="adamw_torch", **kw)
+    out = []
+    for name, cls, args_cls in (("hf", transformers.Trainer, transformers.TrainingArguments),
+                                ("ours", accelerate_c.Trainer, accelerate_c.TrainingArguments)):
+        args = args_cls(output_dir=str(tmp_path / name), **common)
+        out.append(cls(model=script.make_model(), args=args, train_dataset=script.make_data(24, 1),
+                       eval_dataset=script.make_data(10, 2), compute_metrics=compute_metrics))
+    return out
+
+
+def test_evaluate_and_predict_on_a_causal_lm_match_transformers(tmp_path):
+    ref, ours = _pair(tmp_path)
+    a, b = ref.evaluate(), ours.evaluate()
+    assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-6)
+    assert b["eval_accuracy"] == a["eval_accuracy"]
+    pa, pb = ref.predict(script.make_data(6, 4)), ours.predict(script.make_data(6, 4))
+    assert isinstance(pb.predictions, np.ndarray) and pb.predictions.shape == pa.predictions.shape == (6, 16, 64)
+    np.testing.assert_allclose(pb.predictions, pa.predictions, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(pb.label_ids, pa.label_ids)
+    assert pb.metrics["test_loss"] == pytest.approx(pa.metrics["test_loss"], rel=1e-6)
+    assert pb.metrics["test_accuracy"] == pa.metrics["test_accuracy"]
+    # with the cache not ignored, the outputs hold it as transformers' do (a DynamicCache is not an array)
+    with pytest.raises(Exception):
+        ours.evaluate(ignore_keys=[])
+
+
+def test_prediction_loss_only_matches_transformers(tmp_path):
+    calls = []
+
+    def metrics(p):
+        calls.append(1)
+        return {"x": 0.0}
+
+    ref, ours = _pair(tmp_path, compute_metrics=metrics, prediction_loss_only=True)
+    a, b = ref.evaluate(), ours.evaluate()
+    assert calls == []  # neither computed metrics
+    timing = ("runtime", "per_second", "preparation_time", "epoch")
+    assert {k for k in b if not k.endswith(timing)} == {k for k in a if not k.endswith(timing)} == {"eval_loss"}
+    pa, pb = ref.predict(script.make_data(6, 4)), ours.predict(script.make_data(6, 4))
+    assert pa.predictions is None and pb.predictions is None
+    assert pb.metrics["test_loss"] == pytest.approx(pa.metrics["test_loss"], rel=1e-6)
+
+
+def test_learning_rate_logged_at_the_step_transformers_logs_it(tmp_path):
+    ref, ours = _pair(tmp_path, max_steps=6, warmup_steps=2, logging_steps=1, learning_rate=1e-3,
+                      lr_scheduler_type="linear", save_strategy="no", max_grad_norm=1.0)
+    ref.train()
+    ours.train()
+    la = [h for h in ref.state.log_history if "loss" in h]
+    lb = [h for h in ours.state.log_history if "loss" in h]
+    assert [h["step"] for h in lb] == [h["step"] for h in la] == [1, 2, 3, 4, 5, 6]
+    assert [h["learning_rate"] for h in lb] == pytest.approx([h["learning_rate"] for h in la], rel=1e-12)
+    assert la[0]["learning_rate"] == 0.0  # the warm-up's first step
+    # one process, no accumulation: the same training (accelerate_c's Trainer logs the loss to 4 decimals)
+    assert [h["loss"] for h in lb] == pytest.approx([h["loss"] for h in la], abs=5e-5)
+    assert [h["grad_norm"] for h in lb] == pytest.approx([h["grad_norm"] for h in la], rel=1e-5)
+
+
+def test_metric_reports_match_transformers(tmp_path, capsys):
+    ref, ours = _pair(tmp_path)
+    metrics = {"train_runtime": 83.76, "train_loss": 1.234567891, "total_flos": 3 << 30, "epoch": 2.0,
+               "train_samples_per_second": 12.5}
+    out = []
+    for t in (ref, ours):
+        t.log_metrics("train", metrics)
+        out.append(capsys.readouterr().out)
+        t.save_metrics("train", metrics)
+        t.save_metrics("eval", {"eval_loss": 0.5})
+        t.save_state()
+    assert out[0] == out[1]
+    for name in ("train_results.json", "eval_results.json", "all_results.json"):
+        with open(tmp_path / "hf" / name) as f, open(tmp_path / "ours" / name) as g:
+            assert json.load(f) == json.load(g), name
+    with open(tmp_path / "ours" / "trainer_state.json") as f:
+        assert json.load(f)["global_step"] == ours.state.global_step
+
+
+@pytest.mark.parametrize("kind,kwargs", [
+    ("linear", {}), ("cosine", {"num_cycles": 0.7}), ("cosine_with_restarts", {"num_cycles": 3}),
+    ("polynomial", {"lr_end": 1e-4, "power": 2.0}), ("constant", {}), ("constant_with_warmup", {}),
+    ("inverse_sqrt", {}), ("inverse_sqrt", {"timescale": 5}), ("cosine_with_min_lr", {"min_lr": 1e-4}),
+    ("cosine_with_min_lr", {"min_lr_rate": 0.2})])
+@pytest.mark.parametrize("warmup_steps", [3, 0.25])
+def test_lr_scheduler_types_and_fractional_warmup_match_transformers(tmp_path, kind, kwargs, warmup_steps):
+    total = 17
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path), warmup_steps=warmup_steps, report_to="none")
+    ours_args = accelerate_c.TrainingArguments(output_dir=str(tmp_path), warmup_steps=warmup_steps,
+                                               lr_scheduler_type=kind, lr_scheduler_kwargs=dict(kwargs))
+    assert ours_args.get_warmup_steps(total) == hf_args.get_warmup_steps(total)
+    warm = hf_args.get_warmup_steps(total)
+    rates = []
+    for get in (transformers.get_scheduler, accelerate_c.training_args.get_scheduler):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+        sched = get(kind, opt, num_warmup_steps=warm, num_training_steps=total,
+                    **({"scheduler_specific_kwargs": dict(kwargs)} if get is transformers.get_scheduler
+                       else dict(kwargs)))
+        seq = []
+        for _ in range(total + 2):
+            seq.append(sched.get_last_lr()[0])
+            opt.step()
+            sched.step()
+        rates.append(seq)
+    assert rates[1] == pytest.approx(rates[0], rel=1e-12, abs=1e-15)
+
+
+def test_label_smoothing_matches_transformers(tmp_path):
+    ref, ours = _pair(tmp_path, label_smoothing_factor=0.1, max_steps=3, logging_steps=1, save_strategy="no",
+                      learning_rate=1e-3)
+    a, b = ref.evaluate(), ours.evaluate()
+    plain = _pair(tmp_path / "plain")[1].evaluate()["eval_loss"]
+    assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-6) and b["eval_loss"] != pytest.approx(plain)
+    ref.train()
+    ours.train()
+    la = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    lb = [h["loss"] for h in ours.state.log_history if "loss" in h]
+    assert len(lb) == len(la) == 3 and lb == pytest.approx(la, abs=5e-5)  # ours: 4 decimals
