@@ -21,6 +21,7 @@ from .strategies.zero import Zero1Strategy
 from .strategies.zero2 import Zero2Strategy
 from .grads import GradManager, clip_coef
 from .optimizer import AcceleratedOptimizer
+from .accelerator_process import ProcessFacade
 from .parallelism import ParallelismNames
 from .plugins import check_kind, kind_of, refuse_features, resolve_deepspeed_plugin, resolve_dynamo_plugin
 from .ds_scaler import DeepSpeedScaler
@@ -80,7 +81,7 @@ def _model_parameters(opt) -> list:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-class Accelerator(ParallelismNames):
+class Accelerator(ProcessFacade, ParallelismNames):
     """Creates the training state and wraps models, optimizers, schedulers and data loaders.
 
     Parameters and their order are accelerate 1.15's, so positional and keyword calls bind the
@@ -280,97 +281,6 @@ class Accelerator(ParallelismNames):
         kwargs.update(overrides)
         return cls(**kwargs)
 
-    # ---- properties ---------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.state.device
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        return self.state.distributed_type
-
-    @property
-    def num_processes(self) -> int:
-        return self.state.num_processes
-
-    @property
-    def process_index(self) -> int:
-        return self.state.process_index
-
-    @property
-    def local_process_index(self) -> int:
-        return self.state.local_process_index
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.state.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.state.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.state.is_last_process
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.state.use_distributed
-
-    @property
-    def mixed_precision(self) -> str:
-        return self.state.mixed_precision
-
-    @property
-    def sync_gradients(self) -> bool:
-        return self.gradient_state.sync_gradients
-
-    @sync_gradients.setter
-    def sync_gradients(self, value: bool):
-        self.gradient_state.sync_gradients = value
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.gradient_state.num_steps
-
-    @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, steps: int):
-        self.gradient_state.plugin_kwargs["num_steps"] = steps
-        self.gradient_state._num_steps = steps
-
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        return any(opt.step_was_skipped for opt in self._optimizers)
-
-    @property
-    def split_batches(self) -> bool:
-        return self.dataloader_config.split_batches
-
-    @property
-    def even_batches(self) -> bool:
-        return self.dataloader_config.even_batches
-
-    @property
-    def use_seedable_sampler(self) -> bool:
-        return self.dataloader_config.use_seedable_sampler
-
-    @property
-    def non_blocking(self) -> bool:
-        return self.dataloader_config.non_blocking
-
-    @property
-    def project_dir(self):
-        return self.project_configuration.project_dir
-
-    @property
-    def logging_dir(self):
-        return self.project_configuration.logging_dir
-
-    @property
-    def save_iteration(self) -> int:
-        return self.project_configuration.iteration
-
-    # ---- prepare --------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
         """Prepares models, optimizers, data loaders and schedulers; returns them in order.
         Objects of other types come back unchanged."""
@@ -745,48 +655,6 @@ class Accelerator(ParallelismNames):
     def pad_across_processes(self, tensor, dim: int = 0, pad_index=0, pad_first: bool = False):
         """Pads to the largest size along `dim` across processes."""
         return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
-
-    def wait_for_everyone(self):
-        self.state.wait_for_everyone()
-
-    def print(self, *args, **kwargs):
-        self.state.print(*args, **kwargs)
-
-    def set_trigger(self):
-        self.flag_tensor = torch.tensor(1, device=self.device)
-
-    def check_trigger(self) -> bool:
-        """True on every process if any process called set_trigger() since the last check."""
-        if self.flag_tensor is None:
-            self.flag_tensor = torch.tensor(0, device=self.device)
-        fired = bool(ops.reduce(self.flag_tensor, "sum").item() >= 1)
-        if fired:
-            self.flag_tensor = torch.tensor(0, device=self.device)
-        return fired
-
-    def main_process_first(self):
-        return self.state.main_process_first()
-
-    def local_main_process_first(self):
-        return self.state.local_main_process_first()
-
-    def split_between_processes(self, inputs, apply_padding: bool = False):
-        return self.state.split_between_processes(inputs, apply_padding=apply_padding)
-
-    def on_main_process(self, function):
-        return self.state.on_main_process(function)
-
-    def on_local_main_process(self, function):
-        return self.state.on_local_main_process(function)
-
-    def on_last_process(self, function):
-        return self.state.on_last_process(function)
-
-    def on_process(self, function=None, process_index=None):
-        return self.state.on_process(function, process_index=process_index)
-
-    def on_local_process(self, function=None, local_process_index=None):
-        return self.state.on_local_process(function, local_process_index=local_process_index)
 
     # ---- models and memory ---------------------------------------------------------------
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
