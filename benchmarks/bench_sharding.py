@@ -1,7 +1,8 @@
 """ZeRO on CPU processes: memory per rank and training-step throughput of accelerate_c's DDP,
 ZeRO-1 and ZeRO-2 beside torch's ZeroRedundancyOptimizer + DDP, on a ~100M-parameter GPT
 (vocabulary 8192, so the embedding is a small part of it), AdamW (foreach=False: see adamw()),
-fp32, 2 and 4 processes (gloo; --comm shm: accelerate_c's contenders over shared memory).
+fp32, 2 and 4 processes (accelerate_c's contenders over shared memory, its default on one host;
+--comm gloo puts them on gloo, where torch's contender is).
 
     .venv/bin/python benchmarks/bench_sharding.py                  # 2 and 4 processes (~8 min here)
     .venv/bin/python benchmarks/bench_sharding.py --worlds 2 --repeats 2 --steps 2
@@ -294,9 +295,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=13)
     ap.add_argument("--d-model", type=int, default=768)
     ap.add_argument("--seq", type=int, default=64, help="tokens per rank and step")
-    ap.add_argument("--comm", choices=("gloo", "shm"), default="gloo",
-                    help="how accelerate_c's contenders' CPU collectives travel (CpuCommKwargs; torch_zero stays on "
-                         "gloo): shm for the shared-memory collectives")
+    ap.add_argument("--comm", choices=("auto", "gloo", "shm"), default="auto",
+                    help="how accelerate_c's contenders' CPU collectives travel (CpuCommKwargs; default: the "
+                         "library's, shared memory on one host; torch_zero is on gloo, torch's only CPU backend)")
     ap.add_argument("--contender", choices=NAMES, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
