@@ -41,35 +41,38 @@ def batches_of(case, ds, world, rank):
 
 
 class Addends:
-    """The largest magnitude each parameter's local gradient reaches in a window, over every rank:
-    the size of the terms a 16-bit cross-rank sum adds (compare.py bounds the rounding of such a
-    sum by it). Tensor hooks see each micro-batch's gradient before it is accumulated or reduced;
-    they return nothing, so the reference's arithmetic is untouched."""
+    """Per element, the largest magnitude each parameter's local gradient reaches in a window,
+    over every rank: the size of the terms a 16-bit cross-rank sum adds at that element
+    (compare.py bounds the sum's rounding by it). Tensor hooks see each micro-batch's gradient
+    before it is accumulated or reduced; they return nothing, so the reference's arithmetic is
+    untouched."""
 
     def __init__(self, params):
         self._acc = [None] * len(params)
-        self._peak = [0.0] * len(params)
+        self._peak = [None] * len(params)
         for j, p in enumerate(params):
             p.register_hook(lambda g, j=j: self._seen(j, g))
 
     def _seen(self, j, g):
         g = g.detach().float()
         self._acc[j] = g.clone() if self._acc[j] is None else self._acc[j] + g
-        for t in (g, self._acc[j]):
-            finite = t[torch.isfinite(t)]
-            if finite.numel():
-                self._peak[j] = max(self._peak[j], finite.abs().max().item())
+        seen = torch.maximum(g.abs(), self._acc[j].abs())
+        seen = torch.where(torch.isfinite(seen), seen, torch.zeros_like(seen))
+        self._peak[j] = seen if self._peak[j] is None else torch.maximum(self._peak[j], seen)
 
-    def take(self, across_ranks: bool = True) -> list[float]:
-        """This window's peaks (MAX over ranks; this rank's alone where ranks step unevenly, as a
-        collective there would not meet its peers: a smaller floor, a stricter comparison), and a
-        new window."""
-        peaks = torch.tensor(self._peak, dtype=torch.float64)
+    def take(self, params, across_ranks: bool = True, divide_by: float = 1.0) -> list:
+        """This window's peaks per element (MAX over ranks; this rank's alone where ranks step
+        unevenly, as a collective there would not meet its peers: a smaller floor, a stricter
+        comparison), in the units of the gradients compared (divide_by: the loss scale the
+        reference unscaled them by before recording them), and a new window."""
+        peaks = [torch.zeros(p.shape) if k is None else k for p, k in zip(params, self._peak)]
         if across_ranks and dist.is_initialized():
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+            flat = torch.cat([k.reshape(-1) for k in peaks])
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+            peaks = [v.view(p.shape) for v, p in zip(flat.split([k.numel() for k in peaks]), params)]
         self._acc = [None] * len(self._acc)
-        self._peak = [0.0] * len(self._peak)
-        return peaks.tolist()
+        self._peak = [None] * len(self._peak)
+        return [k / divide_by for k in peaks]
 
 
 def wrap(case, models, world):
@@ -138,9 +141,8 @@ def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world,
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             if not window_end:
                 continue
-            norm = _step(case, params, opts, scaler, world, sched, trace)
+            norm = _step(case, params, opts, scaler, world, sched, trace, addends)
             trace["steps"][-1]["norm"] = norm
-            trace["steps"][-1]["addends"] = addends.take(across_ranks=not case["uneven"])
             W.zero_grads(case, opts, models, params)
 
 
@@ -162,11 +164,15 @@ def evaluate(case, model, amp, cast=None):
     return torch.cat(outs)
 
 
-def _step(case, params, opts, scaler, world, sched, trace):
+def _step(case, params, opts, scaler, world, sched, trace, addends):
     W.touch_grads(case, params, len(trace["steps"]))
+    # the gradients recorded below are unscaled when unscale_ ran before them: the addends too
+    scale = 1.0
     if scaler is not None and (case["unscale_first"] or case["clip"] != "none"):
         (opt,) = opts  # fp16 is drawn with one optimizer (cases.py)
         scaler.unscale_(opt)
+        scale = scaler.get_scale()
+    terms = addends.take(params, across_ranks=not case["uneven"], divide_by=scale)
     norm, clipped = None, W.clipped(case, params)
     sharded = case.get("sharding", "none") != "none"
     if sharded:  # DeepSpeed clips inside its step: what the loop sees before it is unclipped
@@ -197,5 +203,5 @@ def _step(case, params, opts, scaler, world, sched, trace):
             sched.step()
     trace["steps"].append({"params": [p.detach().float().clone() for p in params], "grads": grads,
                            "skipped": skipped, "lr": sched.get_last_lr()[0],
-                           "scale": scaler.get_scale() if scaler is not None else None})
+                           "scale": scaler.get_scale() if scaler is not None else None, "addends": terms})
     return norm

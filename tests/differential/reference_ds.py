@@ -62,7 +62,8 @@ def run(case: dict) -> dict:
                 (loss * scaler.cur_scale if scaler is not None else loss).backward()
             if window_end:
                 _step(case, params, masters, opts, sched, scaler, world, trace)
-                trace["steps"][-1]["addends"] = addends.take()
+                # the recorded gradients and the addends are both still scaled (DeepSpeed's policy)
+                trace["steps"][-1]["addends"] = addends.take(params)
                 _zero_grads(case, models, params, masters)
     trace["final"] = [p.detach().float().clone() for p in params]
     if case["eval"]:
