@@ -75,7 +75,6 @@ def _keep_views(tensors):
 # else through torch.distributed. Each channel keeps its own call order, the same on every rank.
 _SHM = None
 _SHM_FOR = None  # the default group the communicator was made for
-_CHOICE = None  # what was asked for it ("shm", "gloo", "auto")
 ENV_COMM = "ACCELERATE_C_COMM"
 
 
@@ -86,16 +85,17 @@ def select_cpu_comm(choice: str | None = None, timeout_s: float | None = None) -
     docs/collectives.md).
     timeout_s: the collectives' timeout (default: the process group's backend default). A
     collective of the default group when it makes the communicator. Returns what is in use."""
-    global _SHM, _SHM_FOR, _CHOICE
+    global _SHM, _SHM_FOR
     world = dist.group.WORLD
     explicit = choice is not None
     choice = (choice or os.environ.get(ENV_COMM) or "auto").strip().lower()
     if choice not in ("shm", "gloo", "auto"):
         raise ValueError(f"{'CpuCommKwargs(comm=...)' if explicit else ENV_COMM}={choice!r}: use 'shm', 'gloo' or "
                          "'auto'")
-    if _SHM_FOR is world and world is not None and not (explicit and choice != _CHOICE):
-        # decided for this group already (a later Accelerator asking for another way explicitly
-        # switches: every rank makes its Accelerators at the same points)
+    if _SHM_FOR is world and world is not None and not (explicit and (choice != "gloo") != (_SHM is not None)):
+        # decided for this group already; a later Accelerator asking explicitly for the other
+        # way switches (every rank makes its Accelerators at the same points), one asking for
+        # what is in use keeps it (and the windows of the models prepared over it)
         return "shm" if _SHM is not None else "gloo"
     if _SHM is not None:
         _SHM.close()
@@ -103,7 +103,7 @@ def select_cpu_comm(choice: str | None = None, timeout_s: float | None = None) -
         if sub is not None:
             sub.close()
     _SUBGROUPS.clear()
-    _SHM, _SHM_FOR, _CHOICE = None, world, choice
+    _SHM, _SHM_FOR = None, world
     if choice == "gloo" or dist.get_world_size() < 2:
         return "gloo"
     from .shm import ShmGroup, hosts_of  # noqa: PLC0415 (the extension's shm type, only when asked for)

@@ -16,7 +16,6 @@ import os
 import secrets
 import socket
 import warnings
-import weakref
 from typing import Optional
 
 import torch
@@ -76,7 +75,6 @@ class ShmGroup:
         self.group = group
         self.timeout_s = timeout_s
         self._warned_room = False
-        self._windows = weakref.WeakSet()  # the window tensors alive (in_window)
 
     @classmethod
     def create(cls, group=None, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: Optional[float] = None,
@@ -161,15 +159,12 @@ class ShmGroup:
                               "copies instead (slower). Enlarge /dev/shm (docker: --shm-size) to avoid it.",
                               stacklevel=3)
             return None
-        t = torch.frombuffer(self.comm.window(nbytes), dtype=dtype)
-        self._windows.add(t)
-        return t
+        return torch.frombuffer(self.comm.window(nbytes), dtype=dtype)
 
     def in_window(self, t: torch.Tensor) -> bool:
-        """Whether t lies in a window of this group (its all_reduce then takes the window path)."""
-        p = t.data_ptr()
-        return any(w.data_ptr() <= p and p + t.numel() * t.element_size() <= w.data_ptr() + w.numel() * w.element_size()
-                   for w in self._windows)
+        """Whether t lies in a window of this group: its all_reduce then takes the window path
+        (asked of the extension's own registry, the one all_reduce consults)."""
+        return self.supports(t) and self.comm.in_window(t.detach())
 
     def barrier(self) -> None:
         self.comm.barrier()

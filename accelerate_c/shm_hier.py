@@ -19,6 +19,7 @@ ShmGroup's calls, so collectives.py routes to it as it does to one host's commun
 """
 from __future__ import annotations
 
+import collections
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -55,6 +56,10 @@ class HierGroup:
         self.size = dist.get_world_size()
         self.rank = dist.get_rank()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accelerate_c-shm-hier")
+        # the tensors of the latest gloo calls, kept so that a gloo worker's release of a finished
+        # work is never the last reference to a Python tensor (collectives.py explains the abort
+        # at interpreter exit that would cause)
+        self._recent = collections.deque(maxlen=64)
 
     @classmethod
     def create(cls, hosts: list, timeout_s=None):
@@ -91,6 +96,7 @@ class HierGroup:
     def _all_reduce(self, t, op):
         self.local.all_reduce(t, dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op)
         if self.is_leader:
+            self._recent.append(t)
             dist.all_reduce(t, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, group=self.leaders)
         self.local.broadcast(t, 0)
         if op == dist.ReduceOp.AVG:  # an average is the sum over every host, divided once
@@ -101,6 +107,7 @@ class HierGroup:
         if mine == home:
             self.local.broadcast(t, self.local_ranks[home].index(src))
         if self.is_leader:
+            self._recent.append(t)
             dist.broadcast(t, src=self.local_ranks[home][0], group=self.leaders)
         if mine != home:
             self.local.broadcast(t, 0)
@@ -111,12 +118,14 @@ class HierGroup:
         bufs = [torch.empty(pad, dtype=t.dtype) for _ in counts]
         src = torch.zeros(pad, dtype=t.dtype)
         src[:t.numel()] = t
+        self._recent.append((src, bufs))
         dist.all_gather(bufs, src, group=self.everyone)
         for part, buf, c in zip(out.split(counts), bufs, counts):
             part.copy_(buf[:c])
 
     def _reduce_scatter(self, out, t, op):
         full = t.clone()  # out may alias t (an in-place reduce-scatter)
+        self._recent.append(full)
         self._all_reduce(full, op)
         out.copy_(full[self.rank * out.numel():(self.rank + 1) * out.numel()])
 

@@ -265,9 +265,10 @@ fail:
   return r;
 }
 
-void ac_shm_next_window_name(ac_shm_t *c, char *name, size_t cap, int *timeout_ms) {
+void ac_shm_next_window_name(ac_shm_t *c, char *name, size_t cap, int *timeout_ms, unsigned *serial) {
   /* a window name stays within AC_SHM_NAME_MAX: the group's name is cut short if need be (the
    * counter keeps the windows of one group apart; the group's random part, the groups) */
+  *serial = c->nwindows;
   snprintf(name, cap, "%.*s-w%u", AC_SHM_NAME_MAX - 16, c->name, c->nwindows++);
   *timeout_ms = c->timeout_ms;
 }
@@ -650,7 +651,10 @@ ac_result_t ac_shm_window_all_reduce(ac_shm_t *c, ac_shm_window_t *w, size_t off
   if (offset > w->usable_bytes / es || count > w->usable_bytes / es - offset)
     return AC_FAIL(AC_ERR_INVALID_ARG, "window all_reduce: elements [%zu, %zu) of %s are outside the window's %zu "
                    "bytes", offset, offset + count, dtype_name(dt), w->usable_bytes);
-  AC_CHECK(begin(c, "window all_reduce", K_WINDOW_ALL_REDUCE, count, (uint64_t)dt | ((uint64_t)op << 8), offset));
+  /* the window's serial is part of what every rank must agree on: two windows reduced at the
+   * same offset would otherwise each be half-reduced */
+  AC_CHECK(begin(c, "window all_reduce", K_WINDOW_ALL_REDUCE, count,
+                 (uint64_t)dt | ((uint64_t)op << 8) | ((uint64_t)w->serial << 16), offset));
   if (count == 0) return empty(c);
   int n = c->nranks;
   AC_CHECK(first_barrier(c)); /* every rank's range is in its region */

@@ -44,7 +44,8 @@ ac_result_t ac_shm_window_create(ac_shm_window_t **out, ac_shm_t *c, size_t byte
                    bytes, n);
   char name[AC_SHM_NAME_MAX];
   int timeout_ms;
-  ac_shm_next_window_name(c, name, sizeof name, &timeout_ms);
+  unsigned serial;
+  ac_shm_next_window_name(c, name, sizeof name, &timeout_ms, &serial);
   size_t region = (bytes + 4095) & ~(size_t)4095;
   size_t total = 4096 + (size_t)n * region;
   double deadline = ac_shm_now_s() + timeout_ms * 1e-3;
@@ -64,7 +65,10 @@ ac_result_t ac_shm_window_create(ac_shm_window_t **out, ac_shm_t *c, size_t byte
     return AC_FAIL(AC_ERR_NOMEM, "ac_shm_window_t");
   }
   *w = (ac_shm_window_t){.map = map, .map_bytes = total, .region_bytes = region, .usable_bytes = bytes,
-                         .nranks = n, .rank = rank};
+                         .nranks = n, .rank = rank, .serial = serial};
+  /* a hint, as for the private gradient buffers (grad_layout.alloc_flat): honoured where
+   * /sys/kernel/mm/transparent_hugepage/shmem_enabled allows it, ignored elsewhere */
+  (void)madvise(map, total, MADV_HUGEPAGE);
   window_header_t *h = map;
   ac_result_t r = AC_OK;
   if (rank == 0) {

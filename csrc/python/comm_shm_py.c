@@ -7,6 +7,8 @@
  * keeps its tensors (and their DLPack exports) alive until it is waited for. */
 #include "pyac.h"
 
+#include <time.h>
+
 #include "ac/comm_shm.h"
 #include "shm_window_py.h"
 
@@ -14,6 +16,9 @@ typedef struct {
   PyObject_HEAD
   ac_shm_queue_t *q;
   int nranks, rank;
+  /* calls using q with the GIL released (a blocking collective run inline, a window being made):
+   * close() lets them end (aborting the communicator) before it frees q */
+  int active;
 } ShmObject;
 
 typedef struct {
@@ -186,8 +191,10 @@ static PyObject *submit(PyObject *op, const ac_shm_op_t *o, shm_view *views, int
   ac_shm_queue_t *q = open_queue(op);
   if (q && !async) { /* on this thread when the queue is idle (ac_shm_run): no hand-off */
     ac_result_t r;
+    ((ShmObject *)op)->active++;
     Py_BEGIN_ALLOW_THREADS r = ac_shm_run(q, o);
     Py_END_ALLOW_THREADS
+    ((ShmObject *)op)->active--;
     for (int i = 0; i < nviews; i++) release(&views[i]);
     if (r != AC_OK) return pyac_raise_value(pyac_module_of(op), r);
     Py_RETURN_NONE;
@@ -413,10 +420,30 @@ static PyObject *shm_window(PyObject *op, PyObject *arg) {
   }
   ac_shm_window_t *w = NULL;
   ac_result_t r;
+  ((ShmObject *)op)->active++;
   Py_BEGIN_ALLOW_THREADS r = ac_shm_window_create(&w, ac_shm_queue_comm(q), (size_t)n);
   Py_END_ALLOW_THREADS
+  ((ShmObject *)op)->active--;
   if (r != AC_OK) return pyac_raise_value(pyac_module_of(op), r);
+  if (((ShmObject *)op)->q != q) { /* closed meanwhile: the window would name a freed queue */
+    ac_shm_window_destroy(w);
+    PyErr_SetString(PyExc_ValueError, "the ShmComm was closed while the window was being made");
+    return NULL;
+  }
   return pyac_shm_window_wrap(op, q, w);
+}
+
+static PyObject *shm_in_window(PyObject *op, PyObject *arg) {
+  ac_shm_queue_t *q = ((ShmObject *)op)->q;
+  if (!q) Py_RETURN_FALSE;
+  shm_view v;
+  if (view(arg, 0, "tensor", &v) < 0) return NULL;
+  ac_shm_window_t *w;
+  size_t at;
+  int found = pyac_shm_window_find(q, v.data, v.n * ac_shm_dtype_size(v.dt), &w, &at) &&
+              at % ac_shm_dtype_size(v.dt) == 0;
+  release(&v);
+  return PyBool_FromLong(found);
 }
 
 static PyObject *shm_set_timeout(PyObject *op, PyObject *arg) {
@@ -434,12 +461,25 @@ static PyObject *shm_set_timeout(PyObject *op, PyObject *arg) {
   Py_RETURN_NONE;
 }
 
+/* Stops `q` (ShmObject.q, already cleared): a call running on another thread with the GIL
+ * released is aborted and waited out before the queue is freed. */
+static void stop_queue(ShmObject *self, ac_shm_queue_t *q) {
+  pyac_shm_windows_forget(q);
+  if (!q) return;
+  ac_shm_abort(ac_shm_queue_comm(q)); /* thread-safe: what runs fails at its next wait */
+  while (self->active > 0) {
+    Py_BEGIN_ALLOW_THREADS struct timespec ts = {0, 1000000L};
+    nanosleep(&ts, NULL);
+    Py_END_ALLOW_THREADS
+  }
+}
+
 static PyObject *shm_close(PyObject *op, PyObject *unused) {
   (void)unused;
   ShmObject *self = (ShmObject *)op;
   ac_shm_queue_t *q = self->q;
   self->q = NULL;
-  pyac_shm_windows_forget(q);
+  stop_queue(self, q);
   if (q) {
     /* what is still queued fails at once (ShmWork.wait raises it); the thread is joined */
     Py_BEGIN_ALLOW_THREADS ac_shm_queue_destroy(q);
@@ -460,7 +500,7 @@ static PyObject *shm_get_size(PyObject *op, void *closure) {
 
 static void shm_dealloc(PyObject *op) {
   ShmObject *self = (ShmObject *)op;
-  if (self->q) {
+  if (self->q) { /* no call can be active: it would hold a reference to this object */
     pyac_shm_windows_forget(self->q);
     Py_BEGIN_ALLOW_THREADS ac_shm_queue_destroy(self->q);
     Py_END_ALLOW_THREADS
@@ -485,6 +525,9 @@ static PyMethodDef shm_methods[] = {
     {"window", shm_window, METH_O,
      "window(nbytes): a ShmWindow, this rank's region of nbytes in memory every rank maps (a collective: every rank "
      "makes its windows in the same order); a tensor in it (torch.frombuffer) is all-reduced there, with no copy"},
+    {"in_window", shm_in_window, METH_O,
+     "in_window(tensor): whether all_reduce(tensor) takes the window path (the tensor lies in a window of this "
+     "communicator)"},
     {"set_timeout", shm_set_timeout, METH_O, "set_timeout(seconds): the timeout of later collectives"},
     {"close", shm_close, METH_NOARGS, "close(): what is still queued fails; the segment is unmapped"},
     {NULL, NULL, 0, NULL},

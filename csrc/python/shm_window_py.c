@@ -15,7 +15,6 @@ typedef struct WindowObject {
   ac_shm_window_t *w;
   ac_shm_queue_t *q; /* the communicator's queue; NULL once it is closed */
   PyObject *comm;    /* the ShmComm (kept: its queue outlives the window's use) */
-  Py_ssize_t exports;
   struct WindowObject *next;
 } WindowObject;
 
@@ -54,7 +53,6 @@ PyObject *pyac_shm_window_wrap(PyObject *comm, ac_shm_queue_t *q, ac_shm_window_
   o->q = q;
   Py_INCREF(comm);
   o->comm = comm;
-  o->exports = 0;
   o->next = registry;
   registry = o;
   return (PyObject *)o;
@@ -62,14 +60,9 @@ PyObject *pyac_shm_window_wrap(PyObject *comm, ac_shm_queue_t *q, ac_shm_window_
 
 static int window_getbuffer(PyObject *op, Py_buffer *view, int flags) {
   WindowObject *o = (WindowObject *)op;
-  int rc = PyBuffer_FillInfo(view, op, ac_shm_window_base(o->w), (Py_ssize_t)ac_shm_window_bytes(o->w), 0, flags);
-  if (rc == 0) o->exports++;
-  return rc;
-}
-
-static void window_releasebuffer(PyObject *op, Py_buffer *view) {
-  (void)view;
-  ((WindowObject *)op)->exports--;
+  /* the view holds a reference to the window (view->obj), so the mapping outlives every tensor
+   * made of it */
+  return PyBuffer_FillInfo(view, op, ac_shm_window_base(o->w), (Py_ssize_t)ac_shm_window_bytes(o->w), 0, flags);
 }
 
 static void window_dealloc(PyObject *op) {
@@ -99,7 +92,6 @@ static PyType_Slot window_slots[] = {
     {Py_tp_dealloc, window_dealloc},
     {Py_tp_getset, window_getset},
     {Py_bf_getbuffer, window_getbuffer},
-    {Py_bf_releasebuffer, window_releasebuffer},
     {Py_tp_doc, "ShmWindow: this rank's region of a shared window (ShmComm.window(nbytes)), a writable buffer; a "
                 "tensor made of it (torch.frombuffer) is all-reduced in place through every rank's region"},
     {0, NULL},
@@ -108,6 +100,6 @@ static PyType_Slot window_slots[] = {
 PyType_Spec pyac_shm_window_spec = {
     .name = "accelerate_c._C.ShmWindow",
     .basicsize = sizeof(WindowObject),
-    .flags = Py_TPFLAGS_DEFAULT,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = window_slots,
 };

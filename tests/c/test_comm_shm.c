@@ -579,9 +579,15 @@ TEST(window_all_reduce_matches_the_reference_in_every_region) {
 }
 
 static ac_result_t window_mismatch_rank(ac_shm_t *c, job_t *j, int rank) {
-  (void)j;
-  ac_shm_window_t *win = NULL;
+  ac_shm_window_t *win = NULL, *other = NULL;
   AC_CHECK(ac_shm_window_create(&win, c, 4096));
+  if (j->arg) { /* rank 1 reduces another window at the same offset and count */
+    ac_result_t r = ac_shm_window_create(&other, c, 4096);
+    if (r == AC_OK) r = ac_shm_window_all_reduce(c, rank == 1 ? other : win, 0, 64, AC_SHM_F32, AC_RED_SUM);
+    ac_shm_window_destroy(other);
+    ac_shm_window_destroy(win);
+    return r;
+  }
   /* a range outside the window is refused before any rank waits (the group stays usable) */
   if (ac_shm_window_all_reduce(c, win, 1000, 64, AC_SHM_F32, AC_RED_SUM) != AC_ERR_INVALID_ARG) {
     ac_shm_window_destroy(win);
@@ -598,6 +604,11 @@ TEST(window_mismatch_and_bad_ranges_are_refused) {
   CHECK_EQ_INT(run_job(&j), 3);
   for (int r = 0; r < 3; r++)
     CHECK_MSG(strstr(j.error[r], "different") != NULL, "rank %d: %s", r, j.error[r]);
+  int another = 1;
+  job_t j2 = {.nranks = 3, .fn = window_mismatch_rank, .arg = &another};
+  CHECK_EQ_INT(run_job(&j2), 3);
+  for (int r = 0; r < 3; r++)
+    CHECK_MSG(strstr(j2.error[r], "different") != NULL, "another window, rank %d: %s", r, j2.error[r]);
   ac_shm_t *c = NULL;
   char name[64];
   fresh_name(name, sizeof name);

@@ -274,8 +274,12 @@ dist.all_reduce(ok, op=dist.ReduceOp.MIN)
 for f in fails[:20]:
     print(f, flush=True)
 shm.close()
-dist.destroy_process_group()
-if fails or ok.item() != 1:
-    sys.exit(1)
-if rank == 0:
+if rank == 0 and not fails and ok.item() == 1:
     print(f"shm collectives OK on {world} processes", flush=True)
+# Leave without finalizing the interpreter: the torch references above hand gloo temporaries
+# (torch's own all_gather lists, new_group's), and a gloo worker releasing one while the
+# interpreter finalizes aborts the process (SIGABRT, seen once on 4 processes after every check
+# had passed). That race is torch's; accelerate_c's own exit is tested by tests/test_exit.py.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(1 if fails or ok.item() != 1 else 0)
