@@ -24,6 +24,8 @@ Semantics (torch DDP's):
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
@@ -498,8 +500,18 @@ def register_forward_sync(model: torch.nn.Module, manager, strategy):
             with torch.no_grad():
                 _broadcast_buffers(module, src)
 
-    # registered even without buffers: join_uneven_inputs() needs it
-    return model.register_forward_pre_hook(pre_hook)
+    # registered even without buffers: join_uneven_inputs() needs it. One per model, whoever
+    # prepares it again (transformers' Trainer frees and re-prepares its model at every train()):
+    # a second hook would broadcast the buffers twice, and under join its flags would not match
+    # the single all-reduce a joined process shadows them with
+    old = _FORWARD_SYNC.pop(model, None)
+    if old is not None:
+        old.remove()
+    _FORWARD_SYNC[model] = handle = model.register_forward_pre_hook(pre_hook)
+    return handle
+
+
+_FORWARD_SYNC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its forward-sync hook
 
 
 class _ShadowHook:

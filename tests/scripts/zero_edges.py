@@ -3,7 +3,7 @@ each against plain torch DDP run in the same process (launched by tests/test_zer
 
 - accelerate's find_executable_batch_size pattern: free_memory(), then the same model prepared
   again with a new optimizer: both attempts train (stage 2 once stacked a second hook that left
-  every gradient None);
+  every gradient None), with one forward-sync hook on the model (every prepare once added one);
 - model.zero_grad() between a discarded backward and the real one: the step reads only the
   second backward's gradients (stage 2 once kept the first's in its shard);
 - a backward that raises midway on every process, caught, both optimizers (each over part of the
@@ -67,6 +67,9 @@ def free_memory_then_prepare_again(rank):
         ref_opt.step()
         ref_opt.zero_grad()
         close(list(pm.parameters()), list(ref.parameters()), f"attempt {attempt} after free_memory()")
+        # one forward-sync hook whatever the number of prepares (torch DDP wraps once; a hook per
+        # prepare would broadcast buffers once per prepare, and mismatch join's shadow all-reduce)
+        assert len(pm._forward_pre_hooks) == 1, f"attempt {attempt}: {len(pm._forward_pre_hooks)} forward pre-hooks"
 
 
 def model_zero_grad_discards(rank):
