@@ -46,6 +46,7 @@ from .utils.dataclasses import (
 )
 from .utils import operations as ops
 from .utils.operations import convert_outputs_to_fp32, recursively_apply
+from .utils.other import extract_model_from_parallel
 
 _split_batches = object()  # sentinel: tells "not passed" from False, as accelerate does
 
@@ -658,16 +659,11 @@ class Accelerator(ProcessFacade, ParallelismNames):
 
     # ---- models and memory ---------------------------------------------------------------
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        """The model as the user built it: without the fp32-output/autocast forward unless
-        keep_fp32_wrapper, without torch.compile's wrapper unless keep_torch_compile."""
-        if not keep_fp32_wrapper and "_original_forward" in model.__dict__:
-            model.forward = model.__dict__.pop("_original_forward")
-            if getattr(model.forward, "__self__", None) is model and \
-                    getattr(model.forward, "__func__", None) is getattr(type(model), "forward", None):
-                del model.forward  # back to the class's own forward
-        if not keep_torch_compile and hasattr(model, "_orig_mod"):
-            return model._orig_mod
-        return model
+        """The model as the user built it (utils.extract_model_from_parallel, as accelerate's):
+        out of DDP / DataParallel / FSDP containers (accelerate_c wraps nothing, a user's script
+        may), without the fp32-output/autocast forward unless keep_fp32_wrapper, without
+        torch.compile's wrapper unless keep_torch_compile."""
+        return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
 
     # ---- checkpoints (accelerate_c/checkpointing.py; layout in docs/checkpoints.md) ----------
     def save(self, obj, f, safe_serialization: bool = False):

@@ -123,9 +123,16 @@ def concat_nested(chunks):
 
 
 def is_causal_lm(model) -> bool:
-    """Whether `model` is a transformers causal language model (its class named *ForCausalLM, as
-    transformers' causal-LM classes are): its labels are the inputs, predicted one step ahead."""
-    return type(model).__name__.endswith("ForCausalLM") and hasattr(model, "config")
+    """Whether transformers' Trainer shifts `model`'s labels for label smoothing: its class is one
+    of transformers' causal language models (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, the table
+    transformers looks the class name up in: GPT2LMHeadModel is one, a custom *ForCausalLM is not).
+    Without transformers installed, a class named *ForCausalLM with a config."""
+    name = model._get_name() if hasattr(model, "_get_name") else type(model).__name__
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return name.endswith("ForCausalLM") and hasattr(model, "config")
+    return name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
 def label_smoothed_loss(outputs, labels, epsilon: float, shift: bool = False, ignore_index: int = -100):

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 import hf_trainer_llama as script  # noqa: E402
 
 
-def _pair(tmp_path, compute_metrics=script.compute_metrics, **kw):
+def _pair(tmp_path, compute_metrics=script.compute_metrics, make_model=script.make_model, **kw):
     """(transformers' Trainer, ours) on equal models, data and arguments."""
     common = dict(per_device_train_batch_size=4, per_device_eval_batch_size=4, use_cpu=True, report_to="none",
                   disable_tqdm=True, seed=3, optim="adamw_torch", **kw)
@@ -28,7 +28,7 @@ def _pair(tmp_path, compute_metrics=script.compute_metrics, **kw):
     for name, cls, args_cls in (("hf", transformers.Trainer, transformers.TrainingArguments),
                                 ("ours", accelerate_c.Trainer, accelerate_c.TrainingArguments)):
         args = args_cls(output_dir=str(tmp_path / name), **common)
-        out.append(cls(model=script.make_model(), args=args, train_dataset=script.make_data(24, 1),
+        out.append(cls(model=make_model(), args=args, train_dataset=script.make_data(24, 1),
                        eval_dataset=script.make_data(10, 2), compute_metrics=compute_metrics))
     return out
 
@@ -126,6 +126,33 @@ def test_lr_scheduler_types_and_fractional_warmup_match_transformers(tmp_path, k
             sched.step()
         rates.append(seq)
     assert rates[1] == pytest.approx(rates[0], rel=1e-12, abs=1e-15)
+
+
+def _tiny_gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_label_smoothing_shifts_a_causal_lm_not_named_for_causal_lm(tmp_path):
+    """GPT2LMHeadModel is in transformers' causal-LM table without the *ForCausalLM name: our
+    Trainer's smoothed loss equals transformers' LabelSmoother with its labels shifted, on the same
+    outputs. (transformers' own Trainer on GPT-2 is not the reference here: it divides the
+    shifted sum by the unshifted label count, 15/16 of the mean on these 16-token rows.)"""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    _, ours = _pair(tmp_path, make_model=_tiny_gpt2, compute_metrics=None, label_smoothing_factor=0.1,
+                    save_strategy="no")
+    model = ours.model.eval()
+    rows = [script.make_data(4, 2)[i] for i in range(4)]
+    batch = {k: torch.stack([torch.as_tensor(r[k]) for r in rows]) for k in rows[0]}
+    with torch.no_grad():
+        got = ours.compute_loss(model, batch)
+        outputs = model(input_ids=batch["input_ids"])
+        want = LabelSmoother(epsilon=0.1)(outputs, batch["labels"], shift_labels=True)
+        unshifted = LabelSmoother(epsilon=0.1)(outputs, batch["labels"], shift_labels=False)
+    assert float(got) == pytest.approx(float(want), rel=1e-6) and float(got) != pytest.approx(float(unshifted))
 
 
 def test_label_smoothing_matches_transformers(tmp_path):
