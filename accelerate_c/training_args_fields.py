@@ -30,7 +30,7 @@ MECHANICS_AT_DEFAULT = {
     "mp_parameters": ("",), "debug": ("", [], None),
     "activation_checkpointing": (None, False), "activation_checkpointing_kwargs": (None,),
     "gradient_checkpointing_kwargs": (None,),
-    "dataloader_multiprocessing_context": (None,), "dataloader_in_order": (True, None),
+    "dataloader_multiprocessing_context": (None,), "dataloader_in_order": (True,),
     "train_sampling_strategy": ("random",), "group_by_length": (False,), "length_column_name": ("length",),
     "ignore_data_skip": (False,), "auto_find_batch_size": (False,), "torch_empty_cache_steps": (None,),
     "average_tokens_across_devices": (True, False), "past_index": (-1,),
@@ -52,7 +52,9 @@ CARRIED_DEFAULTS = {
     "log_on_each_node": (True,), "skip_memory_metrics": (True,), "use_cache": (False, None),
 }
 
-_EMPTY = (None, False, "", (), [], {})
+# the forms an empty list-like field takes (transformers' "" / [] / None for `debug` and
+# `include_for_metrics`); False and 0 are values of their own (tf32=False disables TF32)
+_EMPTY = (None, "", (), [], {})
 
 
 def transformers_defaults() -> dict:
@@ -74,7 +76,17 @@ def _at(value, allowed) -> bool:
     if isinstance(value, str) and value.startswith("<") and value.endswith(">"):
         return True  # a secret to_dict() redacted ("<HUB_TOKEN>"): its value is not known
     value = getattr(value, "value", value)  # a transformers enum member
-    return any(value == a or (value in _EMPTY and a in _EMPTY) for a in allowed)
+
+    def same(a):
+        if isinstance(value, bool) or isinstance(a, bool) or value is None or a is None:
+            return value is a or (_empty(value) and _empty(a) and not isinstance(value, bool)
+                                  and not isinstance(a, bool))
+        return value == a or (_empty(value) and _empty(a))
+    return any(same(a) for a in allowed)
+
+
+def _empty(v) -> bool:
+    return v is None or (isinstance(v, (str, tuple, list, dict)) and len(v) == 0)
 
 
 def classify(name: str, value, hf_defaults: dict):

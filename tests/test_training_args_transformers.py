@@ -99,6 +99,12 @@ def test_mechanics_refused_by_name_the_rest_carried_with_one_warning(tmp_path):
                       (dict(auto_find_batch_size=True), "auto_find_batch_size")):
         with pytest.raises(ValueError, match=rf"TrainingArguments\.{field}=.*not supported yet"):
             accelerate_c.Accelerator.from_training_args(_hf_args(tmp_path, **kw))
+    # False and 0 are values of their own, not the default None (tf32=False would disable TF32)
+    for field, value in (("tf32", False), ("torch_empty_cache_steps", 0), ("dataloader_in_order", False)):
+        d = _hf_args(tmp_path).to_dict()
+        d[field] = value
+        with pytest.raises(ValueError, match=rf"TrainingArguments\.{field}=.*not supported yet"):
+            accelerate_c.Accelerator.from_training_args(d)
     with pytest.warns(UserWarning) as record:
         args = accelerate_c.training_args.load_training_args(
             _hf_args(tmp_path, hub_model_id="me/model", log_level="info", push_to_hub=False))
