@@ -11,7 +11,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .checkpoint_layout import AUTO_NAME_RE, MARKER, complete_checkpoints, has_our_files, read_marker, sampler_of, suffix
+from .checkpoint_layout import (AUTO_NAME_RE, MARKER, complete_checkpoints, has_our_files, read_marker,
+                                refuse_links_out, sampler_of, suffix)
 from . import zero_checkpoint
 from .model_io import find_aliases
 from .safetensors_io import DTYPES, list_tensors, load_into
@@ -439,6 +440,7 @@ def load_state(acc, input_dir=None, load_kwargs: Optional[dict] = None, allow_pi
     models = list(acc._models)
     for hook in list(acc.__dict__.get("_load_model_state_pre_hook", {}).values()):
         hook(models, input_dir)
+    refuse_links_out(input_dir)
     reader = _Reader(input_dir, allow_pickle, load_kwargs)
     plan = _plan_load(acc, reader, models, strict, map_location)
     # Every file has been checked. The reads can still fail on an I/O error (the message names

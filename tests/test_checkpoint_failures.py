@@ -389,3 +389,32 @@ def test_an_io_error_while_reading_names_the_file_and_leaves_the_rest(tmp_path, 
         assert_state_equal(after[key], before[key], key)
     # no optimizer was set from a checkpoint only partly read (the first one's file was fine)
     assert [o.state_dict()["param_groups"] for o in (opt, opt2)] == groups
+
+
+# ---- found by the load_state fuzz target (tests/pyfuzz.py): symbolic links out of the directory
+@pytest.mark.parametrize("relative", [False, True])
+def test_a_file_linked_from_outside_the_checkpoint_is_refused_and_changes_nothing(tmp_path, relative):
+    """A checkpoint whose file is a symbolic link out of its directory (another checkpoint's file
+    of the same size, here) was read through the link: load_state loaded state from elsewhere.
+    Now the link is refused, naming it, before any file is read."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    changed = {k: v.clone() for k, v in model.state_dict().items()}
+    acc.save_model(model, str(outside))  # other weights, same layout
+    real = outside / "model.safetensors"
+    assert real.stat().st_size == (path / "model.safetensors").stat().st_size
+    os.unlink(path / "model.safetensors")
+    os.symlink(os.path.relpath(real, path) if relative else real, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: a symbolic link to .*outside the checkpoint"):
+        acc.load_state(path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, changed[k]), k
+    # a link that stays inside the directory is fine
+    os.unlink(path / "model.safetensors")
+    os.rename(real, path / "weights.bin.real")
+    os.symlink("weights.bin.real", path / "model.safetensors")
+    acc.load_state(path)
