@@ -12,7 +12,7 @@ TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: all venv install test test-c test-py fuzz-smoke demo bench fuzz soak clean
+.PHONY: all venv install test test-c test-py fuzz-smoke demo bench fuzz fuzz-py soak clean
 
 all: test
 
@@ -58,6 +58,14 @@ soak: install
 # are kept under tests/c/corpus/<target>/. The Python targets: make fuzz-py (docs/security.md)
 fuzz:
 	bash tests/c/fuzz.sh $(or $(FUZZ_SECONDS),25) $(FUZZ_TARGETS)
+
+# long runs of the Python fuzz targets (tests/fuzz/run_py.py), one after another, each for
+# FUZZ_PY_SECONDS; atheris (requirements-fuzz.txt) when FUZZ_PY_ENGINE=atheris
+FUZZ_PY_TARGETS ?= config config_bytes deepspeed training_args load_state
+fuzz-py: install
+	set -e; for t in $(FUZZ_PY_TARGETS); do \
+	  $(PY) tests/fuzz/run_py.py --target $$t --seconds $(or $(FUZZ_PY_SECONDS),60) --engine $(or $(FUZZ_PY_ENGINE),hypothesis); \
+	done
 
 clean:
 	rm -rf build tests/c/bin accelerate_c/_C*.so *.egg-info
