@@ -547,3 +547,84 @@ def check_load_state(ops) -> None:
         assert_state_equal(b.snapshot(), b.reference, f"job after loading {ops!r}")
     else:
         b.restore()  # back to the reference for the next input
+
+
+# ---- the model index reader (model_io.load_model_weights: sharded safetensors + index) ----------------
+class IndexBench:
+    def __init__(self):
+        from accelerate_c.model_io import save_model
+
+        from helpers import make_model
+
+        self.root = tempfile.mkdtemp(prefix="ac_fuzz_index_")
+        self.model = make_model(0)
+        self.pristine = os.path.join(self.root, "pristine")
+        save_model(self.model, self.pristine, max_shard_size=200)  # several shards and an index
+        self.files = sorted(os.listdir(self.pristine))
+        assert "model.safetensors.index.json" in self.files, self.files
+        self.work = os.path.join(self.root, "w")
+
+
+_INDEX = None
+
+
+def index_bench() -> IndexBench:
+    global _INDEX
+    if _INDEX is None:
+        _INDEX = IndexBench()
+    return _INDEX
+
+
+@st.composite
+def index_mutations(draw):
+    """(edit kind, where, value): a JSON edit of the index, raw bytes for it, or a shard file
+    deleted / truncated / flipped."""
+    kind = draw(st.sampled_from(["json_edit", "json_edit", "raw", "shard_delete", "shard_truncate", "shard_flip"]))
+    return kind, draw(st.integers(0, 1 << 30)), draw(values if kind == "json_edit" else st.binary(max_size=300))
+
+
+def check_model_index(mut) -> None:
+    """load_model_weights with a mutated index or shard: loads, or ValueError / FileNotFoundError /
+    RuntimeError / CoreError naming the index or a shard, with the model unchanged."""
+    from accelerate_c import CoreError
+    from accelerate_c.model_io import load_model_weights
+
+    from checkpoint_helpers import assert_state_equal
+
+    count("model_index")
+    b = index_bench()
+    if os.path.lexists(b.work):
+        shutil.rmtree(b.work)
+    shutil.copytree(b.pristine, b.work)
+    kind, where, value = mut
+    index = os.path.join(b.work, "model.safetensors.index.json")
+    shards = [f for f in b.files if f.endswith(".safetensors")]
+    shard = os.path.join(b.work, shards[where % len(shards)])
+    if kind == "json_edit":
+        doc = json.loads(open(index, "rb").read())
+        _edit(doc, where, value)
+        open(index, "w").write(json.dumps(doc, allow_nan=True))
+    elif kind == "raw":
+        open(index, "wb").write(bytes(value))
+    elif kind == "shard_delete":
+        os.unlink(shard)
+    elif kind == "shard_truncate":
+        with open(shard, "r+b") as f:
+            f.truncate(where % (os.path.getsize(shard) + 1))
+    else:
+        data = bytearray(open(shard, "rb").read())
+        data[where % len(data)] ^= 1 << (where % 8)
+        open(shard, "wb").write(bytes(data))
+    with torch.no_grad():
+        for p in b.model.parameters():
+            p.fill_(0.5)
+    before = {k: v.clone() for k, v in b.model.state_dict().items()}
+    with time_limit(20, "model_index"):
+        try:
+            load_model_weights(b.model, b.work)
+        except (ValueError, FileNotFoundError, RuntimeError, CoreError) as e:
+            msg = str(e)
+            assert b.work in msg or any(f in msg for f in b.files), f"{type(e).__name__} names no file: {msg}"
+            assert_state_equal({k: v for k, v in b.model.state_dict().items()}, before, "model after a failed load")
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"load_model_weights after {mut!r}: {type(e).__name__}: {e}") from e

@@ -1,5 +1,6 @@
 """Short, derandomized runs of the Python fuzz targets (tests/pyfuzz.py; docs/security.md): config
-files, DeepSpeed JSON, TrainingArguments dicts and load_state on mutated checkpoint directories.
+files, DeepSpeed JSON, TrainingArguments dicts, load_state on mutated checkpoint directories and
+the model index reader (load_model_weights).
 Each case must be taken or refused with an error naming the file or key; a failed load must leave
 the job as it was. The long runs: python tests/fuzz/run_py.py (make fuzz-py)."""
 from __future__ import annotations
@@ -42,3 +43,9 @@ def test_training_args_dicts(doc):
 @given(ops=pyfuzz.mutations())
 def test_load_state_on_mutated_checkpoints(fresh_state, ops):  # noqa: F811
     pyfuzz.check_load_state(ops)
+
+
+@SHORT
+@given(mut=pyfuzz.index_mutations())
+def test_model_index_and_shards(mut):
+    pyfuzz.check_model_index(mut)

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
 sys.path.insert(0, ROOT)
 
-HYPOTHESIS_TARGETS = ("config", "config_bytes", "deepspeed", "training_args", "load_state")
+HYPOTHESIS_TARGETS = ("config", "config_bytes", "deepspeed", "training_args", "load_state", "model_index")
 ATHERIS_TARGETS = ("config_bytes", "deepspeed_bytes", "training_args_bytes")
 
 
@@ -58,6 +58,8 @@ def run_hypothesis(target: str, seconds: float) -> int:
         fn = given(doc=pyfuzz.training_args_docs())(pyfuzz.check_training_args)
     elif target == "load_state":
         fn = given(ops=pyfuzz.mutations())(pyfuzz.check_load_state)
+    elif target == "model_index":
+        fn = given(mut=pyfuzz.index_mutations())(pyfuzz.check_model_index)
     else:
         raise SystemExit(f"unknown hypothesis target {target!r} (have: {', '.join(HYPOTHESIS_TARGETS)})")
     fn = batch(fn)
