@@ -51,6 +51,12 @@ int ac_dl_layout(const DLTensor *t, size_t esize, const char *arg, size_t *numel
   }
   if (n > 0 && !t->data)
     return fail(AC_DL_VALUE, err, errlen, "%s: the producer exported a NULL data pointer for %zu elements", arg, n);
+  /* data + byte_offset + the byte size must stay inside the address space: the pointer sum of a
+   * wrapping offset is undefined behaviour before it is ever dereferenced */
+  if (n > 0 && (t->byte_offset > UINTPTR_MAX - (uintptr_t)t->data ||
+                n * (esize ? esize : 1) > UINTPTR_MAX - (uintptr_t)t->data - t->byte_offset))
+    return fail(AC_DL_VALUE, err, errlen, "%s: byte_offset %llu puts the tensor's %zu elements past the end of the "
+                "address space", arg, (unsigned long long)t->byte_offset, n);
   *numel = n;
   return AC_DL_OK;
 }

@@ -92,7 +92,26 @@ TEST(strides_of_more_than_2_to_63_one_byte_elements_do_not_overflow) {
   CHECK_STREQ(err, "x: tensor is not contiguous (dim 0 has stride -1, expected 4611686018427387904); call .contiguous() first");
 }
 
+/* found by tests/c/fuzz_dlpack.c under clang's UBSan: data + byte_offset was computed for any
+ * offset, a pointer overflow (undefined behaviour) before anything was dereferenced */
+TEST(a_byte_offset_that_wraps_the_address_space_is_refused) {
+  int64_t shape[1] = {4};
+  DLTensor t = tensor(1, shape, NULL, kDLFloat, 32, kDLCPU);
+  t.byte_offset = UINT64_MAX - 8;
+  ac_dtype_t dt;
+  size_t n = 7;
+  void *data = NULL;
+  char err[256];
+  CHECK_EQ_INT(ac_dl_check_float(&t, AC_DL_ON_CPU, "x", &dt, &n, &data, err, sizeof err), AC_DL_VALUE);
+  CHECK_CONTAINS(err, "x: byte_offset 18446744073709551607 puts the tensor's 4 elements past the end");
+  CHECK(n == 7 && data == NULL);
+  t.byte_offset = 16; /* an ordinary offset is fine */
+  CHECK_EQ_INT(ac_dl_check_float(&t, AC_DL_ON_CPU, "x", &dt, &n, &data, err, sizeof err), AC_DL_OK);
+  CHECK(data == backing + 16);
+}
+
 static const tu_test_t tests[] = {
+    TU_CASE(a_byte_offset_that_wraps_the_address_space_is_refused),
     TU_CASE(accepts_a_contiguous_float_tensor),
     TU_CASE(messages_name_the_argument_and_the_fault),
     TU_CASE(a_null_shape_is_refused_not_read),
