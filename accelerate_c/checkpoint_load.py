@@ -16,7 +16,7 @@ from .checkpoint_layout import (AUTO_NAME_RE, MARKER, complete_checkpoints, has_
 from . import zero_checkpoint
 from .model_io import find_aliases
 from .safetensors_io import DTYPES, list_tensors, load_into
-from .state_io import CheckpointError, StateFile, check_rng_state, set_rng_state, torch_load
+from .state_io import CheckpointError, StateFile, check_rng_state, decode, set_rng_state, torch_load
 
 def _check_loader_state(st, where: str) -> None:
     if not isinstance(st, dict):
@@ -185,6 +185,62 @@ def _check_optimizer(opt, sd, where: str) -> None:
                                   f"parameters, but the optimizer's has {len(g['params'])}")
 
 
+def _meta_state(sf):
+    """The decoded state of a state file with a meta tensor (shape and dtype, no data) for each
+    saved tensor: what a dry run of load_state_dict takes, nothing read."""
+    from .safetensors_io import torch_dtype_of
+
+    metas = {name: torch.empty(info.shape, dtype=torch_dtype_of(sf.tensor_path, name, info.dtype), device="meta")
+             for name, info in sf.infos.items()}
+    return decode(sf.doc["state"], metas, sf.json_path)
+
+
+def _dry_run_optimizer(opt, sd, where: str) -> None:
+    """Runs the optimizer's own load_state_dict on a stand-in that shares nothing with it
+    (parameters and state on the meta device, no hooks), so a state it would refuse (a corrupt
+    entry: torch's Adam takes float() of a "step" that is a dict) is refused now, before any
+    state of the job has changed, and not after the weights were read."""
+    import copy
+    from collections import defaultdict
+
+    inner = getattr(opt, "optimizer", opt)
+    if not isinstance(inner, torch.optim.Optimizer):
+        return
+    dry = copy.copy(inner)
+    dry.__dict__ = {k: v for k, v in inner.__dict__.items()}
+    dry.param_groups = [{**g, "params": [torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                                         for p in g["params"]]} for g in inner.param_groups]
+    dry.state = defaultdict(dict)
+    for hooks in ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+                  "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks"):
+        if hooks in dry.__dict__:
+            dry.__dict__[hooks] = type(inner.__dict__[hooks])()
+    try:
+        dry.load_state_dict(sd)
+    except Exception as e:  # noqa: BLE001 - whatever the optimizer refuses, named with the file
+        raise CheckpointError(f"{where}: {type(inner).__name__}.load_state_dict refuses this state "
+                              f"({type(e).__name__}: {e})") from None
+
+
+def _dry_run_scheduler(sched, sd: dict, where: str) -> None:
+    """The scheduler's load_state_dict on a copy (its optimizer shared, not copied: the load does
+    not touch it), for the same reason as _dry_run_optimizer."""
+    import copy
+
+    inner = getattr(sched, "scheduler", sched)
+    opt = getattr(inner, "optimizer", None)
+    try:
+        dry = copy.deepcopy(inner, {id(opt): opt} if opt is not None else {})
+        sd = copy.deepcopy(sd)
+    except Exception:  # noqa: BLE001 - a scheduler that cannot be copied gets no dry run
+        return
+    try:
+        dry.load_state_dict(sd)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{where}: {type(inner).__name__}.load_state_dict refuses this state "
+                              f"({type(e).__name__}: {e})") from None
+
+
 class _Reader:
     """Names and checks the files of one checkpoint directory, ours or accelerate's."""
 
@@ -285,6 +341,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             skeleton = sf.skeleton()
             _check_optimizer(opt, skeleton, sf.json_path)
             _check_optimizer_shapes(opt, skeleton["param_groups"], _saved_state_entries(sf), sf.json_path)
+            _dry_run_optimizer(opt, _meta_state(sf), sf.json_path)
             # read straight into the optimizer's current state tensors where they fit; set
             # once every file has been read
             loaded = {}
@@ -298,11 +355,13 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             _check_optimizer_shapes(opt, sd["param_groups"], [
                 (pid, k, tuple(v.shape)) for pid, e in state.items() if isinstance(e, dict)
                 for k, v in e.items() if isinstance(v, torch.Tensor)], where)
+            _dry_run_optimizer(opt, sd, where)
             plan.applies.append(lambda o=opt, sd=sd: o.load_state_dict(sd))
     for i, sched in enumerate(acc._schedulers):
         sd, where = reader.either(f"scheduler{suffix(i)}", f"scheduler{suffix(i)}.bin", f"state of scheduler {i}")
         if not isinstance(sd, dict):
             raise CheckpointError(f"{where}: a scheduler state must be a dict, got {type(sd).__name__}")
+        _dry_run_scheduler(sched, sd, where)
         plan.applies.append(lambda s=sched, sd=sd: s.load_state_dict(sd))
     saved_loaders = reader.marker.get("dataloaders") if reader.marker is not None else None
     resumed = {}  # data loader index -> (loader, its saved position): positions that record mid_epoch

@@ -172,7 +172,14 @@ def decode(value, tensors: Dict[str, torch.Tensor], where: str = "state"):
                     bad(f"refers to tensor {arg!r}, which the tensor file does not hold")
                 used.add(arg)
                 t = tensors[arg]
-                return t if tag == "__tensor__" else t.numpy()
+                # no data yet (a skeleton: None; a dry run: a meta tensor): the reference is all
+                # that can be checked
+                if tag == "__tensor__" or t is None or t.device.type == "meta":
+                    return t
+                try:
+                    return t.numpy()
+                except (TypeError, RuntimeError) as e:  # e.g. a bfloat16 tensor: numpy has no such dtype
+                    bad(f"tensor {arg!r} cannot be a numpy array ({e})")
             if tag == "__tuple__":
                 if not isinstance(arg, list):
                     bad("__tuple__ needs a list")

@@ -418,3 +418,39 @@ def test_a_file_linked_from_outside_the_checkpoint_is_refused_and_changes_nothin
     os.rename(real, path / "weights.bin.real")
     os.symlink("weights.bin.real", path / "model.safetensors")
     acc.load_state(path)
+
+
+# ---- found by the load_state fuzz target: states the checks let through, refused at the end --------
+def _assert_failed_load_changed_nothing(acc, model, opt, path, err, match):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    changed = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(err, match=match):
+        acc.load_state(path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, changed[k]), k  # the weights were not read before the refusal
+    assert_state_equal(opt.state_dict(), opt_before, "optimizer")
+
+
+def test_an_optimizer_entry_the_optimizer_refuses_is_caught_before_the_weights_are_read(tmp_path):
+    """A "step" that decodes to a dict passed every check; AdamW's load_state_dict then raised
+    TypeError after the model's weights had been read. Now a dry run of the optimizer's own
+    load_state_dict (meta tensors, nothing read) refuses it during the checks."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    doc = json.loads((path / "optimizer.json").read_text())
+    entry = doc["state"]["state"]["__dict__"][0][1]
+    entry["step"] = {"__tensoq__": entry["step"]["__tensor__"]}  # one flipped bit in the tag
+    _rewrite(path, "optimizer.json", json.dumps(doc).encode())
+    _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError,
+                                        r"optimizer\.json: AdamW\.load_state_dict refuses this state \(TypeError")
+
+
+def test_a_state_file_in_the_place_of_another_is_refused_by_name(tmp_path):
+    """random_states_0.json's content under optimizer.json's name (sizes made consistent): its
+    numpy RNG array (__ndarray__) made the checks themselves raise AttributeError."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    _rewrite(path, "optimizer.json", (path / "random_states_0.json").read_bytes())
+    _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError,
+                                        r"optimizer\.json: not an optimizer state dict")
