@@ -451,7 +451,9 @@ def _coerce(f, value):
             number = float(value)
         except ValueError:
             return value  # the validation names the field
-        return int(number) if str(f.type).startswith("int") and number == int(number) else number
+        # inf and nan stay floats: int() of them raises, and the validation names the field
+        return int(number) if str(f.type).startswith("int") and math.isfinite(number) and number == int(number) \
+            else number
     return value
 
 

@@ -284,3 +284,13 @@ def test_an_undecodable_deepspeed_file_is_a_value_error_naming_field_and_file(tm
     path.write_bytes(b'{"zero_optimization": "\xff"}')
     with pytest.raises(ValueError, match=r"TrainingArguments\.deepspeed: file .*ds\.json' cannot be read"):
         TrainingArguments(output_dir=str(tmp_path), deepspeed=str(path))
+
+
+@pytest.mark.parametrize("text", ["INFINITY", "-inf", "nan"])
+def test_an_infinite_or_nan_number_as_text_is_a_value_error_naming_the_field(text):
+    """'INFINITY' for an integer field (YAML 1.1 numbers arrive as strings and are converted):
+    int(inf) raised OverflowError (int(nan) ValueError without the field)."""
+    with pytest.raises(ValueError, match=r"TrainingArguments\.data_seed: expected None or an integer"):
+        TrainingArguments.from_dict({"data_seed": text})
+    with pytest.raises(ValueError, match=r"TrainingArguments\.seed: expected an integer"):
+        TrainingArguments.from_dict({"seed": text})
