@@ -70,6 +70,9 @@ def run_hypothesis(target: str, seconds: float) -> int:
         while time.time() - t0 < seconds:
             fn()
     except Exception as e:  # noqa: BLE001 - hypothesis raised the shrunk failure
+        import traceback
+
+        traceback.print_exc()  # the shrunk input is in it ("Falsifying example")
         print(f"FINDING in {target}: {e}", file=sys.stderr)
         rc = 1
     n = pyfuzz.COUNTS.get(key, 0)
