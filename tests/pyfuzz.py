@@ -10,6 +10,7 @@ raises AssertionError (hypothesis then shrinks the input).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -276,6 +277,7 @@ class CheckpointBench:
 
         reset_all_states()
         self.root = tempfile.mkdtemp(prefix="ac_fuzz_ckpt_")
+        atexit.register(shutil.rmtree, self.root, True)
         self.acc, self.model, self.opt, self.sched = prepared(seed=0)
         self.pristine = os.path.join(self.root, "pristine")
         self.acc.save_state(self.pristine)
@@ -560,6 +562,7 @@ class IndexBench:
         from helpers import make_model
 
         self.root = tempfile.mkdtemp(prefix="ac_fuzz_index_")
+        atexit.register(shutil.rmtree, self.root, True)
         self.model = make_model(0)
         self.pristine = os.path.join(self.root, "pristine")
         save_model(self.model, self.pristine, max_shard_size=200)  # several shards and an index

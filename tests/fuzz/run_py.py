@@ -14,7 +14,9 @@ tests/c/bin/fuzz/runs.log (examples, seconds) for the totals in docs/security.md
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -42,6 +44,7 @@ def run_hypothesis(target: str, seconds: float) -> int:
     import pyfuzz
 
     tmp = tempfile.mkdtemp(prefix="ac_pyfuzz_")
+    atexit.register(shutil.rmtree, tmp, True)
     batch = settings(max_examples=200, deadline=None, database=None, derandomize=False,
                      suppress_health_check=list(HealthCheck))
     if target == "config":
