@@ -13,6 +13,9 @@
  * root, 8 slot size / 4096, 9 flags (1, with a length that is a multiple of 16: peers may look
  * absent, so barriers time out, which is slow), then (offset, length, bytes) patches written
  * over the header and rank lines, then 0xff, and the rest XORed over the slots. */
+/* short waits: a barrier whose peers never arrive gives up after ~1 ms instead of a 10 ms sleep */
+#define YIELD_S 20e-6
+#define SLEEP_NS 200000L
 #include "../../csrc/core/comm_shm.c"
 
 #define CHECK(c)                                                                      \
