@@ -339,7 +339,8 @@ def check_rng_state(states, where: str) -> None:
         if cuda is not None and not (isinstance(cuda, (list, tuple)) and
                                      all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)):
             raise TypeError("torch_cuda_manual_seed must be a list of uint8 tensors")
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+    # OverflowError: a negative or too large word of the Mersenne state (random.setstate)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as e:
         raise CheckpointError(f"{where}: invalid random states ({type(e).__name__}: {e})") from None
 
 
@@ -354,7 +355,7 @@ def set_rng_state(states: dict, where: str) -> None:
         cuda = states.get("torch_cuda_manual_seed")
         if cuda is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda)
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as e:
         raise CheckpointError(f"{where}: invalid random states ({type(e).__name__}: {e})") from None
 
 

@@ -454,3 +454,14 @@ def test_a_state_file_in_the_place_of_another_is_refused_by_name(tmp_path):
     _rewrite(path, "optimizer.json", (path / "random_states_0.json").read_bytes())
     _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError,
                                         r"optimizer\.json: not an optimizer state dict")
+
+
+def test_a_negative_word_in_the_python_random_state_is_refused_by_name(tmp_path):
+    """random.setstate raises OverflowError (not a ValueError) for a negative word: it escaped the
+    RNG check as is (found by the load_state fuzz target)."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    doc = json.loads((path / "random_states_0.json").read_text())
+    doc["state"]["random_state"]["__tuple__"][1]["__tuple__"][0] = -1
+    _rewrite(path, "random_states_0.json", json.dumps(doc).encode())
+    _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError,
+                                        r"random_states_0\.json: invalid random states \(OverflowError")
