@@ -436,7 +436,13 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
                                    f"state of registered object {i} ({type(obj).__qualname__})")
         plan.applies.append(lambda o=obj, st=st: o.load_state_dict(st))
     if reader.marker is not None:
-        plan.iteration = reader.marker.get("next_iteration")
+        nxt = reader.marker.get("next_iteration")
+        # checked now: the counter is set after everything else, when a bad value would leave
+        # the job loaded but the load reported as failed
+        if nxt is not None and (not isinstance(nxt, int) or isinstance(nxt, bool) or nxt < 0):
+            raise CheckpointError(f"{os.path.join(d, MARKER)}: next_iteration must be a non-negative integer, "
+                                  f"got {nxt!r}")
+        plan.iteration = nxt
     return plan
 
 

@@ -465,3 +465,15 @@ def test_a_negative_word_in_the_python_random_state_is_refused_by_name(tmp_path)
     _rewrite(path, "random_states_0.json", json.dumps(doc).encode())
     _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError,
                                         r"random_states_0\.json: invalid random states \(OverflowError")
+
+
+def test_a_bad_next_iteration_in_the_marker_is_refused_before_anything_changes(tmp_path):
+    """checkpoint.json's next_iteration was converted with int() after every state had been set:
+    a list there loaded the whole checkpoint and then raised TypeError (found by the load_state
+    fuzz target). It is checked with the rest now."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    marker = json.loads((path / MARKER).read_text())
+    marker["next_iteration"] = []
+    (path / MARKER).write_text(json.dumps(marker))
+    _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError,
+                                        r"checkpoint\.json: next_iteration must be a non-negative integer, got \[\]")
