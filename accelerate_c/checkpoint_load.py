@@ -179,6 +179,13 @@ def _check_optimizer(opt, sd, where: str) -> None:
     groups = opt.param_groups
     if len(groups) != len(sd["param_groups"]):
         raise CheckpointError(f"{where}: {len(sd['param_groups'])} parameter groups, but the optimizer has {len(groups)}")
+    for pid, entry in sd["state"].items():
+        if not isinstance(entry, dict):  # torch's optimizers keep a dict of state per parameter
+            raise CheckpointError(f"{where}: the state of parameter {pid!r} must be an object, got {entry!r}")
+    for gi, s in enumerate(sd["param_groups"]):
+        ids = s.get("params") if isinstance(s, dict) else None
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise CheckpointError(f"{where}: parameter group {gi}: 'params' must be a list of parameter ids, got {ids!r}")
     for gi, (g, s) in enumerate(zip(groups, sd["param_groups"])):
         if not isinstance(s, dict) or len(s.get("params", ())) != len(g["params"]):
             raise CheckpointError(f"{where}: parameter group {gi} has {len(s.get('params', ())) if isinstance(s, dict) else '?'} "

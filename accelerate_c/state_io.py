@@ -267,6 +267,9 @@ class StateFile:
             self.infos = list_tensors(self.tensor_path)  # validates the header (CoreError naming the file)
         refs = []
         _collect_refs(doc["state"], refs)
+        odd = [r for r in refs if not isinstance(r, str)]
+        if odd:
+            raise CheckpointError(f"{self.json_path}: a tensor reference must be a name, got {odd[0]!r}")
         absent = sorted(set(refs) - set(self.infos))
         if absent:
             where = self.tensor_path or "(no tensor file)"

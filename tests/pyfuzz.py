@@ -305,7 +305,7 @@ class CheckpointBench:
         opt_sd = self.opt.state_dict()
         return {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
                 "optimizer": {"state": {k: {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in v.items()}
-                                        for k, v in opt_sd["state"].items()},
+                                        if isinstance(v, dict) else v for k, v in opt_sd["state"].items()},
                               "param_groups": json.loads(json.dumps(opt_sd["param_groups"]))},
                 "scheduler": json.loads(json.dumps(self.sched.state_dict())),
                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),

@@ -477,3 +477,24 @@ def test_a_bad_next_iteration_in_the_marker_is_refused_before_anything_changes(t
     (path / MARKER).write_text(json.dumps(marker))
     _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError,
                                         r"checkpoint\.json: next_iteration must be a non-negative integer, got \[\]")
+
+
+@pytest.mark.parametrize("case", ["reference_not_a_name", "param_id_not_an_int", "entry_not_an_object"])
+def test_malformed_optimizer_json_is_refused_by_name(tmp_path, case):
+    """Well-formed JSON with the wrong shapes inside (found by the load_state fuzz target): a
+    tensor reference that is a list and a parameter id that is a list raised TypeError
+    (unhashable) from the checks; a per-parameter state that is a list was loaded into the
+    optimizer, to fail at its next step."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    doc = json.loads((path / "optimizer.json").read_text())
+    if case == "reference_not_a_name":
+        doc["state"]["state"]["__dict__"][0][1]["exp_avg"] = {"__tensor__": []}
+        match = r"optimizer\.json: a tensor reference must be a name, got \[\]"
+    elif case == "param_id_not_an_int":
+        doc["state"]["param_groups"][0]["params"][-1] = []
+        match = r"optimizer\.json: parameter group 0: 'params' must be a list of parameter ids"
+    else:
+        doc["state"]["state"]["__dict__"][0][1] = []
+        match = r"optimizer\.json: the state of parameter 0 must be an object, got \[\]"
+    _rewrite(path, "optimizer.json", json.dumps(doc).encode())
+    _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError, match)
