@@ -3,6 +3,8 @@
 #include "ac/dlpack_check.h"
 
 #include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 static int fail(int kind, char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
@@ -51,10 +53,13 @@ int ac_dl_layout(const DLTensor *t, size_t esize, const char *arg, size_t *numel
   }
   if (n > 0 && !t->data)
     return fail(AC_DL_VALUE, err, errlen, "%s: the producer exported a NULL data pointer for %zu elements", arg, n);
-  /* data + byte_offset + the byte size must stay inside the address space: the pointer sum of a
-   * wrapping offset is undefined behaviour before it is ever dereferenced */
-  if (n > 0 && (t->byte_offset > UINTPTR_MAX - (uintptr_t)t->data ||
-                n * (esize ? esize : 1) > UINTPTR_MAX - (uintptr_t)t->data - t->byte_offset))
+  /* data + byte_offset + the byte size must stay inside the address space, and the offset within
+   * ptrdiff_t (C's bound on pointer arithmetic): a pointer sum past either is undefined
+   * behaviour before it is ever dereferenced */
+  uint64_t nbytes = (uint64_t)n * (esize ? esize : 1);
+  if (n > 0 && (t->byte_offset > (uint64_t)PTRDIFF_MAX || nbytes > (uint64_t)PTRDIFF_MAX - t->byte_offset ||
+                t->byte_offset > UINTPTR_MAX - (uintptr_t)t->data ||
+                nbytes > UINTPTR_MAX - (uintptr_t)t->data - t->byte_offset))
     return fail(AC_DL_VALUE, err, errlen, "%s: byte_offset %llu puts the tensor's %zu elements past the end of the "
                 "address space", arg, (unsigned long long)t->byte_offset, n);
   *numel = n;
