@@ -2,6 +2,7 @@
 # make demo  — set up, then train the small example model (the main job)
 # make bench — set up, run every benchmark (~20 min on 2 cores), then one table of all targets
 #              (benchmarks/run_all.py; BENCH_ARGS=--full for each benchmark's own defaults)
+# make fuzz FUZZ_SECONDS=N — fuzz every C target for N seconds in all (docs/security.md)
 # make soak SECONDS=N — set up, then run the differential harness on new seeds for N seconds
 VENV    ?= .venv
 PYTHON  ?= python3
@@ -11,7 +12,7 @@ TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: all venv install test test-c test-py demo bench fuzz soak clean
+.PHONY: all venv install test test-c test-py fuzz-smoke demo bench fuzz fuzz-py soak clean
 
 all: test
 
@@ -30,10 +31,15 @@ install: venv
 test-c:
 	bash tests/c/run.sh
 
+# every C fuzz target for a few seconds (FUZZ_SMOKE_SECONDS in all): a target that stops
+# building or finds a crash fails make test; the tracked corpus is left as it is
+fuzz-smoke:
+	FUZZ_KEEP=0 bash tests/c/fuzz.sh $(or $(FUZZ_SMOKE_SECONDS),20)
+
 test-py: install
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
-test: install test-c test-py
+test: install test-c fuzz-smoke test-py
 
 demo: install
 	$(PY) examples/train_gpt.py
@@ -46,10 +52,20 @@ bench: install
 soak: install
 	$(PY) tests/differential/run.py --seconds $(or $(SECONDS),600)
 
-# bounded fuzzing of the safetensors header parser (libFuzzer when clang has it, else the
-# target's own mutation driver), under AddressSanitizer + UBSan
+# bounded fuzzing of every C target (tests/c/fuzz.sh: libFuzzer when clang has it, else the
+# built-in coverage-guided driver), under AddressSanitizer + UBSan; FUZZ_SECONDS in all, split
+# between the targets (FUZZ_TARGETS="shard dlpack" picks some); inputs that reach new coverage
+# are kept under tests/c/corpus/<target>/. The Python targets: make fuzz-py (docs/security.md)
 fuzz:
-	bash tests/c/fuzz.sh $(or $(FUZZ_SECONDS),25)
+	bash tests/c/fuzz.sh $(or $(FUZZ_SECONDS),25) $(FUZZ_TARGETS)
+
+# long runs of the Python fuzz targets (tests/fuzz/run_py.py), one after another, each for
+# FUZZ_PY_SECONDS; atheris (requirements-fuzz.txt) when FUZZ_PY_ENGINE=atheris
+FUZZ_PY_TARGETS ?= config config_bytes deepspeed training_args load_state model_index
+fuzz-py: install
+	set -e; for t in $(FUZZ_PY_TARGETS); do \
+	  $(PY) tests/fuzz/run_py.py --target $$t --seconds $(or $(FUZZ_PY_SECONDS),60) --engine $(or $(FUZZ_PY_ENGINE),hypothesis); \
+	done
 
 clean:
 	rm -rf build tests/c/bin accelerate_c/_C*.so *.egg-info

@@ -34,6 +34,22 @@ def has_our_files(directory: str) -> bool:
         return False
 
 
+def refuse_links_out(directory: str) -> None:
+    """A checkpoint is read from its directory only: an entry that is a symbolic link resolving
+    outside it (an absolute link, or a relative one climbing out) is refused before any file is
+    opened, so a checkpoint from elsewhere cannot make load_state read another file of this
+    machine. Links inside the directory, and a directory that is itself a link, are fine."""
+    root = os.path.realpath(directory)
+    for here, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            p = os.path.join(here, name)
+            if os.path.islink(p):
+                real = os.path.realpath(p)
+                if real != root and not real.startswith(root + os.sep):
+                    raise CheckpointError(f"{p}: a symbolic link to {real}, outside the checkpoint directory "
+                                          f"{directory}; copy the file into the checkpoint instead")
+
+
 def read_marker(directory: str) -> dict:
     path = os.path.join(directory, MARKER)
     doc = read_json(path, "the completion marker")

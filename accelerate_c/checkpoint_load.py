@@ -11,11 +11,12 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .checkpoint_layout import AUTO_NAME_RE, MARKER, complete_checkpoints, has_our_files, read_marker, sampler_of, suffix
+from .checkpoint_layout import (AUTO_NAME_RE, MARKER, complete_checkpoints, has_our_files, read_marker,
+                                refuse_links_out, sampler_of, suffix)
 from . import zero_checkpoint
 from .model_io import find_aliases
 from .safetensors_io import DTYPES, list_tensors, load_into
-from .state_io import CheckpointError, StateFile, check_rng_state, set_rng_state, torch_load
+from .state_io import CheckpointError, StateFile, check_rng_state, decode, set_rng_state, torch_load
 
 def _check_loader_state(st, where: str) -> None:
     if not isinstance(st, dict):
@@ -178,10 +179,73 @@ def _check_optimizer(opt, sd, where: str) -> None:
     groups = opt.param_groups
     if len(groups) != len(sd["param_groups"]):
         raise CheckpointError(f"{where}: {len(sd['param_groups'])} parameter groups, but the optimizer has {len(groups)}")
+    for pid, entry in sd["state"].items():
+        if not isinstance(entry, dict):  # torch's optimizers keep a dict of state per parameter
+            raise CheckpointError(f"{where}: the state of parameter {pid!r} must be an object, got {entry!r}")
+    for gi, s in enumerate(sd["param_groups"]):
+        ids = s.get("params") if isinstance(s, dict) else None
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise CheckpointError(f"{where}: parameter group {gi}: 'params' must be a list of parameter ids, got {ids!r}")
     for gi, (g, s) in enumerate(zip(groups, sd["param_groups"])):
         if not isinstance(s, dict) or len(s.get("params", ())) != len(g["params"]):
             raise CheckpointError(f"{where}: parameter group {gi} has {len(s.get('params', ())) if isinstance(s, dict) else '?'} "
                                   f"parameters, but the optimizer's has {len(g['params'])}")
+
+
+def _meta_state(sf):
+    """The decoded state of a state file with a meta tensor (shape and dtype, no data) for each
+    saved tensor: what a dry run of load_state_dict takes, nothing read."""
+    from .safetensors_io import torch_dtype_of
+
+    metas = {name: torch.empty(info.shape, dtype=torch_dtype_of(sf.tensor_path, name, info.dtype), device="meta")
+             for name, info in sf.infos.items()}
+    return decode(sf.doc["state"], metas, sf.json_path)
+
+
+def _dry_run_optimizer(opt, sd, where: str) -> None:
+    """Runs the optimizer's own load_state_dict on a stand-in that shares nothing with it
+    (parameters and state on the meta device, no hooks), so a state it would refuse (a corrupt
+    entry: torch's Adam takes float() of a "step" that is a dict) is refused now, before any
+    state of the job has changed, and not after the weights were read."""
+    import copy
+    from collections import defaultdict
+
+    inner = getattr(opt, "optimizer", opt)
+    if not isinstance(inner, torch.optim.Optimizer):
+        return
+    dry = copy.copy(inner)
+    dry.__dict__ = {k: v for k, v in inner.__dict__.items()}
+    dry.param_groups = [{**g, "params": [torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                                         for p in g["params"]]} for g in inner.param_groups]
+    dry.state = defaultdict(dict)
+    for hooks in ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+                  "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks"):
+        if hooks in dry.__dict__:
+            dry.__dict__[hooks] = type(inner.__dict__[hooks])()
+    try:
+        dry.load_state_dict(sd)
+    except Exception as e:  # noqa: BLE001 - whatever the optimizer refuses, named with the file
+        raise CheckpointError(f"{where}: {type(inner).__name__}.load_state_dict refuses this state "
+                              f"({type(e).__name__}: {e})") from None
+
+
+def _dry_run_scheduler(sched, sd: dict, where: str) -> None:
+    """The scheduler's load_state_dict on a copy (its optimizer shared, not copied: the load does
+    not touch it), for the same reason as _dry_run_optimizer."""
+    import copy
+
+    inner = getattr(sched, "scheduler", sched)
+    opt = getattr(inner, "optimizer", None)
+    try:
+        dry = copy.deepcopy(inner, {id(opt): opt} if opt is not None else {})
+        sd = copy.deepcopy(sd)
+    except Exception:  # noqa: BLE001 - a scheduler that cannot be copied gets no dry run
+        return
+    try:
+        dry.load_state_dict(sd)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{where}: {type(inner).__name__}.load_state_dict refuses this state "
+                              f"({type(e).__name__}: {e})") from None
 
 
 class _Reader:
@@ -284,6 +348,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             skeleton = sf.skeleton()
             _check_optimizer(opt, skeleton, sf.json_path)
             _check_optimizer_shapes(opt, skeleton["param_groups"], _saved_state_entries(sf), sf.json_path)
+            _dry_run_optimizer(opt, _meta_state(sf), sf.json_path)
             # read straight into the optimizer's current state tensors where they fit; set
             # once every file has been read
             loaded = {}
@@ -297,11 +362,13 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             _check_optimizer_shapes(opt, sd["param_groups"], [
                 (pid, k, tuple(v.shape)) for pid, e in state.items() if isinstance(e, dict)
                 for k, v in e.items() if isinstance(v, torch.Tensor)], where)
+            _dry_run_optimizer(opt, sd, where)
             plan.applies.append(lambda o=opt, sd=sd: o.load_state_dict(sd))
     for i, sched in enumerate(acc._schedulers):
         sd, where = reader.either(f"scheduler{suffix(i)}", f"scheduler{suffix(i)}.bin", f"state of scheduler {i}")
         if not isinstance(sd, dict):
             raise CheckpointError(f"{where}: a scheduler state must be a dict, got {type(sd).__name__}")
+        _dry_run_scheduler(sched, sd, where)
         plan.applies.append(lambda s=sched, sd=sd: s.load_state_dict(sd))
     saved_loaders = reader.marker.get("dataloaders") if reader.marker is not None else None
     resumed = {}  # data loader index -> (loader, its saved position): positions that record mid_epoch
@@ -376,7 +443,13 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
                                    f"state of registered object {i} ({type(obj).__qualname__})")
         plan.applies.append(lambda o=obj, st=st: o.load_state_dict(st))
     if reader.marker is not None:
-        plan.iteration = reader.marker.get("next_iteration")
+        nxt = reader.marker.get("next_iteration")
+        # checked now: the counter is set after everything else, when a bad value would leave
+        # the job loaded but the load reported as failed
+        if nxt is not None and (not isinstance(nxt, int) or isinstance(nxt, bool) or nxt < 0):
+            raise CheckpointError(f"{os.path.join(d, MARKER)}: next_iteration must be a non-negative integer, "
+                                  f"got {nxt!r}")
+        plan.iteration = nxt
     return plan
 
 
@@ -439,6 +512,7 @@ def load_state(acc, input_dir=None, load_kwargs: Optional[dict] = None, allow_pi
     models = list(acc._models)
     for hook in list(acc.__dict__.get("_load_model_state_pre_hook", {}).values()):
         hook(models, input_dir)
+    refuse_links_out(input_dir)
     reader = _Reader(input_dir, allow_pickle, load_kwargs)
     plan = _plan_load(acc, reader, models, strict, map_location)
     # Every file has been checked. The reads can still fail on an I/O error (the message names

@@ -229,11 +229,14 @@ def _weight_files(directory: str):
                                      (WEIGHTS_INDEX_NAME, WEIGHTS_NAME, False)):
         index_path = os.path.join(directory, index_name)
         if os.path.isfile(index_path):
-            with open(index_path, encoding="utf-8") as f:
-                try:
-                    index = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{index_path}: not valid JSON: {e}") from None
+            with open(index_path, "rb") as f:
+                raw = f.read()
+            try:  # a corrupt index is a ValueError naming it, whatever the fault
+                index = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{index_path}: not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError(f"{index_path}: JSON nested too deeply") from None
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index_path}: no 'weight_map' object")

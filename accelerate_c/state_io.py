@@ -172,7 +172,14 @@ def decode(value, tensors: Dict[str, torch.Tensor], where: str = "state"):
                     bad(f"refers to tensor {arg!r}, which the tensor file does not hold")
                 used.add(arg)
                 t = tensors[arg]
-                return t if tag == "__tensor__" else t.numpy()
+                # no data yet (a skeleton: None; a dry run: a meta tensor): the reference is all
+                # that can be checked
+                if tag == "__tensor__" or t is None or t.device.type == "meta":
+                    return t
+                try:
+                    return t.numpy()
+                except (TypeError, RuntimeError) as e:  # e.g. a bfloat16 tensor: numpy has no such dtype
+                    bad(f"tensor {arg!r} cannot be a numpy array ({e})")
             if tag == "__tuple__":
                 if not isinstance(arg, list):
                     bad("__tuple__ needs a list")
@@ -260,6 +267,9 @@ class StateFile:
             self.infos = list_tensors(self.tensor_path)  # validates the header (CoreError naming the file)
         refs = []
         _collect_refs(doc["state"], refs)
+        odd = [r for r in refs if not isinstance(r, str)]
+        if odd:
+            raise CheckpointError(f"{self.json_path}: a tensor reference must be a name, got {odd[0]!r}")
         absent = sorted(set(refs) - set(self.infos))
         if absent:
             where = self.tensor_path or "(no tensor file)"
@@ -332,7 +342,8 @@ def check_rng_state(states, where: str) -> None:
         if cuda is not None and not (isinstance(cuda, (list, tuple)) and
                                      all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)):
             raise TypeError("torch_cuda_manual_seed must be a list of uint8 tensors")
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+    # OverflowError: a negative or too large word of the Mersenne state (random.setstate)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as e:
         raise CheckpointError(f"{where}: invalid random states ({type(e).__name__}: {e})") from None
 
 
@@ -347,7 +358,7 @@ def set_rng_state(states: dict, where: str) -> None:
         cuda = states.get("torch_cuda_manual_seed")
         if cuda is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda)
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OverflowError) as e:
         raise CheckpointError(f"{where}: invalid random states ({type(e).__name__}: {e})") from None
 
 

@@ -54,8 +54,11 @@ def _read_mapping_file(path: str, what: str) -> dict:
     """A JSON (or, by extension, YAML) file holding a mapping; a clear error otherwise."""
     if not os.path.isfile(path):
         raise _err(what, f"file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _err(what, f"file {path!r} cannot be read: {e}") from None
     try:
         if path.endswith((".yaml", ".yml")):
             import yaml
@@ -150,7 +153,10 @@ class TrainingArguments:
         self.carried = {}
         if self.output_dir is None:
             self.output_dir = "trainer_output"  # transformers' default since 4.50
-        self.output_dir = os.fspath(self.output_dir)
+        try:
+            self.output_dir = os.fspath(self.output_dir)
+        except TypeError:
+            raise _err("output_dir", f"expected a path, got {self.output_dir!r}") from None
         if self.logging_dir is None:
             self.logging_dir = os.path.join(self.output_dir, "runs")
         for f in fields(self):
@@ -302,6 +308,8 @@ class TrainingArguments:
         if isinstance(self.fsdp, bool):
             self.fsdp = "full_shard" if self.fsdp else ""
         if isinstance(self.fsdp, (list, tuple)):
+            if not all(isinstance(o, str) for o in self.fsdp):
+                raise _err("fsdp", f"expected a string of FSDP options or a list of them, got {self.fsdp!r}")
             self.fsdp = " ".join(self.fsdp)
         if not isinstance(self.fsdp, str):
             raise _err("fsdp", f"expected a string of FSDP options or a list, got {self.fsdp!r}")
@@ -446,7 +454,9 @@ def _coerce(f, value):
             number = float(value)
         except ValueError:
             return value  # the validation names the field
-        return int(number) if str(f.type).startswith("int") and number == int(number) else number
+        # inf and nan stay floats: int() of them raises, and the validation names the field
+        return int(number) if str(f.type).startswith("int") and math.isfinite(number) and number == int(number) \
+            else number
     return value
 
 

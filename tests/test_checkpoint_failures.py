@@ -389,3 +389,112 @@ def test_an_io_error_while_reading_names_the_file_and_leaves_the_rest(tmp_path, 
         assert_state_equal(after[key], before[key], key)
     # no optimizer was set from a checkpoint only partly read (the first one's file was fine)
     assert [o.state_dict()["param_groups"] for o in (opt, opt2)] == groups
+
+
+# ---- found by the load_state fuzz target (tests/pyfuzz.py): symbolic links out of the directory
+@pytest.mark.parametrize("relative", [False, True])
+def test_a_file_linked_from_outside_the_checkpoint_is_refused_and_changes_nothing(tmp_path, relative):
+    """A checkpoint whose file is a symbolic link out of its directory (another checkpoint's file
+    of the same size, here) was read through the link: load_state loaded state from elsewhere.
+    Now the link is refused, naming it, before any file is read."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    changed = {k: v.clone() for k, v in model.state_dict().items()}
+    acc.save_model(model, str(outside))  # other weights, same layout
+    real = outside / "model.safetensors"
+    assert real.stat().st_size == (path / "model.safetensors").stat().st_size
+    os.unlink(path / "model.safetensors")
+    os.symlink(os.path.relpath(real, path) if relative else real, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: a symbolic link to .*outside the checkpoint"):
+        acc.load_state(path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, changed[k]), k
+    # a link that stays inside the directory is fine
+    os.unlink(path / "model.safetensors")
+    os.rename(real, path / "weights.bin.real")
+    os.symlink("weights.bin.real", path / "model.safetensors")
+    acc.load_state(path)
+
+
+# ---- found by the load_state fuzz target: states the checks let through, refused at the end --------
+def _assert_failed_load_changed_nothing(acc, model, opt, path, err, match):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    changed = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(err, match=match):
+        acc.load_state(path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, changed[k]), k  # the weights were not read before the refusal
+    assert_state_equal(opt.state_dict(), opt_before, "optimizer")
+
+
+def test_an_optimizer_entry_the_optimizer_refuses_is_caught_before_the_weights_are_read(tmp_path):
+    """A "step" that decodes to a dict passed every check; AdamW's load_state_dict then raised
+    TypeError after the model's weights had been read. Now a dry run of the optimizer's own
+    load_state_dict (meta tensors, nothing read) refuses it during the checks."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    doc = json.loads((path / "optimizer.json").read_text())
+    entry = doc["state"]["state"]["__dict__"][0][1]
+    entry["step"] = {"__tensoq__": entry["step"]["__tensor__"]}  # one flipped bit in the tag
+    _rewrite(path, "optimizer.json", json.dumps(doc).encode())
+    _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError,
+                                        r"optimizer\.json: AdamW\.load_state_dict refuses this state \(TypeError")
+
+
+def test_a_state_file_in_the_place_of_another_is_refused_by_name(tmp_path):
+    """random_states_0.json's content under optimizer.json's name (sizes made consistent): its
+    numpy RNG array (__ndarray__) made the checks themselves raise AttributeError."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    _rewrite(path, "optimizer.json", (path / "random_states_0.json").read_bytes())
+    _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError,
+                                        r"optimizer\.json: not an optimizer state dict")
+
+
+def test_a_negative_word_in_the_python_random_state_is_refused_by_name(tmp_path):
+    """random.setstate raises OverflowError (not a ValueError) for a negative word: it escaped the
+    RNG check as is (found by the load_state fuzz target)."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    doc = json.loads((path / "random_states_0.json").read_text())
+    doc["state"]["random_state"]["__tuple__"][1]["__tuple__"][0] = -1
+    _rewrite(path, "random_states_0.json", json.dumps(doc).encode())
+    _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError,
+                                        r"random_states_0\.json: invalid random states \(OverflowError")
+
+
+def test_a_bad_next_iteration_in_the_marker_is_refused_before_anything_changes(tmp_path):
+    """checkpoint.json's next_iteration was converted with int() after every state had been set:
+    a list there loaded the whole checkpoint and then raised TypeError (found by the load_state
+    fuzz target). It is checked with the rest now."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    marker = json.loads((path / MARKER).read_text())
+    marker["next_iteration"] = []
+    (path / MARKER).write_text(json.dumps(marker))
+    _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError,
+                                        r"checkpoint\.json: next_iteration must be a non-negative integer, got \[\]")
+
+
+@pytest.mark.parametrize("case", ["reference_not_a_name", "param_id_not_an_int", "entry_not_an_object"])
+def test_malformed_optimizer_json_is_refused_by_name(tmp_path, case):
+    """Well-formed JSON with the wrong shapes inside (found by the load_state fuzz target): a
+    tensor reference that is a list and a parameter id that is a list raised TypeError
+    (unhashable) from the checks; a per-parameter state that is a list was loaded into the
+    optimizer, to fail at its next step."""
+    acc, model, opt, sched, path = _saved(tmp_path)
+    doc = json.loads((path / "optimizer.json").read_text())
+    if case == "reference_not_a_name":
+        doc["state"]["state"]["__dict__"][0][1]["exp_avg"] = {"__tensor__": []}
+        match = r"optimizer\.json: a tensor reference must be a name, got \[\]"
+    elif case == "param_id_not_an_int":
+        doc["state"]["param_groups"][0]["params"][-1] = []
+        match = r"optimizer\.json: parameter group 0: 'params' must be a list of parameter ids"
+    else:
+        doc["state"]["state"]["__dict__"][0][1] = []
+        match = r"optimizer\.json: the state of parameter 0 must be an object, got \[\]"
+    _rewrite(path, "optimizer.json", json.dumps(doc).encode())
+    _assert_failed_load_changed_nothing(acc, model, opt, path, CheckpointError, match)

@@ -180,3 +180,16 @@ def test_save_model_torch_format(tmp_path):
     _state_equal(fresh.state_dict(), model.state_dict())
     with pytest.raises(ValueError, match="should be a directory"):
         save_model(model, tmp_path / files[0])
+
+
+# ---- found by the model index fuzz target (tests/pyfuzz.py): an index that is not UTF-8 (or is
+# nested past the recursion limit) raised UnicodeDecodeError / RecursionError without its path
+@pytest.mark.parametrize("content", [b"\x80", b"[" * 100000 + b"]" * 100000])
+def test_an_undecodable_index_is_a_value_error_naming_it(tmp_path, content):
+    from accelerate_c.model_io import load_model_weights, save_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    save_model(model, tmp_path, max_shard_size=200)
+    (tmp_path / "model.safetensors.index.json").write_bytes(content)
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: (not valid JSON|JSON nested too deeply)"):
+        load_model_weights(model, tmp_path)

@@ -268,3 +268,32 @@ def test_optimizer_fields(tmp_path):
 def test_seed_field_seeds_torch(tmp_path):
     Trainer(torch.nn.Linear(3, 1), TrainingArguments(output_dir=str(tmp_path), seed=1234))
     assert torch.initial_seed() == 1234
+
+
+# ---- found by the TrainingArguments fuzz target (tests/pyfuzz.py): a ValueError naming the field,
+# where a TypeError or UnicodeDecodeError from deep inside escaped before
+def test_a_non_path_output_dir_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"TrainingArguments\.output_dir: expected a path, got \[\]"):
+        TrainingArguments.from_dict({"output_dir": []})
+
+
+def test_fsdp_options_that_are_not_strings_are_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"TrainingArguments\.fsdp: expected a string of FSDP options or a list"):
+        TrainingArguments.from_dict({"fsdp": [None]})
+
+
+def test_an_undecodable_deepspeed_file_is_a_value_error_naming_field_and_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_bytes(b'{"zero_optimization": "\xff"}')
+    with pytest.raises(ValueError, match=r"TrainingArguments\.deepspeed: file .*ds\.json' cannot be read"):
+        TrainingArguments(output_dir=str(tmp_path), deepspeed=str(path))
+
+
+@pytest.mark.parametrize("text", ["INFINITY", "-inf", "nan"])
+def test_an_infinite_or_nan_number_as_text_is_a_value_error_naming_the_field(text):
+    """'INFINITY' for an integer field (YAML 1.1 numbers arrive as strings and are converted):
+    int(inf) raised OverflowError (int(nan) ValueError without the field)."""
+    with pytest.raises(ValueError, match=r"TrainingArguments\.data_seed: expected None or an integer"):
+        TrainingArguments.from_dict({"data_seed": text})
+    with pytest.raises(ValueError, match=r"TrainingArguments\.seed: expected an integer"):
+        TrainingArguments.from_dict({"seed": text})

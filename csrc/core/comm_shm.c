@@ -42,8 +42,14 @@
 #define SHM_VERSION 1u
 #define SPIN_CHECK 64  /* spin turns between clock reads */
 #define SPIN_S 20e-6    /* spin this long */
+/* The fuzz target (tests/c/fuzz_shm_header.c, which includes this file) shortens these two, so
+ * that an input whose peers never arrive costs a fraction of a millisecond, not 10 ms. */
+#ifndef YIELD_S
 #define YIELD_S 300e-6  /* then yield the core this long (ranks often outnumber cores) */
+#endif
+#ifndef SLEEP_NS
 #define SLEEP_NS 10000000L
+#endif
 #define SMALL_BYTES 131072 /* at most this: every rank reduces the whole message itself */
 #define BLOCK 1024        /* elements accumulated at a time (on the stack) */
 #define ALIGN_ELEMS 16
@@ -71,6 +77,7 @@ struct ac_shm {
   size_t map_bytes;
   int nranks, rank;
   size_t half_bytes;
+  size_t data_offset; /* this rank's own copy: the header's can be overwritten by a peer */
   uint64_t seq;   /* barriers passed */
   uint64_t ncoll; /* collectives started */
   int half;       /* the slot half the next piece uses */
@@ -115,7 +122,9 @@ static void cpu_relax(void) {
 }
 
 static unsigned char *slot(const ac_shm_t *c, int q, int half) {
-  return (unsigned char *)c->h + c->h->data_offset + (size_t)q * 2 * c->half_bytes + (size_t)half * c->half_bytes;
+  /* c->data_offset, not the header's: a peer that scribbles over the header must not move the
+   * slots outside this rank's mapping */
+  return (unsigned char *)c->h + c->data_offset + (size_t)q * 2 * c->half_bytes + (size_t)half * c->half_bytes;
 }
 
 /* ---- creation ---------------------------------------------------------------------------- */
@@ -200,6 +209,7 @@ ac_result_t ac_shm_create(ac_shm_t **out, const char *name, int nranks, int rank
   c->nranks = nranks;
   c->rank = rank;
   c->half_bytes = slot_bytes / 2;
+  c->data_offset = data_offset;
   c->timeout_ms = timeout_ms;
   int fd = -1;
   ac_result_t r = ac_shm_open_segment(name, rank, total, deadline, &fd);
@@ -392,6 +402,20 @@ static ac_result_t begin(ac_shm_t *c, const char *what, uint64_t kind, uint64_t 
   if (c->broken || atomic_load(&c->aborted))
     return AC_FAIL(AC_ERR_STATE, "shm group '%s' on rank %d: closed, or an earlier collective failed; the group cannot be used "
                    "any more", c->name, c->rank);
+  shm_header_t *h = c->h;
+  /* the fixed part of the header never changes after create: a different value means a peer
+   * (or anything else mapping the segment) wrote over it, and nothing read from it can be trusted */
+  if (atomic_load(&h->magic) != SHM_MAGIC || h->version != SHM_VERSION || h->nranks != (uint32_t)c->nranks ||
+      h->slot_bytes != 2 * c->half_bytes || h->data_offset != c->data_offset || h->total_bytes != c->map_bytes) {
+    c->broken = 1;
+    return AC_FAIL(AC_ERR_COMM, "shm %s (group '%s', rank %d): the segment header was overwritten (magic %#llx, "
+                   "version %u, %u ranks, %llu-byte slots, data at %llu of %llu bytes); expected version %u, %d "
+                   "ranks, %zu-byte slots, data at %zu of %zu bytes",
+                   what, c->name, c->rank, (unsigned long long)atomic_load(&h->magic), h->version, h->nranks,
+                   (unsigned long long)h->slot_bytes, (unsigned long long)h->data_offset,
+                   (unsigned long long)h->total_bytes, SHM_VERSION, c->nranks, 2 * c->half_bytes, c->data_offset,
+                   c->map_bytes);
+  }
   c->what = what;
   c->ncoll++;
   c->half = 0;

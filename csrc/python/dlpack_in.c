@@ -2,6 +2,8 @@
  * keeps a consumed tensor alive so per-step calls skip the capsule exchange entirely. */
 #include "pyac.h"
 
+#include "ac/dlpack_check.h"
+
 #include <string.h>
 
 typedef struct {
@@ -31,14 +33,6 @@ static void restore_exception(PyObject *exc) {
 #endif
 }
 
-static const char *dtype_desc(DLDataType t, char *buf, size_t len) {
-  const char *kind = t.code == kDLInt ? "int" : t.code == kDLUInt ? "uint" : t.code == kDLFloat ? "float"
-                   : t.code == kDLBfloat ? "bfloat" : t.code == kDLComplex ? "complex"
-                   : t.code == kDLBool ? "bool" : "opaque";
-  snprintf(buf, len, "%s%u%s", kind, (unsigned)t.bits, t.lanes != 1 ? "xN" : "");
-  return buf;
-}
-
 void pyac_dlpack_release(void *owner, int versioned) {
   if (!owner) return;
   /* Error paths release views after raising; a producer's deleter may call into Python, which
@@ -59,84 +53,31 @@ void pyac_view_release(pyac_view *v) {
   v->owner = NULL;
 }
 
+/* The checks live in the core (csrc/core/dlpack_check.c, fuzzed without Python); here their
+ * verdicts become the exceptions Python callers have always seen. */
+static int raise_dl(int kind, const char *msg) {
+  PyErr_SetString(kind == AC_DL_TYPE ? PyExc_TypeError : PyExc_ValueError, msg);
+  return -1;
+}
+
 int pyac_dl_layout(const DLTensor *t, size_t esize, const char *arg, size_t *numel) {
-  if (t->ndim < 0) {
-    PyErr_Format(PyExc_ValueError, "%s: negative ndim %d", arg, (int)t->ndim);
-    return -1;
-  }
-  size_t n = 1;
-  for (int32_t d = 0; d < t->ndim; d++) {
-    if (t->shape[d] < 0) {
-      PyErr_Format(PyExc_ValueError, "%s: negative extent %lld in dim %d", arg, (long long)t->shape[d], (int)d);
-      return -1;
-    }
-    /* the byte size must fit too: callers multiply by the element size */
-    if (t->shape[d] != 0 && n > SIZE_MAX / (esize ? esize : 1) / (size_t)t->shape[d]) {
-      PyErr_Format(PyExc_ValueError, "%s: element count overflows", arg);
-      return -1;
-    }
-    n *= (size_t)t->shape[d];
-  }
-  if (t->strides && n > 1) {
-    int64_t expect = 1;
-    for (int32_t d = t->ndim - 1; d >= 0; d--) {
-      if (t->shape[d] != 1 && t->strides[d] != expect) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: tensor is not contiguous (dim %d has stride %lld, expected %lld); call .contiguous() first",
-                     arg, (int)d, (long long)t->strides[d], (long long)expect);
-        return -1;
-      }
-      expect *= t->shape[d];
-    }
-  }
-  *numel = n;
-  return 0;
+  char err[512];
+  int k = ac_dl_layout(t, esize, arg, numel, err, sizeof err);
+  return k == AC_DL_OK ? 0 : raise_dl(k, err);
 }
 
 int pyac_dl_writable(uint64_t flags, const char *arg) {
-  if (flags & DLPACK_FLAG_BITMASK_READ_ONLY) {
-    PyErr_Format(PyExc_ValueError, "%s: the producer exported read-only memory, which cannot be written in place",
-                 arg);
-    return -1;
-  }
-  if (flags & DLPACK_FLAG_BITMASK_IS_COPIED) {
-    PyErr_Format(PyExc_ValueError, "%s: the producer exported a copy, so an in-place result would be lost", arg);
-    return -1;
-  }
-  return 0;
+  char err[512];
+  int k = ac_dl_writable(flags, arg, err, sizeof err);
+  return k == AC_DL_OK ? 0 : raise_dl(k, err);
 }
 
 /* Validates one DLTensor into *v (no ownership change). */
 static int check_tensor(const DLTensor *t, int where, const char *arg, pyac_view *v) {
-  char buf[32];
-  int dev = t->device.device_type;
-  if (where == PYAC_ON_CPU && dev != kDLCPU && dev != kDLCUDAHost) {
-    PyErr_Format(PyExc_TypeError,
-                 "%s: expected a CPU tensor, got DLPack device type %d%s", arg, dev,
-                 dev == kDLCUDA ? " (CUDA): use the cuda_* kernels" : "");
-    return -1;
-  }
-  if (where == PYAC_ON_CUDA && dev != kDLCUDA && dev != kDLCUDAManaged) {
-    PyErr_Format(PyExc_TypeError, "%s: expected a CUDA tensor, got DLPack device type %d", arg, dev);
-    return -1;
-  }
-  if (t->dtype.lanes != 1) {
-    PyErr_Format(PyExc_TypeError, "%s: vector dtypes are not supported (%s)", arg,
-                 dtype_desc(t->dtype, buf, sizeof buf));
-    return -1;
-  }
-  if (t->dtype.code == kDLFloat && t->dtype.bits == 32) v->dt = AC_F32;
-  else if (t->dtype.code == kDLFloat && t->dtype.bits == 16) v->dt = AC_F16;
-  else if (t->dtype.code == kDLBfloat && t->dtype.bits == 16) v->dt = AC_BF16;
-  else {
-    PyErr_Format(PyExc_TypeError, "%s: dtype %s is not supported; expected float32, float16 or bfloat16",
-                 arg, dtype_desc(t->dtype, buf, sizeof buf));
-    return -1;
-  }
-  size_t n;
-  if (pyac_dl_layout(t, ac_dtype_size(v->dt), arg, &n) < 0) return -1;
-  v->data = n ? (char *)t->data + t->byte_offset : NULL;
-  v->n = n;
+  char err[512];
+  int k = ac_dl_check_float(t, where == PYAC_ON_CUDA ? AC_DL_ON_CUDA : where == PYAC_ON_CPU ? AC_DL_ON_CPU : AC_DL_ON_ANY,
+                            arg, &v->dt, &v->n, &v->data, err, sizeof err);
+  if (k != AC_DL_OK) return raise_dl(k, err);
   v->device = t->device;
   return 0;
 }

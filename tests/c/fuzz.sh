@@ -1,59 +1,145 @@
 #!/usr/bin/env bash
-# Bounded fuzzing of the safetensors header parser (tests/c/fuzz_safetensors.c).
+# Bounded fuzzing of every C fuzz target (tests/c/fuzz_<target>.c), under AddressSanitizer + UBSan.
 #
-#   bash tests/c/fuzz.sh            # 25 s (FUZZ_SECONDS or the first argument change it)
-#   bash tests/c/fuzz.sh 300        # a longer run
+#   bash tests/c/fuzz.sh                 # 25 s in all, split evenly between the targets
+#   bash tests/c/fuzz.sh 600             # a longer campaign (FUZZ_SECONDS, or the first argument)
+#   bash tests/c/fuzz.sh 600 shard       # only the targets named (each gets SECONDS / count)
+#   FUZZ_KEEP=0 bash tests/c/fuzz.sh 20  # the smoke run of `make test`: the tracked corpus is not touched
+#   FUZZ_ENGINE=builtin bash tests/c/fuzz.sh   # force the built-in driver even where clang is present
 #
-# With clang's libFuzzer (clang -fsanitize=fuzzer) it runs a coverage-guided libFuzzer campaign
-# under AddressSanitizer + UBSan; otherwise it builds the target's own random-mutation driver
-# (-DAC_FUZZ_STANDALONE) with $CC and the same sanitizers. The seeds in
-# tests/c/corpus/safetensors/ are never modified: new inputs go to tests/c/bin/fuzz/corpus/
-# (git-ignored), and a crashing input is saved under tests/c/bin/fuzz/. Exits non-zero on a crash.
+# Targets (docs/security.md says what each checks beyond "no crash"):
+#   safetensors  the safetensors header parser and layout check (st_json_parse.c, st_header.c)
+#   shard        the shard plan and resharding arithmetic (shard.c) against its invariants
+#   shm_header   the shared-memory collective's segment header as a garbage-writing peer leaves it
+#   dlpack       the DLPack consumer's validation of producer-built tensors (dlpack_check.c)
+#
+# Engine: libFuzzer (clang -fsanitize=fuzzer) when clang has it, else the built-in coverage-guided
+# driver (tests/c/fuzz_driver.c) built with $CC (gcc: -fsanitize-coverage=trace-pc). Seeds are
+# tests/c/corpus/<target>/. With FUZZ_KEEP=1 (the default) an input that reaches new coverage is
+# added there, so a long campaign grows the tracked corpus; with FUZZ_KEEP=0 new inputs go to
+# tests/c/bin/fuzz/<target>/ (git-ignored). A crashing input is saved as
+# tests/c/bin/fuzz/<target>/crash-*; replay it with the binary named in the failure message.
+# Exits non-zero when a target fails to build or finds a crash.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 
-SECS="${1:-${FUZZ_SECONDS:-25}}"
+ALL_TARGETS=(safetensors shard shm_header dlpack)
+SECS="${FUZZ_SECONDS:-25}"
+if [ "$#" -gt 0 ] && [[ "$1" =~ ^[0-9]+([.][0-9]+)?$ ]]; then
+  SECS="$1"
+  shift
+fi
+if [ "$#" -gt 0 ]; then TARGETS=("$@"); else TARGETS=("${ALL_TARGETS[@]}"); fi
+KEEP="${FUZZ_KEEP:-1}"
+ENGINE="${FUZZ_ENGINE:-auto}"
 OUT=tests/c/bin/fuzz
-SEEDS=tests/c/corpus/safetensors
-DICT=tests/c/corpus/safetensors.dict
-# The parser and what it needs, nothing of the writer or the reader (which would pull in
-# durable.c, st_direct.c and the CUDA layer).
-SRCS=(tests/c/fuzz_safetensors.c csrc/core/st_header.c csrc/core/st_json_parse.c csrc/core/st_dtype.c
-      csrc/core/st_text.c csrc/core/error.c)
-COMMON=(-std=c11 -g -O1 -Wall -Wextra -Werror -fno-omit-frame-pointer -pthread -Icsrc/include)
-mkdir -p "$OUT/corpus"
+mkdir -p "$OUT"
 
+# The core sources each target needs, no more (the rest of the core would pull in the CUDA layer).
+target_srcs() {
+  case "$1" in
+    safetensors) echo csrc/core/st_header.c csrc/core/st_json_parse.c csrc/core/st_dtype.c csrc/core/st_text.c ;;
+    shard) echo csrc/core/shard.c ;;
+    shm_header) echo ;; # the target includes comm_shm.c itself (to lay out a segment in checked memory)
+    dlpack) echo csrc/core/dlpack_check.c ;;
+    *) return 1 ;;
+  esac
+}
+# Longest input: the JSON parser gets header-sized texts, the struct builders a few hundred bytes.
+target_maxlen() {
+  case "$1" in safetensors) echo 4096 ;; *) echo 512 ;; esac
+}
+
+COMMON=(-std=c11 -g -O1 -Wall -Wextra -Werror -fno-omit-frame-pointer -pthread -Icsrc/include -Icsrc/core)
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
 
 libfuzzer_ok() {
+  [ "$ENGINE" = builtin ] && return 1
   command -v clang >/dev/null 2>&1 || return 1
   echo 'int LLVMFuzzerTestOneInput(const unsigned char *d, unsigned long n) { (void)d; (void)n; return 0; }' \
     >"$OUT/probe.c"
   clang -fsanitize=fuzzer "$OUT/probe.c" -o "$OUT/probe" >/dev/null 2>&1
 }
-
 if libfuzzer_ok; then
-  echo "== libFuzzer (clang): fuzz_safetensors for ${SECS} s"
-  clang "${COMMON[@]}" -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    "${SRCS[@]}" -o "$OUT/fuzz_safetensors" || { echo "FAILED: building the libFuzzer target"; exit 1; }
-  # -rss_limit_mb bounds a runaway allocation; -max_len keeps inputs header-sized.
-  "$OUT/fuzz_safetensors" -max_total_time="$SECS" -max_len=4096 -rss_limit_mb=2048 -timeout=10 \
-    -dict="$DICT" -artifact_prefix="$OUT/" -print_final_stats=1 "$OUT/corpus" "$SEEDS"
-  rc=$?
+  ENGINE=libfuzzer
 else
-  CC="${CC:-gcc}"
-  echo "== clang with libFuzzer not found: standalone mutation driver built with $CC for ${SECS} s"
-  $CC "${COMMON[@]}" -DAC_FUZZ_STANDALONE -fsanitize=address,undefined -fno-sanitize-recover=all \
-    "${SRCS[@]}" -o "$OUT/fuzz_safetensors_standalone" || { echo "FAILED: building the fuzz driver"; exit 1; }
-  "$OUT/fuzz_safetensors_standalone" "$SECS" "$SEEDS" "$DICT"
-  rc=$?
+  [ "$ENGINE" = libfuzzer ] && { echo "FAILED: FUZZ_ENGINE=libfuzzer but clang -fsanitize=fuzzer does not work"; exit 1; }
+  ENGINE=builtin
 fi
-if [ "$rc" -ne 0 ]; then
-  echo "FUZZ FAILED (exit $rc): see the crash input under $OUT/"
-else
-  echo "fuzz run finished without a crash"
-fi
-exit "$rc"
+CC="${CC:-gcc}"
+read -r -a CCV <<<"$CC"
+
+# Build every selected target first (in parallel): a target that stops building fails the run.
+status=0
+declare -A BIN
+pids=()
+for t in "${TARGETS[@]}"; do
+  srcs=$(target_srcs "$t") || { echo "FAILED: unknown fuzz target '$t' (have: ${ALL_TARGETS[*]})"; exit 1; }
+  mkdir -p "$OUT/$t"
+  if [ "$ENGINE" = libfuzzer ]; then
+    BIN[$t]="$OUT/fuzz_$t"
+    # shellcheck disable=SC2086
+    clang "${COMMON[@]}" -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+      "tests/c/fuzz_$t.c" $srcs csrc/core/error.c -lm -o "${BIN[$t]}" &
+  else
+    BIN[$t]="$OUT/fuzz_${t}_standalone"
+    # The target and the code under test are instrumented for coverage; the driver is not (its
+    # own loop would drown the signal).
+    # shellcheck disable=SC2086
+    ( "${CCV[@]}" "${COMMON[@]}" -fsanitize=address,undefined -fno-sanitize-recover=all -c tests/c/fuzz_driver.c \
+        -o "$OUT/$t/driver.o" &&
+      "${CCV[@]}" "${COMMON[@]}" -fsanitize=address,undefined -fno-sanitize-recover=all \
+        -fsanitize-coverage=trace-pc "tests/c/fuzz_$t.c" $srcs csrc/core/error.c "$OUT/$t/driver.o" -lm \
+        -o "${BIN[$t]}" ) &
+  fi
+  pids+=($!)
+done
+i=0
+for t in "${TARGETS[@]}"; do
+  wait "${pids[$i]}" || { echo "FAILED: building fuzz target $t ($ENGINE)"; status=1; }
+  i=$((i + 1))
+done
+[ "$status" -ne 0 ] && exit 1
+
+per=$(awk -v s="$SECS" -v n="${#TARGETS[@]}" 'BEGIN { v = s / n; if (v < 1) v = 1; printf "%d", v }')
+echo "== fuzzing ${TARGETS[*]} with $ENGINE, ${per} s each"
+results=()
+for t in "${TARGETS[@]}"; do
+  seeds="tests/c/corpus/$t"
+  [ -d "$seeds" ] || { echo "FAILED: no seed corpus $seeds"; status=1; continue; }
+  if [ "$KEEP" = 1 ]; then new="$seeds"; else new="$OUT/$t/new"; mkdir -p "$new"; fi
+  dict=()
+  [ -f "tests/c/corpus/$t.dict" ] && dict=("tests/c/corpus/$t.dict")
+  log="$OUT/$t/last.log"
+  t0=$(date +%s)
+  if [ "$ENGINE" = libfuzzer ]; then
+    # libFuzzer writes new inputs into the first directory; -rss_limit_mb bounds a runaway allocation.
+    # shellcheck disable=SC2068
+    "${BIN[$t]}" -max_total_time="$per" -max_len="$(target_maxlen "$t")" -rss_limit_mb=2048 -timeout=10 \
+      ${dict[@]/#/-dict=} -artifact_prefix="$OUT/$t/" -print_final_stats=1 "$new" "$seeds" >"$log" 2>&1
+    rc=$?
+    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
+  else
+    # shellcheck disable=SC2068
+    "${BIN[$t]}" -t "$per" -m "$(target_maxlen "$t")" -o "$new" -a "$OUT/$t/" ${dict[@]/#/-x } "$seeds" >"$log" 2>&1
+    rc=$?
+    execs=$(sed -n 's/^standalone fuzz: \([0-9]*\) executions.*/\1/p' "$log" | tail -n 1)
+  fi
+  t1=$(date +%s)
+  # one line per run, so docs/security.md's totals can be summed from the log
+  echo "$(date -u +%FT%TZ) $t $ENGINE ${execs:-?} execs $((t1 - t0)) s rc=$rc" >>"$OUT/runs.log"
+  if [ "$rc" -ne 0 ]; then
+    tail -n 40 "$log"
+    results+=("FAIL  $t: exit $rc after ${execs:-?} executions; input under $OUT/$t/ (replay: ${BIN[$t]} $([ "$ENGINE" = builtin ] && echo '-r ')FILE)")
+    status=1
+  else
+    results+=("PASS  $t: ${execs:-?} executions in $((t1 - t0)) s")
+  fi
+done
+echo "== fuzz summary ($ENGINE)"
+for r in "${results[@]}"; do echo "$r"; done
+if [ "$status" -ne 0 ]; then echo "FUZZ FAILED"; else echo "fuzz run finished without a crash"; fi
+exit "$status"

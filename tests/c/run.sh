@@ -36,7 +36,7 @@ TESTS=(test_error test_pool
        test_bucket test_shard test_ds_scaler
        test_safetensors_header test_safetensors_roundtrip test_safetensors_publish
        test_safetensors_direct test_safetensors_gpu
-       test_comm test_comm_shm)
+       test_comm test_comm_shm test_dlpack_check)
 
 # LeakSanitizer is part of ASan on x86-64 Linux (gcc and clang); detect_leaks=1 makes it
 # explicit. Caller-supplied options are kept (ours come first, theirs win).

@@ -5,7 +5,10 @@
  * fp32 sum in rank order rounded once. Small slots make every size cross many pieces. Run under
  * ASan/UBSan by tests/c/run.sh, and under ThreadSanitizer by the same script. */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "ac/comm_shm.h"
@@ -623,6 +626,54 @@ TEST(window_mismatch_and_bad_ranges_are_refused) {
   ac_shm_destroy(c);
 }
 
+/* A peer that writes garbage over the segment header (found by tests/c/fuzz_shm_header.c): the
+ * slots were found through the header's data_offset, so a peer that changed it sent the next
+ * collective's copies anywhere in the address space. The peer here is written by hand (its
+ * offsets are the header layout of comm_shm.c: data_offset at byte 24, attached at 40, rank
+ * lines of 64 bytes from byte 64 with the arrival count first and the pid at 16). */
+static ac_result_t overwritten_rank(ac_shm_t *c, job_t *j, int rank) {
+  (void)j;
+  if (rank != 0) return AC_OK;
+  float v[4] = {1, 2, 3, 4}, w[4];
+  return ac_shm_all_reduce(c, v, w, 4, AC_SHM_F32, AC_RED_SUM);
+}
+
+static void *rank0_main(void *p) {
+  rank_arg_t a = {p, 0};
+  return rank_main(&a);
+}
+
+TEST(a_peer_overwriting_the_header_gives_an_error_not_a_crash) {
+  job_t j = {.nranks = 2, .slot = SLOT, .timeout_ms = 5000, .fn = overwritten_rank};
+  fresh_name(j.name, sizeof j.name);
+  pthread_t th;
+  pthread_create(&th, NULL, rank0_main, &j);
+  int fd = -1;
+  struct stat st;
+  for (int i = 0; i < 5000; i++) { /* rank 0 creates and sizes the segment */
+    fd = shm_open(j.name, O_RDWR, 0600);
+    if (fd >= 0 && fstat(fd, &st) == 0 && st.st_size > 4096) break;
+    if (fd >= 0) close(fd);
+    fd = -1;
+    usleep(1000);
+  }
+  CHECK(fd >= 0);
+  unsigned char *seg = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  CHECK(seg != MAP_FAILED);
+  while (__atomic_load_n((uint64_t *)seg, __ATOMIC_ACQUIRE) == 0) usleep(100); /* the magic */
+  uint64_t far = (uint64_t)1 << 40;
+  memcpy(seg + 24, &far, sizeof far);
+  __atomic_store_n((uint64_t *)(seg + 64 + 64), UINT64_MAX >> 1, __ATOMIC_SEQ_CST); /* rank 1 always arrived */
+  __atomic_store_n((int32_t *)(seg + 64 + 64 + 16), (int32_t)getpid(), __ATOMIC_SEQ_CST);
+  __atomic_add_fetch((uint32_t *)(seg + 40), 1, __ATOMIC_SEQ_CST); /* joined */
+  pthread_join(th, NULL);
+  munmap(seg, (size_t)st.st_size);
+  CHECK_EQ_INT(j.result[0], AC_ERR_COMM);
+  CHECK(strstr(j.error[0], "segment header was overwritten") != NULL);
+  CHECK(strstr(j.error[0], "data at 1099511627776") != NULL);
+}
+
 static const tu_test_t tests[] = {
     TU_CASE(window_all_reduce_matches_the_reference_in_every_region),
     TU_CASE(window_mismatch_and_bad_ranges_are_refused),
@@ -637,5 +688,6 @@ static const tu_test_t tests[] = {
     TU_CASE(a_silent_rank_is_named_after_the_timeout),
     TU_CASE(the_name_is_unlinked_once_every_rank_has_joined),
     TU_CASE(bad_arguments_are_refused_by_name),
+    TU_CASE(a_peer_overwriting_the_header_gives_an_error_not_a_crash),
 };
 TU_MAIN(tests)
