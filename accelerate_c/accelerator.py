@@ -629,7 +629,8 @@ class Accelerator(ProcessFacade, ParallelismNames):
         return ops.gather(tensor)
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
-        """gather(), minus the samples duplicated to fill the last batch across processes."""
+        """gather(), minus the samples duplicated to fill the last batch (on one process too: its
+        last batch cut to the samples that remain, as accelerate does)."""
         try:
             recursively_apply(lambda t: t, input_data, error_on_other_type=True)
             all_tensors = True

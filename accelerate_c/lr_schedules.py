@@ -87,7 +87,7 @@ def get_scheduler(name: str, optimizer, num_warmup_steps: int = 0, num_training_
     base_lr = optimizer.defaults["lr"]
     if name == "polynomial":
         kwargs["lr_init"] = base_lr
-        if kwargs.get("lr_end", 1e-7) > base_lr:
+        if kwargs.get("lr_end", 1e-7) >= base_lr:  # transformers: lr_init must be above lr_end
             raise ValueError(f"lr_scheduler_kwargs.lr_end ({kwargs['lr_end']}) must be smaller than the initial "
                              f"learning rate ({base_lr})")
     if name == "cosine_with_min_lr":

@@ -91,11 +91,13 @@ class EvaluationLoop:
             if loss is not None:
                 losses.append(acc.gather_for_metrics(loss.reshape(1).repeat(bs)).float().cpu())
             if not prediction_loss_only:
-                if self.preprocess_logits_for_metrics is not None:
-                    logits = self.preprocess_logits_for_metrics(logits, lab)
+                # transformers' order: padded across processes first (-100), then preprocessed,
+                # so the hook sees the padded positions as transformers' does
                 if acc.num_processes > 1:
                     logits = pad_tokens(acc, logits)
                     lab = pad_tokens(acc, lab) if lab is not None else None
+                if self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, lab)
                 preds.append(detach_cpu(acc.gather_for_metrics(logits)))
                 if lab is not None:
                     labels.append(detach_cpu(acc.gather_for_metrics(lab)))

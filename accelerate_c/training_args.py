@@ -23,7 +23,7 @@ from .lr_schedules import SCHEDULER_KWARGS, SCHEDULERS, get_scheduler  # noqa: F
 from .training_args_fields import classify, is_transformers_args, transformers_defaults
 
 # transformers' other SchedulerType values: known, refused with "not supported yet"
-_OTHER_SCHEDULERS = ("reduce_lr_on_plateau", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+_OTHER_SCHEDULERS = ("reduce_lr_on_plateau", "cosine_warmup_with_min_lr", "warmup_stable_decay", "greedy")
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad")

@@ -77,6 +77,11 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, *args, **kwargs):
         check_transformers_version()
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if given is not None and not isinstance(given, transformers.TrainingArguments):
+            raise TypeError(f"accelerate_c.transformers.Trainer takes transformers.TrainingArguments, got "
+                            f"{type(given).__module__}.{type(given).__name__} (accelerate_c.TrainingArguments goes "
+                            "with accelerate_c.Trainer)")
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -101,7 +106,10 @@ class Trainer(transformers.Trainer):
         init = {"timeout": timedelta(seconds=args.ddp_timeout)}
         if args.ddp_backend is not None:
             init["backend"] = args.ddp_backend
-        kwargs["kwargs_handlers"] = list(kwargs.get("kwargs_handlers") or []) + [InitProcessGroupKwargs(**init)]
+        handlers = list(kwargs.get("kwargs_handlers") or [])
+        if not any(type(h).__name__ == "InitProcessGroupKwargs" for h in handlers):  # a subclass may give its own
+            handlers.append(InitProcessGroupKwargs(**init))
+        kwargs["kwargs_handlers"] = handlers
         kwargs["cpu"] = bool(args.use_cpu)
         self.accelerator = Accelerator(**kwargs)
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
