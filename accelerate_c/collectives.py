@@ -168,6 +168,17 @@ def all_reduce(t, **kwargs):
         return dist.all_reduce(t, **kwargs)
 
 
+def all_reduce_into(t, out, op=None):
+    """out = op over ranks of t (sum by default), t untouched: through shared memory in one pass
+    (t copied into the segment, the result out of it), else a copy of t all-reduced in place."""
+    shm = _shm_for(t, None, op)
+    if shm is not None and t.is_contiguous() and out.is_contiguous() and out.dtype == t.dtype \
+            and out.shape == t.shape:
+        return shm.all_reduce_into(t, out, op if op is not None else dist.ReduceOp.SUM)
+    out.copy_(t)
+    return all_reduce(out) if op is None else all_reduce(out, op=op)
+
+
 def broadcast(t, src: int):
     shm = _shm_for(t)
     if shm is not None:

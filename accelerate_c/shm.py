@@ -127,6 +127,11 @@ class ShmGroup:
         """In place; async_op: returns a work with wait() (a _C.ShmWork), else None."""
         return self.comm.all_reduce(t.detach(), self._op(op, "all_reduce"), None, async_op)
 
+    def all_reduce_into(self, t: torch.Tensor, out: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        """out = op over ranks of t (t untouched): t is copied into the segment and the result out
+        of it, one pass, no copy of t made first."""
+        self.comm.all_reduce(t.detach(), self._op(op, "all_reduce"), out.detach(), False)
+
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         return self.comm.reduce_scatter(out.detach(), t.detach(), self._op(op, "reduce_scatter"), async_op)
 

@@ -139,6 +139,10 @@ class HierGroup:
     def all_reduce(self, t, op=dist.ReduceOp.SUM, async_op: bool = False):
         return self._run(lambda: self._all_reduce(t, op), async_op)
 
+    def all_reduce_into(self, t, out, op=dist.ReduceOp.SUM) -> None:
+        out.copy_(t)
+        self.all_reduce(out, op)
+
     def broadcast(self, t, src: int, async_op: bool = False):
         """`src`: a rank of the default group."""
         return self._run(lambda: self._broadcast(t, src), async_op)

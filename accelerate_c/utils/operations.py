@@ -175,11 +175,14 @@ def reduce(tensor, reduction: str = "sum"):
     dist = _dist()
 
     def one(t):
-        out = t.clone()
         if dist is None or reduction == "none":
-            return out
-        _check_same_shape(dist, out, "reduce")
-        collectives.all_reduce(out, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM)
+            return t.clone()
+        _check_same_shape(dist, t, "reduce")
+        out = torch.empty_like(t, memory_format=torch.contiguous_format) if t.is_contiguous() else t.clone()
+        # the result lands in `out` in one pass (shared memory reads t and writes out), not a
+        # clone of t reduced in place
+        collectives.all_reduce_into(t if t.is_contiguous() else out, out,
+                                    op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM)
         if reduction == "mean":
             out = out / dist.get_world_size()  # integer sums become floating means
         return out
