@@ -76,6 +76,9 @@ def _keep_views(tensors):
 _SHM = None
 _SHM_FOR = None  # the default group the communicator was made for
 ENV_COMM = "ACCELERATE_C_COMM"
+# "0": gradient buffers stay private memory even over shared memory (their buckets then go through
+# the segment's slots, a copy in and out): what a /dev/shm too small for them gets anyway
+ENV_SHM_WINDOWS = "ACCELERATE_C_SHM_WINDOWS"
 
 
 def select_cpu_comm(choice: str | None = None, timeout_s: float | None = None) -> str:
@@ -139,7 +142,7 @@ _SUBGROUPS: dict = {}
 def hierarchical() -> bool:
     """Whether the default group's CPU collectives go through shared memory within each host and
     gloo between hosts (shm_hier.HierGroup: the ranks span several hosts)."""
-    return cpu_comm() == "shm" and not hasattr(_SHM, "comm")
+    return cpu_comm() == "shm" and _SHM.hierarchical
 
 
 def _shm_for(t, group=None, op=None):
@@ -205,9 +208,20 @@ def shared_buffer(numel: int, dtype):
     """A zeroed CPU tensor in memory every rank of the default group maps (a shared window: the
     all-reduces below then reduce it in place with no copy), or None when the CPU collectives do
     not go through shared memory or /dev/shm lacks the room. A collective of the default group."""
-    if cpu_comm() != "shm" or not _SHM.supports(torch.empty(0, dtype=dtype)):
+    if cpu_comm() != "shm" or not _SHM.supports(torch.empty(0, dtype=dtype)) or \
+            os.environ.get(ENV_SHM_WINDOWS, "1").strip() == "0":
         return None
-    return _SHM.window_tensor(numel, dtype)
+    t = _SHM.window_tensor(numel, dtype)
+    _WINDOWS_MADE[0] += t is not None
+    return t
+
+
+_WINDOWS_MADE = [0]  # shared_buffer() windows made (windows_used)
+
+
+def windows_used() -> bool:
+    """Whether shared_buffer() has placed any buffer in a shared window in this process."""
+    return _WINDOWS_MADE[0] > 0
 
 
 def in_shared_buffer(t) -> bool:

@@ -70,6 +70,8 @@ def _timeout_s(group) -> float:
 class ShmGroup:
     """A `_C.ShmComm` over every rank of a process group on one host, with torch-shaped calls."""
 
+    hierarchical = False  # several hosts joined by gloo (shm_hier.HierGroup)
+
     def __init__(self, comm: ShmComm, group, timeout_s: float):
         self.comm = comm
         self.group = group

@@ -45,6 +45,8 @@ class _FutureWork:
 class HierGroup:
     """The default group as hosts: a ShmGroup per host and gloo groups of the leaders and of all."""
 
+    hierarchical = True  # several hosts joined by gloo (shm_hier.HierGroup)
+
     def __init__(self, local: ShmGroup, leaders, everyone, is_leader: bool, host_of: list, local_ranks: list):
         self.local = local
         self.leaders = leaders

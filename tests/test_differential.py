@@ -60,6 +60,18 @@ def test_random_configurations_over_gloo(monkeypatch):
 
 
 @pytest.mark.timeout(900)
+def test_random_configurations_over_shared_memory_with_private_gradient_buffers(monkeypatch):
+    """Shared memory with the gradient buffers kept private (ACCELERATE_C_SHM_WINDOWS=0, what a
+    /dev/shm too small for them gets): every bucket goes through the segment's slots, the path the
+    windows replaced in the other shared-memory cases; the worker checks no window was made."""
+    monkeypatch.setenv("ACCELERATE_C_COMM", "shm")
+    monkeypatch.setenv("ACCELERATE_C_SHM_WINDOWS", "0")
+    failures = harness.run_seeds(range(720_001, 720_001 + 40), log=lambda s: None)
+    if failures:
+        _fail(failures)
+
+
+@pytest.mark.timeout(900)
 def test_random_configurations_over_hosts_joined_by_gloo(monkeypatch):
     """The ranks say they are on 2 hosts (run.py --hosts 2): shared memory within each host, gloo
     between the hosts' leaders (accelerate_c/shm_hier.py), against the same torch references;

@@ -517,6 +517,16 @@ static size_t piece_elems(const ac_shm_t *c, size_t es, size_t mult) {
   return p - p % ALIGN_ELEMS;
 }
 
+/* Rank q's slice [*lo, *hi) of m elements split among n ranks: equal slices rounded up to
+ * ALIGN_ELEMS (each starts on a 64-byte boundary of an aligned buffer), the last ones shorter or
+ * empty. Every rank computes every slice alike, so no slice is reduced twice or missed. */
+static void slice_of(size_t m, int n, int q, size_t *lo, size_t *hi) {
+  size_t sl = (m + (size_t)n - 1) / (size_t)n;
+  sl = (sl + ALIGN_ELEMS - 1) / ALIGN_ELEMS * ALIGN_ELEMS;
+  *lo = (size_t)q * sl < m ? (size_t)q * sl : m;
+  *hi = *lo + sl < m ? *lo + sl : m;
+}
+
 /* ---- the collectives -------------------------------------------------------------------------- */
 /* The checks and the start of a reduction (all-reduce, reduce-scatter): count elements per buffer. */
 static ac_result_t begin_reduction(ac_shm_t *c, const char *what, uint64_t kind, const void *send, void *recv,
@@ -558,17 +568,16 @@ ac_result_t ac_shm_all_reduce(ac_shm_t *c, const void *send, void *recv, size_t 
     AC_CHECK(off == 0 ? first_barrier(c) : barrier(c));
     /* this rank reduces its slice of the piece, in place in its own slot (no other rank reads
      * that range of this slot until the next barrier) */
-    size_t sl = (m + (size_t)n - 1) / (size_t)n;
-    sl = (sl + ALIGN_ELEMS - 1) / ALIGN_ELEMS * ALIGN_ELEMS;
-    size_t lo = (size_t)c->rank * sl < m ? (size_t)c->rank * sl : m;
-    size_t hi = lo + sl < m ? lo + sl : m;
+    size_t lo, hi;
+    slice_of(m, n, c->rank, &lo, &hi);
     if (hi > lo) {
       for (int q = 0; q < n; q++) src[q] = slot(c, q, hf) + lo * es;
       fn(slot(c, c->rank, hf) + lo * es, src, n, hi - lo, op);
     }
     AC_CHECK(barrier(c));
     for (int q = 0; q < n; q++) {
-      size_t a = (size_t)q * sl < m ? (size_t)q * sl : m, b = a + sl < m ? a + sl : m;
+      size_t a, b;
+      slice_of(m, n, q, &a, &b);
       if (b > a) memcpy((unsigned char *)recv + (off + a) * es, slot(c, q, hf) + a * es, (b - a) * es);
     }
     c->half ^= 1;
@@ -682,10 +691,8 @@ ac_result_t ac_shm_window_all_reduce(ac_shm_t *c, ac_shm_window_t *w, size_t off
   if (count == 0) return empty(c);
   int n = c->nranks;
   AC_CHECK(first_barrier(c)); /* every rank's range is in its region */
-  size_t sl = (count + (size_t)n - 1) / (size_t)n;
-  sl = (sl + ALIGN_ELEMS - 1) / ALIGN_ELEMS * ALIGN_ELEMS;
-  size_t lo = (size_t)c->rank * sl < count ? (size_t)c->rank * sl : count;
-  size_t hi = lo + sl < count ? lo + sl : count;
+  size_t lo, hi;
+  slice_of(count, n, c->rank, &lo, &hi);
   /* Only this rank reads or writes its slice of the range in any region until the next barrier
    * (every rank keeps to its own slice), so the result can go straight into every region. */
   const void *src[AC_SHM_MAX_RANKS];

@@ -52,6 +52,8 @@ def main(cases_path: str, out_path: str) -> int:
             if os.environ.get("ACCELERATE_C_COMM") == "shm" and dist.is_initialized() and \
                     collectives.cpu_comm() != "shm":  # the shm axis (run.py --comm shm) must really run over shm
                 raise RuntimeError("ACCELERATE_C_COMM=shm, but the CPU collectives went through gloo")
+            if os.environ.get("ACCELERATE_C_SHM_WINDOWS") == "0" and collectives.windows_used():
+                raise RuntimeError("ACCELERATE_C_SHM_WINDOWS=0, but a gradient buffer was placed in a shared window")
             if os.environ.get("AC_DIFF_HOSTS") and dist.is_initialized() and dist.get_world_size() > 1 and \
                     not collectives.hierarchical():
                 raise RuntimeError("run.py --hosts: the ranks' collectives were not split by host")

@@ -16,6 +16,7 @@ os.environ["ACCELERATE_C_SHM_HOST_ID"] = f"host-{rank // 2}"
 
 from accelerate_c import Accelerator, collectives  # noqa: E402
 from accelerate_c.utils import broadcast  # noqa: E402
+from window_grads import check_window_gradients  # noqa: E402
 
 acc = Accelerator(cpu=True)
 n = acc.num_processes
@@ -39,14 +40,7 @@ for src in range(n):
     assert torch.equal(broadcast(b, from_process=src), ref), src
 acc.wait_for_everyone()
 
-model = acc.prepare(torch.nn.Linear(7, 3))
-w, bias = (t.detach().clone().requires_grad_() for t in (model.weight, model.bias))
-torch.nn.functional.linear(x, w, bias).square().mean().backward()
-acc.backward(model(x).square().mean())
-for mine, ref in ((model.weight.grad, w.grad), (model.bias.grad, bias.grad)):
-    assert collectives.in_shared_buffer(mine)
-    dist.all_reduce(ref)
-    assert torch.allclose(mine, ref / n, rtol=1e-6, atol=1e-6), (mine, ref / n)
+check_window_gradients(acc, x)  # window_grads.py
 acc.wait_for_everyone()
 if rank == 0:
     print("shm hier OK", flush=True)

@@ -32,6 +32,7 @@ b = x.clone() if r == 1 else torch.zeros_like(x)
 ref = b.clone()
 dist.broadcast(ref, 1)
 from accelerate_c.utils import broadcast  # noqa: E402
+from window_grads import check_window_gradients  # noqa: E402
 
 assert torch.equal(broadcast(b, from_process=1), ref)
 acc.wait_for_everyone()
@@ -55,16 +56,7 @@ assert collectives.select_cpu_comm() == "gloo"
 assert torch.equal(acc.reduce(x, "sum"), want)
 assert collectives.select_cpu_comm("shm") == "shm" and collectives.cpu_comm() == "shm"
 assert torch.equal(acc.reduce(x, "sum"), want)
-# the gradient buffers of a model prepared now live in a shared window, and its averaged
-# gradients equal torch's: every rank's own gradient all-reduced through gloo, divided by n
-model = acc.prepare(torch.nn.Linear(7, 3))
-w, bias = (t.detach().clone().requires_grad_() for t in (model.weight, model.bias))
-torch.nn.functional.linear(x, w, bias).square().mean().backward()
-acc.backward(model(x).square().mean())
-for mine, ref in ((model.weight.grad, w.grad), (model.bias.grad, bias.grad)):
-    assert collectives.in_shared_buffer(mine)
-    dist.all_reduce(ref)
-    assert torch.allclose(mine, ref / n, rtol=1e-6, atol=1e-6), (mine, ref / n)
+check_window_gradients(acc, x)  # window_grads.py
 acc.wait_for_everyone()
 if r == 0:
     print("shm select OK", flush=True)
