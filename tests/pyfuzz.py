@@ -11,6 +11,7 @@ raises AssertionError (hypothesis then shrinks the input).
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import random
@@ -354,14 +355,9 @@ def _clone_sd(sd):
     return copy.deepcopy(sd)
 
 
-_BENCH = None
-
-
+@functools.lru_cache(maxsize=None)  # one pristine checkpoint per process, made at first use
 def bench() -> CheckpointBench:
-    global _BENCH
-    if _BENCH is None:
-        _BENCH = CheckpointBench()
-    return _BENCH
+    return CheckpointBench()
 
 
 _OPS = ("flip", "truncate", "swap", "delete", "extra", "symlink_out", "symlink_dir_out", "json_edit", "fix_marker")
@@ -571,14 +567,9 @@ class IndexBench:
         self.work = os.path.join(self.root, "w")
 
 
-_INDEX = None
-
-
+@functools.lru_cache(maxsize=None)  # as bench()
 def index_bench() -> IndexBench:
-    global _INDEX
-    if _INDEX is None:
-        _INDEX = IndexBench()
-    return _INDEX
+    return IndexBench()
 
 
 @st.composite

@@ -25,24 +25,7 @@
 
 #include "ac/shard.h"
 
-#define CHECK(c)                                                                  \
-  do {                                                                            \
-    if (!(c)) {                                                                   \
-      fprintf(stderr, "fuzz_shard: invariant failed at line %d: %s\n", __LINE__, #c); \
-      __builtin_trap();                                                           \
-    }                                                                             \
-  } while (0)
-
-typedef struct {
-  const uint8_t *p;
-  size_t n, at;
-} reader;
-
-static uint64_t take(reader *r, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes; i++) v |= (uint64_t)(r->at < r->n ? r->p[r->at++] : 0) << (8 * i);
-  return v;
-}
+#include "fuzz_util.h"
 
 typedef struct {
   size_t nparams, esize, world, align, first_cap, cap;

@@ -85,15 +85,15 @@ CHAOTIC_PARAM_FACTOR = 2
 INF_NORM_LATER_FACTOR = 4
 
 
-# the spacing of 16-bit values relative to a value, at its widest
-_SUM_ULP = {"bf16": 2.0 ** -7, "fp16": 2.0 ** -10}
+# the spacing of 16-bit values relative to a value, at its widest (bf16's is ULP16, above)
+_SUM_ULP = {"bf16": ULP16, "fp16": 2.0 ** -10}
 
 
 def sum_16bit_bound(case: dict) -> float:
     """How far apart, relative to the largest term added at an element, two valid 16-bit
     cross-rank gradient sums may be (0 when gradients are not summed in 16 bits): each element
-    gets this times its own largest term (Addends), on top of the tolerance. Each side adds the world's terms
-    and accumulates the window's micro-batches, each addition rounding by at most half an ulp of
+    gets this times its own largest term (Addends), on top of the tolerance. Each side adds the
+    world's terms and accumulates the window's micro-batches, each addition rounding by at most half an ulp of
     a partial sum no larger than the terms' largest (Addends in reference.py records it), and
     the two sides round differently (another order, the micro-batches reduced one by one under
     ZeRO-2 or summed first under DDP's no_sync). A gradient that nearly cancels across ranks is
@@ -165,8 +165,8 @@ def _finite_in_both(a: torch.Tensor, b: torch.Tensor):
     """An overflowed step's gradients in a chaotic case (below), compared where both are finite.
     Where an overflow happens there can depend on the parameters, which may be 16-bit roundings
     apart in such a case: an fp16 activation just under the largest finite value on one side may
-    be inf on the other, and the gradients it feeds NaN on that side only (not traced further). The soak's case 6309865959
-    (three ranks, bf16 parameters, fp16 autocast, step 2 skipped on both sides): one element NaN in
+    be inf on the other, and the gradients it feeds NaN on that side only (not traced further).
+    The soak's case 6309865959 (three ranks, bf16 parameters, fp16 autocast, step 2 skipped on both sides): one element NaN in
     torch, -0.0 in the subject. Both skip the step and discard the gradients; that the step is
     skipped, and the loss scale, are still compared."""
     both = torch.isfinite(a) & torch.isfinite(b)
