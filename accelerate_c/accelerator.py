@@ -19,6 +19,8 @@ from .deepspeed_config.prepare import prepare_args
 from .strategies.ddp import DDPStrategy
 from .strategies.zero import Zero1Strategy
 from .strategies.zero2 import Zero2Strategy
+from .strategies.fsdp import FullShardStrategy
+from .fsdp_plugin import fsdp_settings, resolve_fsdp_plugin
 from .grads import GradManager, clip_coef
 from .optimizer import AcceleratedOptimizer
 from .accelerator_process import ProcessFacade
@@ -113,12 +115,14 @@ class Accelerator(ProcessFacade, ParallelismNames):
         deepspeed_plugins=None,
         parallelism_config=None,
     ):
-        refuse_features(fsdp_plugin=fsdp_plugin, megatron_lm_plugin=megatron_lm_plugin,
+        refuse_features(megatron_lm_plugin=megatron_lm_plugin,
                         torch_tp_plugin=torch_tp_plugin, parallelism_config=parallelism_config, log_with=log_with)
-        for env in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM"):
-            if parse_flag_from_env(env):
-                raise NotImplementedError(f"{env}=true: FSDP/Megatron-LM are not supported yet by accelerate_c")
+        if parse_flag_from_env("ACCELERATE_USE_MEGATRON_LM"):
+            raise NotImplementedError("ACCELERATE_USE_MEGATRON_LM=true: Megatron-LM is not supported by accelerate_c")
         ds_plugin = resolve_deepspeed_plugin(deepspeed_plugin, deepspeed_plugins)
+        fsdp_plugin = resolve_fsdp_plugin(fsdp_plugin)
+        if fsdp_plugin is not None and ds_plugin is not None:
+            raise ValueError("Accelerator: a DeepSpeed plugin and an FSDP plugin at once; choose one")
         # a default TorchDynamoPlugin (transformers' Trainer always passes one) compiles nothing
         dynamo = resolve_dynamo_plugin(dynamo_plugin, dynamo_backend)
         check_kind("project_config", project_config, ProjectConfiguration)
@@ -220,6 +224,13 @@ class Accelerator(ProcessFacade, ParallelismNames):
                 steps = gradient_accumulation_plugin.num_steps = self.sharding.gradient_accumulation_steps
                 self.gradient_state = GradientState(gradient_accumulation_plugin=gradient_accumulation_plugin)
         self._zero_stage = self.sharding.stage if self.sharding is not None else None
+        self._fsdp = None  # FSDP: full sharding (strategies/fsdp.py), autocast as without it
+        if fsdp_plugin is not None:
+            if mixed_precision == "fp16":
+                raise NotImplementedError("FSDP with mixed_precision='fp16' is not built in accelerate_c yet; use bf16")
+            self._fsdp = fsdp_settings(fsdp_plugin, mixed_precision, self.state.device.type)
+            self.state.distributed_type = DistributedType.FSDP
+            self.state.set_fsdp_plugin(fsdp_plugin, self._fsdp.version == 2)
 
         # data loaders
         if dataloader_config is None:
@@ -337,7 +348,12 @@ class Accelerator(ProcessFacade, ParallelismNames):
                 model._ds_input_cast = model.register_forward_pre_hook(_cast_inputs_half, with_kwargs=True)
         if self.use_distributed and not self._grads.distributed:
             h = self.ddp_handler
-            if self._zero_stage in (1, 2):
+            if self._fsdp is not None:
+                f = self._fsdp
+                strategy = FullShardStrategy(self._grads, h, wrap_policy=f.wrap_policy, wrap_classes=f.wrap_classes,
+                                             min_num_params=f.min_num_params, param_dtype=f.param_dtype,
+                                             reshard_after_forward=f.reshard_after_forward)
+            elif self._zero_stage in (1, 2):
                 kind = Zero1Strategy if self._zero_stage == 1 else Zero2Strategy
                 zero_cfg = self.sharding.config.get("zero_optimization") or {}
                 strategy = kind(self._grads, h, fp32_masters=self._compute_dtype is not None,

@@ -45,7 +45,11 @@ def _stats_device(device) -> torch.device:
 class GradShard:
     """The gradient shard of one ShardGroup, the hooks that fill it and its bookkeeping."""
 
-    def __init__(self, group: ShardGroup, params, names, find_unused: bool, model_key=None):
+    def __init__(self, group: ShardGroup, params, names, find_unused: bool, model_key=None, dtype=None,
+                 shard_dtype=None):
+        """`dtype`: the gradients' dtype as backward delivers them, the staging buffers' and the
+        reduce-scatter's (default: the group's); `shard_dtype`: the gradient shard's, where the
+        sums accumulate (default: `dtype`; full sharding keeps fp32 shards of 16-bit gradients)."""
         plan = group.plan
         self.group = group
         self.params = list(params)  # in plan parameter order (group.indices)
@@ -54,12 +58,13 @@ class GradShard:
         self.model_key = model_key
         self.world = plan.world
         self.rank = group.rank
-        self.dtype, self.device = group.dtype, group.device
+        self.dtype, self.device = dtype or group.dtype, group.device
+        self.shapes = list(group.shapes)  # the parameters' shapes (full sharding changes p.shape between steps)
         self.is_cuda = torch.device(self.device).type == "cuda"
         if self.dtype not in _KERNEL_DTYPES:
             raise NotImplementedError(f"ZeRO stage 2: parameters of dtype {self.dtype} ({names(self.params[0])}) are "
                                       "not supported; use float32, bfloat16 or float16 parameters")
-        self.shard = torch.zeros(plan.shard_numel, dtype=self.dtype, device=self.device)
+        self.shard = torch.zeros(plan.shard_numel, dtype=shard_dtype or self.dtype, device=self.device)
         self.empty = True  # the shard holds nothing since the last clear: the next sum is written, not added
         self.has = [False] * len(self.params)
         self.seen = [False] * len(self.params)  # gradients delivered by the backward now running
@@ -312,12 +317,13 @@ class GradShard:
         start, chunk, local = self.buckets[b][:3]
         if not self.has[i]:
             return None
-        mine = self.shard[local:local + chunk] if not self.empty else torch.zeros(chunk, dtype=self.dtype,
+        dtype = self.shard.dtype
+        mine = self.shard[local:local + chunk] if not self.empty else torch.zeros(chunk, dtype=dtype,
                                                                                    device=self.device)
-        full = torch.empty(chunk * self.world, dtype=self.dtype, device=self.device)
+        full = torch.empty(chunk * self.world, dtype=dtype, device=self.device)
         collectives.all_gather_into_tensor(full, mine.contiguous())
         off, n = self.spans[i]
-        return full[off - start:off - start + n].view(self.params[i].shape).clone()
+        return full[off - start:off - start + n].view(self.shapes[i]).clone()
 
     def nbytes(self) -> int:
         """Bytes this object holds: the shard and the staging buffers (whole, not the views in use)."""

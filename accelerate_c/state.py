@@ -274,12 +274,26 @@ class AcceleratorState(PartialState):
     # accelerate's names for the parallelism plugins (transformers' Trainer reads them to pick
     # its code paths). accelerate_c builds no FSDP, tensor/context parallelism or Megatron-LM:
     # those are None, as in accelerate for a run without them.
-    fsdp_plugin = None
     torch_tp_plugin = None
     megatron_lm_plugin = None
     parallelism_config = None
     device_mesh = None
-    is_fsdp2 = False
+
+    @property
+    def fsdp_plugin(self):
+        """The FullyShardedDataParallelPlugin under FSDP (full sharding), else None."""
+        if self._shared.get("distributed_type") != DistributedType.FSDP:
+            return None
+        return self._shared.get("fsdp_plugin")
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.fsdp_plugin is not None and bool(self._shared.get("is_fsdp2"))
+
+    def set_fsdp_plugin(self, plugin, is_fsdp2: bool):
+        """Records the FSDP plugin the Accelerator runs under (fsdp_plugin reads it)."""
+        self._shared["fsdp_plugin"] = plugin
+        self._shared["is_fsdp2"] = is_fsdp2
 
     @property
     def deepspeed_plugin(self):

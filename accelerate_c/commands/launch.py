@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from ..utils.config import ConfigError, config_in_effect, load_config_from_file, unsupported
-from ..utils.config_schema import CLUSTER_KEYS, DEEPSPEED_KEYS
+from ..utils.config_schema import CLUSTER_KEYS, DEEPSPEED_KEYS, FSDP_KEYS
 from ..utils.dataclasses import PrecisionType
 
 # --flag -> (deepspeed_config key, the variable accelerate's launcher exports it as); None: not exported
@@ -171,6 +171,40 @@ def _deepspeed_settings(args, values: dict, mp_from_file: bool) -> None:
               "--deepspeed_multinode_launcher standard) and run the same launch command on every machine")
 
 
+# fsdp_config key -> the variable accelerate's launcher exports it as (Accelerator() builds its
+# FullyShardedDataParallelPlugin from them: fsdp_plugin.py)
+_FSDP_VARS = {
+    "fsdp_version": "FSDP_VERSION", "fsdp_sharding_strategy": "FSDP_SHARDING_STRATEGY",
+    "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD", "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
+    "fsdp_min_num_params": "FSDP_MIN_NUM_PARAMS", "fsdp_auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
+    "fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
+    "fsdp_backward_prefetch": "FSDP_BACKWARD_PREFETCH", "fsdp_state_dict_type": "FSDP_STATE_DICT_TYPE",
+    "fsdp_forward_prefetch": "FSDP_FORWARD_PREFETCH", "fsdp_use_orig_params": "FSDP_USE_ORIG_PARAMS",
+    "fsdp_cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
+    "fsdp_sync_module_states": "FSDP_SYNC_MODULE_STATES",
+    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
+    "fsdp_activation_checkpointing_offload": "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
+    "fsdp_ignored_modules": "FSDP_IGNORED_MODULES",
+}
+
+
+def fsdp_env(config: dict) -> dict:
+    """The variables accelerate's launcher exports under distributed_type FSDP, from a config
+    file's fsdp_config (keys with or without their fsdp_ prefix; unset ones at their defaults)."""
+    given = {(k if k.startswith("fsdp_") else "fsdp_" + k): v for k, v in (config or {}).items()}
+    if "fsdp_cpu_offload" in given:  # the spelling of accelerate's FSDP2 examples
+        given.setdefault("fsdp_offload_params", given.pop("fsdp_cpu_offload"))
+    env = {"ACCELERATE_USE_FSDP": "true"}
+    for key, var in _FSDP_VARS.items():
+        value = given.get(key, FSDP_KEYS[key].default)
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))
+        env[var] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
+
+
 def build_env(args, values: dict) -> dict:
     env = os.environ.copy()
     env["ACCELERATE_USE_CPU"] = str(bool(values["use_cpu"]))
@@ -192,6 +226,8 @@ def build_env(args, values: dict) -> dict:
             if var is not None and value is not None:
                 env[var] = str(value) if name in ("deepspeed_config_file", "deepspeed_moe_layer_cls_names") \
                     else str(value).lower()
+    if values["distributed_type"] == "FSDP":
+        env.update(fsdp_env(values["fsdp_config"]))
     if values["gpu_ids"] not in (None, "all"):
         env["CUDA_VISIBLE_DEVICES"] = values["gpu_ids"]
     local = values["num_processes"] // values["num_machines"]

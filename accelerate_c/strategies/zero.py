@@ -178,10 +178,7 @@ class Zero1Strategy(DDPStrategy):
                 book.originals.append(p)
                 if o.length == 0:
                     continue  # another process owns all of it
-                if self.fp32_masters and p.dtype != torch.float32:  # its run of the group's fp32 master
-                    view = shards.master(o.group).narrow(0, o.local_offset, o.length)
-                else:  # the parameter's own memory: the update writes the model directly
-                    view = p.detach().view(-1).narrow(0, o.param_offset, o.length)
+                view = self._run_view(shards, p, o)
                 book.views.append((view, p, o))
                 kept.append(view)
                 if p in old_state:
@@ -189,6 +186,13 @@ class Zero1Strategy(DDPStrategy):
             group["params"] = kept
         optimizer.state = new_state
         self.optimizers[id(optimizer)] = book
+
+    def _run_view(self, shards, p, o):
+        """The 1-D tensor the rebuilt optimizer steps for the run `o` of `p`."""
+        if self.fp32_masters and p.dtype != torch.float32:  # its run of the group's fp32 master
+            return shards.master(o.group).narrow(0, o.local_offset, o.length)
+        # the parameter's own memory: the update writes the model directly
+        return p.detach().view(-1).narrow(0, o.param_offset, o.length)
 
     @staticmethod
     def _slice_state(v, p, o, dtype):

@@ -131,7 +131,7 @@ class Zero2Strategy(Zero1Strategy):
             total = math.nan if math.isnan(total_sumsq) else math.inf
         if max_norm is None:
             return torch.tensor(total, dtype=torch.float32)
-        dtypes = {gs.dtype for gs in touched}
+        dtypes = {gs.shard.dtype for gs in touched}
         norm, coef = clip_coef(total, max_norm, dtypes.pop() if len(dtypes) == 1 else torch.float32)
         for gs, idx in touched.items():
             gs.scale_(idx, coef)

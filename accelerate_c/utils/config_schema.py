@@ -15,9 +15,9 @@ ANY = object()  # `supported`: every valid value is supported
 
 DISTRIBUTED_TYPES = tuple(d.value for d in DistributedType)  # the enum the Accelerator reports
 # DEEPSPEED launches (its configuration is read and checked); ZeRO itself is docs/sharding.md's
-SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED")
+SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP")
 # features that are on the roadmap vs. hardware accelerate_c does not target
-PLANNED_DISTRIBUTED_TYPES = ("FSDP", "MEGATRON_LM")
+PLANNED_DISTRIBUTED_TYPES = ("MEGATRON_LM",)
 COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE", "AMAZON_SAGEMAKER")
 # the values the Accelerator and the launcher take (PrecisionType), in accelerate's menu order
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -95,7 +95,8 @@ FSDP_KEYS = _keys(
     Key("fsdp_offload_params", B, False),
     Key("fsdp_cpu_offload", B, False),  # spelling used in accelerate's FSDP2 docs examples
     Key("fsdp_min_num_params", I, 100_000_000, lo=0),
-    Key("fsdp_sharding_strategy", ("str", "int"), "FULL_SHARD", choices=FSDP_SHARDING_STRATEGIES + (1, 2, 3, 4, 5)),
+    Key("fsdp_sharding_strategy", ("str", "int"), "FULL_SHARD", choices=FSDP_SHARDING_STRATEGIES + (1, 2, 3, 4, 5),
+        supported=("FULL_SHARD", "SHARD_GRAD_OP", 1, 2), feature="this FSDP sharding strategy"),
     Key("fsdp_reshard_after_forward", ("bool", "str"), True, choices=(True, False) + FSDP_SHARDING_STRATEGIES),
     Key("fsdp_auto_wrap_policy", S, None, choices=FSDP_AUTO_WRAP_POLICIES, nullable=True),
     Key("fsdp_transformer_layer_cls_to_wrap", ("str", "strlist"), None, nullable=True),
@@ -106,7 +107,7 @@ FSDP_KEYS = _keys(
     Key("fsdp_use_orig_params", B, True),
     Key("fsdp_cpu_ram_efficient_loading", B, True),
     Key("fsdp_sync_module_states", B, True),
-    Key("fsdp_activation_checkpointing", B, False),
+    Key("fsdp_activation_checkpointing", B, False, supported=(False,), feature="FSDP activation checkpointing"),
     Key("fsdp_activation_checkpointing_offload", B, False),
     Key("fsdp_ignored_modules", S, None, nullable=True),
 )
@@ -213,8 +214,7 @@ CLUSTER_KEYS = _keys(
     Key("fp8_config", ("dict",), None, nullable=True, sub=FP8_KEYS, sub_prefix="fp8_", supported=_NO_FEATURE,
         feature="fp8 training"),
     Key("deepspeed_config", ("dict",), None, nullable=True, sub=DEEPSPEED_KEYS),
-    Key("fsdp_config", ("dict",), None, nullable=True, sub=FSDP_KEYS, sub_prefix="fsdp_", supported=_NO_FEATURE,
-        feature="FSDP"),
+    Key("fsdp_config", ("dict",), None, nullable=True, sub=FSDP_KEYS, sub_prefix="fsdp_"),
     Key("parallelism_config", ("dict",), None, nullable=True, sub=PARALLELISM_KEYS, supported=_NO_FEATURE,
         feature="parallelism_config (N-d parallelism)"),
     Key("megatron_lm_config", ("dict",), None, nullable=True, sub=MEGATRON_KEYS, supported=_NO_FEATURE,

@@ -1,0 +1,211 @@
+"""Full sharding's units (docs/sharding.md, "ZeRO-3 / FSDP"): which modules are units (the wrap
+policy), which parameters each holds, and how a unit's parameters move between their shard and
+their full size.
+
+A unit is a module the wrap policy picked (plus the root: the prepared model itself, holding
+every parameter no picked module holds). Each unit's parameters are split by (dtype, trainable)
+into shard groups (shard_plan.ShardGroup: one C plan each, one bucket per group, so a unit's
+gather and its gradients' reduce-scatter are one collective per group). Outside forward and
+backward a parameter's `.data` is its owned run of the group's persistent shard (1-D, possibly
+empty): the process holds 1/N of the model and the Parameter objects stay the model's own.
+`gather` fills a full-size flat buffer (in the compute dtype) with every process's chunk and
+points each parameter at its view of it; `reshard` points them back at their runs and releases
+the flat buffer's memory (its storage resized to zero bytes). Autograd's saved tensors keep
+working across a reshard: a saved view of a parameter references the flat buffer's storage,
+which is refilled in place before the unit's backward, and a saved parameter is the Parameter
+itself, whose `.data` points at the full view again by then (assigning `.data` leaves the
+parameter's version counter alone, and the collective writes bypass autograd).
+
+This module makes the collective calls of a gather (collectives.gather_chunks) and nothing
+else; the hooks that decide when to gather and reshard are the strategy's (strategies/fsdp.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import collectives
+from .shard_plan import ShardLayout
+
+ONE_BUCKET = 1 << 62  # a cap no unit reaches: each group is one bucket, one collective
+ALIGN = 16  # elements: the same offsets in the fp32 shard and the 16-bit compute buffer
+
+
+def unit_modules(model: torch.nn.Module, policy: str, class_names=(), min_num_params: int = 0) -> list:
+    """The modules the wrap policy makes units, children before parents, the root (`model`)
+    last. TRANSFORMER_BASED_WRAP: every module whose class name is in `class_names` (default:
+    the model's `_no_split_modules`, as accelerate); SIZE_BASED_WRAP: every module holding more
+    than `min_num_params` parameters (counted with its children, as accelerate's FSDP2 policy
+    counts); NO_WRAP: the root only."""
+    if policy in (None, "NO_WRAP"):
+        return [model]
+    order = _bottom_up(model)[:-1]
+    if policy == "TRANSFORMER_BASED_WRAP":
+        names = list(class_names) if class_names else list(getattr(model, "_no_split_modules", None) or [])
+        present = {type(m).__name__ for m in model.modules()}
+        missing = [n for n in names if n not in present]
+        if missing:
+            raise ValueError(f"fsdp_transformer_layer_cls_to_wrap: no module of class {missing[0]!r} in "
+                             f"{type(model).__name__} (classes present: {', '.join(sorted(present))})")
+        picked = [m for m in order if type(m).__name__ in set(names)]
+    elif policy == "SIZE_BASED_WRAP":
+        picked = [m for m in order if sum(p.numel() for p in m.parameters()) > min_num_params]
+    else:
+        raise ValueError(f"fsdp_auto_wrap_policy={policy!r}: expected TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or "
+                         "NO_WRAP")
+    return picked + [model]
+
+
+def _bottom_up(model):
+    out = []
+
+    def visit(m):
+        for c in m.children():
+            visit(c)
+        out.append(m)
+
+    visit(model)
+    seen, unique = set(), []
+    for m in out:  # a module reachable twice is one module
+        if id(m) not in seen:
+            seen.add(id(m))
+            unique.append(m)
+    return unique
+
+
+def assign_params(units: list) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Per unit (same order), the (name, parameter) pairs it holds: the innermost unit that
+    reaches a parameter holds it, and a parameter reached from two units that do not nest (a
+    tied weight) goes to the root, which stays gathered through forward and backward."""
+    root = units[-1]
+    names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
+    owner: dict = {}
+    for k, m in enumerate(units):
+        inner = set()
+        for j in range(k):  # units inside m hold their own
+            if any(u is units[j] for u in m.modules()):
+                inner.update(id(p) for p in units[j].parameters())
+        for p in m.parameters():
+            if id(p) in inner:
+                continue
+            prev = owner.get(id(p))
+            if prev is None:
+                owner[id(p)] = k
+            elif prev != k:
+                owner[id(p)] = len(units) - 1
+    out = [[] for _ in units]
+    for p in root.parameters():
+        out[owner[id(p)]].append((names[id(p)], p))
+    return out
+
+
+class UnitGroup:
+    """One (dtype, trainable) group of a unit: its plan (shard_plan.ShardGroup), its persistent
+    shard (the parameters' dtype), each parameter's owned run of it, and the full-size flat
+    buffer in the compute dtype whose memory exists only while the unit is gathered."""
+
+    def __init__(self, group, params, compute_dtype):
+        self.group = group
+        self.params = params  # in plan parameter order
+        self.trainable = params[0].requires_grad
+        self.shard = group.load_shard(params)  # this rank's runs of the parameters as prepare saw them
+        self.compute_dtype = compute_dtype if compute_dtype is not None else group.dtype
+        # made once, outside any inference_mode() a forward may run in (an inference tensor
+        # cannot take part in autograd later); its storage is resized, never replaced
+        self.flat = torch.empty(group.plan.total, dtype=self.compute_dtype, device=group.device)
+        self.full_views = group.param_views(self.flat)
+        self.runs = [part.view if part is not None else self.shard[:0] for part in group.owned_views(self.shard)]
+        self.nbytes = self.flat.untyped_storage().nbytes()
+        self.gathered = True  # as made: the storage exists (released by the first reshard)
+
+    def point_at_runs(self):
+        for p, run in zip(self.params, self.runs):
+            p.data = run
+
+    def gather(self, rank: int, world: int) -> None:
+        """Every process's chunk into the flat buffer; the parameters viewing it. A collective."""
+        storage = self.flat.untyped_storage()
+        if storage.nbytes() != self.nbytes:
+            storage.resize_(self.nbytes)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat):
+            for start, chunk, local, _, _ in self.group.buckets:
+                if chunk == 0:
+                    continue
+                full = self.flat[start:start + chunk * world]
+                # the chunk as this rank owns it, cast once to the compute dtype (its padding is zeros)
+                full[rank * chunk:(rank + 1) * chunk].copy_(self.shard[local:local + chunk])
+                collectives.gather_chunks(full, rank, world)
+        for p, v in zip(self.params, self.full_views):
+            p.data = v
+        self.gathered = True
+
+    def gather_full(self, rank: int, world: int) -> list:
+        """Every parameter's full value in the shard's dtype, in fresh tensors (the state dict's
+        values: fp32 masters, not the 16-bit compute copies). A collective; the unit's own
+        buffers and parameters are left as they are."""
+        full = torch.zeros(self.group.plan.total, dtype=self.shard.dtype, device=self.shard.device)
+        for start, chunk, local, _, _ in self.group.buckets:
+            if chunk:
+                part = full[start:start + chunk * world]
+                part[rank * chunk:(rank + 1) * chunk].copy_(self.shard[local:local + chunk])
+                collectives.gather_chunks(part, rank, world)
+        return self.group.param_views(full)
+
+    def reshard(self) -> None:
+        self.point_at_runs()
+        self.flat.untyped_storage().resize_(0)
+        self.gathered = False
+
+
+class Unit:
+    """A unit: its module, its groups, and where it is in a training step."""
+
+    __slots__ = ("module", "groups", "index", "is_root", "state", "grads_done", "inputs_pending", "hooks")
+
+    def __init__(self, module, index: int, is_root: bool):
+        self.module = module
+        self.groups: list[UnitGroup] = []
+        self.index = index
+        self.is_root = is_root
+        self.state = "idle"  # idle | forward | backward
+        self.grads_done = True  # the trainable groups' gradients all landed in this backward
+        self.inputs_pending = 0  # forwards whose inputs' gradients backward has not computed yet
+        self.hooks = []
+
+    @property
+    def gathered(self) -> bool:
+        return any(g.gathered for g in self.groups)
+
+    def gather(self, rank, world):
+        for g in self.groups:
+            if not g.gathered:
+                g.gather(rank, world)
+
+    def reshard(self):
+        for g in self.groups:
+            if g.gathered:
+                g.reshard()
+
+
+def build_units(model, modules, world: int, rank: int, compute_dtype=None) -> list[Unit]:
+    """The units of `model` (modules from unit_modules), each parameter moved into its shard."""
+    held = assign_params(modules)
+    units = []
+    for k, (m, named) in enumerate(zip(modules, held)):
+        unit = Unit(m, k, is_root=k == len(modules) - 1)
+        params = [p for _, p in named]
+        for trainable in (True, False):
+            subset = [p for p in params if p.requires_grad == trainable]
+            if not subset:
+                continue
+            # forward order (the plan's default is reverse): the gathered flat reads in module order
+            layout = ShardLayout.from_params(subset, world, rank, align=ALIGN, first_cap_bytes=ONE_BUCKET,
+                                             cap_bytes=ONE_BUCKET, order=range(len(subset)))
+            for group in layout:
+                members = [subset[j] for j in group.indices]
+                cd = compute_dtype if (compute_dtype is not None and group.dtype.is_floating_point) else None
+                unit.groups.append(UnitGroup(group, members, cd))
+        units.append(unit)
+    for unit in units:  # only once every shard holds its values: a tied parameter is read once
+        for g in unit.groups:
+            g.reshard()
+    return units

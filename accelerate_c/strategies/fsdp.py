@@ -1,0 +1,269 @@
+"""Full sharding (ZeRO stage 3, FSDP2's semantics): parameters, gradients and optimizer state
+each held 1/N per process (docs/sharding.md, "ZeRO-3 / FSDP").
+
+Stage 2's machinery is reused whole: the gradients of each shard group are reduce-scattered by a
+grad_shards.GradShard as backward delivers them (one bucket per group, so one collective per unit
+and dtype), the norm is the all-reduce of the local sums, the user's optimizer is rebuilt in place
+over this process's runs (strategies/zero.py). What stage 3 adds is that the parameters themselves
+live as shards (fsdp_units.py): each unit is gathered by a forward pre-hook, released after its
+forward (reshard_after_forward, not for the root, whose parameters the end of the forward and the
+start of the backward both need), gathered again by a hook on its outputs' gradients before its
+backward, and released once its gradients have landed and the gradients of its inputs exist. The
+end of backward (an autograd engine callback) releases whatever is still gathered. Under mixed
+precision (MixedPrecisionPolicy's param_dtype) the gathers and the compute are 16-bit, the shards
+and the gradients' shards fp32, as FSDP2 keeps them.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..fsdp_units import build_units, unit_modules
+from ..grad_shards import GradShard
+from .ddp import broadcast_model
+from .zero import Owned
+from .zero2 import Zero2Strategy
+
+
+class FsdpModel:
+    """A prepared model's units, with the interface strategies/zero.py reads of ModelShards:
+    `gathers` (per trainable shard group: the group, its parameters, its full buffer), `owned`
+    (id(param) -> Owned), `masters` and `views` (none: the shards are the masters)."""
+
+    def __init__(self, units):
+        self.units = units
+        self.gathers, self.owned, self.masters, self.views = [], {}, {}, {}
+        self.unit_of_group: dict = {}
+        for unit in units:
+            for ug in unit.groups:
+                self.unit_of_group[id(ug.group)] = (unit, ug)
+                if not ug.trainable:
+                    continue
+                self.gathers.append((ug.group, ug.params, ug.flat))
+                for p, run in zip(ug.params, ug.group.runs()):
+                    self.owned[id(p)] = Owned(ug.group, *run)
+
+
+class _InputsDone(torch.autograd.Function):
+    """Identity on a unit's inputs that need a gradient; its backward runs once their gradients
+    exist, so the unit's parameters are no longer needed by this backward."""
+
+    @staticmethod
+    def forward(ctx, strategy, unit, *xs):
+        ctx.strategy, ctx.unit = strategy, unit
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.strategy._inputs_done(ctx.unit)
+        return (None, None) + grads
+
+
+class FullShardStrategy(Zero2Strategy):
+    """FSDP's FULL_SHARD (reshard_after_forward=True) and SHARD_GRAD_OP (False)."""
+
+    stage = 3
+
+    def __init__(self, manager, handler=None, *, wrap_policy="NO_WRAP", wrap_classes=(), min_num_params=0,
+                 reshard_after_forward=True, param_dtype=None):
+        super().__init__(manager, handler, fp32_masters=False, ignore_unused=False)
+        self.wrap_policy = wrap_policy
+        self.wrap_classes = tuple(wrap_classes or ())
+        self.min_num_params = min_num_params
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = param_dtype  # the gathers' and the compute's dtype (None: the parameters')
+        self._final_queued = False
+        self._state_dict_ok = 0  # > 0 while the strategy itself reads model.state_dict()
+
+    # ---- prepare ------------------------------------------------------------------------
+    def prepare_model(self, model, manager):
+        if id(model) in self.models:
+            return
+        broadcast_model(model)  # every process starts from rank 0's weights
+        if self.param_dtype is not None:  # fp32 masters of 16-bit parameters, as accelerate's FSDP2 path
+            for p in model.parameters():
+                if p.requires_grad and p.dtype != torch.float32 and p.is_floating_point():
+                    p.data = p.data.float()
+        for name, p in model.named_parameters():
+            manager.names.setdefault(id(p), name)
+        modules = unit_modules(model, self.wrap_policy, self.wrap_classes, self.min_num_params)
+        units = build_units(model, modules, self.world, self.rank, self.param_dtype)
+        self.models[id(model)] = fsdp = FsdpModel(units)
+        for unit in units:
+            m = unit.module
+            unit.hooks.append(m.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True))
+            unit.hooks.append(m.register_forward_hook(self._post_forward_hook(unit)))
+        model.register_state_dict_pre_hook(self._state_dict_guard)
+        del fsdp
+
+    def adopt_gradients(self, model, manager):
+        """A GradShard per trainable group of every unit, in the compute dtype, its shard fp32."""
+        fsdp = self.models[id(model)]
+        for unit in fsdp.units:
+            for ug in unit.groups:
+                if not ug.trainable or any(id(p) in self.held for p in ug.params):
+                    continue
+                gs = _UnitGradShard(ug.group, ug.params, self.manager.name_of, self.find_unused, id(model),
+                                    dtype=ug.compute_dtype, shard_dtype=ug.shard.dtype)
+                gs.on_complete = lambda _u=unit: self._grads_landed(_u)
+                self.grad_shards.append(gs)
+                for i, p in enumerate(ug.params):
+                    self.held[id(p)] = (gs, i)
+        if not hasattr(model, "_zero2_zero_grad"):
+            original = model.zero_grad
+
+            def zero_grad(set_to_none: bool = True, _original=original, _key=id(model)):
+                _original(set_to_none=set_to_none)
+                for gs in self.grad_shards:
+                    if gs.model_key == _key:
+                        gs.clear(None, set_to_none)
+
+            model._zero2_zero_grad = original
+            model.zero_grad = zero_grad
+
+    def _run_view(self, shards, p, o):
+        """The optimizer steps the parameter's run of its unit's shard: the master itself."""
+        _, ug = shards.unit_of_group[id(o.group)]
+        return ug.shard.narrow(0, o.local_offset, o.length)
+
+    # ---- the hooks ------------------------------------------------------------------------
+    def _pre_forward_hook(self, unit):
+        def hook(module, args, kwargs):
+            unit.gather(self.rank, self.world)
+            if unit.state == "backward":  # activation checkpointing's recomputation inside backward
+                return None
+            unit.state = "forward"
+            if not torch.is_grad_enabled():
+                return None
+            flat, spec = tree_flatten((args, kwargs))
+            at = [i for i, x in enumerate(flat) if torch.is_tensor(x) and x.requires_grad]
+            if not at:
+                return None
+            outs = _InputsDone.apply(self, unit, *[flat[i] for i in at])
+            for i, x in zip(at, outs):
+                flat[i] = x
+            unit.inputs_pending += 1
+            return tree_unflatten(flat, spec)
+        return hook
+
+    def _post_forward_hook(self, unit):
+        def hook(module, args, output):
+            if unit.state == "backward":
+                return None
+            needs_grad = False
+            if torch.is_grad_enabled():
+                flat, _ = tree_flatten(output)
+                for x in flat:
+                    if torch.is_tensor(x) and x.requires_grad:
+                        x.register_hook(self._pre_backward_hook(unit))
+                        needs_grad = True
+            unit.state = "idle"
+            if not needs_grad or (self.reshard_after_forward and not unit.is_root):
+                unit.reshard()
+            return None
+        return hook
+
+    def _pre_backward_hook(self, unit):
+        def hook(grad):
+            if not self._final_queued:
+                self._final_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward_all)
+            if unit.state != "backward":
+                unit.gather(self.rank, self.world)
+                unit.state = "backward"
+                unit.grads_done = not any(ug.trainable for ug in unit.groups)
+            return None
+        return hook
+
+    def _inputs_done(self, unit):
+        unit.inputs_pending = max(0, unit.inputs_pending - 1)
+        self._maybe_release(unit)
+
+    def _grads_landed(self, unit):
+        unit.grads_done = True
+        self._maybe_release(unit)
+
+    def _maybe_release(self, unit):
+        if unit.state == "backward" and unit.grads_done and unit.inputs_pending == 0 and not unit.is_root:
+            unit.reshard()
+            unit.state = "idle"
+
+    def _end_of_backward_all(self):
+        """Every unit is released at the end of a backward, as FSDP2 does."""
+        self._final_queued = False
+        for fsdp in self.models.values():
+            for unit in fsdp.units:
+                unit.state = "idle"
+                unit.inputs_pending = 0
+                unit.reshard()
+
+    def abort_held(self) -> None:
+        super().abort_held()
+        self._end_of_backward_all()
+
+    # ---- step -----------------------------------------------------------------------------
+    def _gather_updated(self, book):
+        """The step wrote the shards: a unit still gathered (forward without backward) is
+        stale, so it is released and the next forward gathers the new values."""
+        for fsdp in self.models.values():
+            for unit in fsdp.units:
+                if unit.state == "idle":
+                    unit.reshard()
+
+    def after_step(self, optimizer) -> None:
+        """Gradients stay until zero_grad, as torch's optimizers and FSDP2 keep them."""
+
+    # ---- state dicts -----------------------------------------------------------------------
+    def _state_dict_guard(self, module, prefix, keep_vars):
+        if not self._state_dict_ok:
+            raise RuntimeError("model.state_dict() of a model prepared with full sharding (FSDP / ZeRO stage 3): "
+                               "each process holds only its shard of every parameter; use "
+                               "accelerator.get_state_dict(model) for the full weights (every process calls it)")
+
+    @contextlib.contextmanager
+    def allow_state_dict(self):
+        self._state_dict_ok += 1
+        try:
+            yield
+        finally:
+            self._state_dict_ok -= 1
+
+    def full_params(self, model) -> dict:
+        """id(param) -> its full value in the shard's dtype, gathered unit by unit (a collective)."""
+        fsdp = self.models[id(model)]
+        out = {}
+        with torch.no_grad():
+            for unit in fsdp.units:
+                for ug in unit.groups:
+                    for p, v in zip(ug.params, ug.gather_full(self.rank, self.world)):
+                        out[id(p)] = v
+        return out
+
+    def model_state_dict(self, model) -> dict:
+        """The full state dict in the model's own names (a collective every process calls)."""
+        if id(model) not in self.models:
+            return model.state_dict()
+        values = self.full_params(model)
+        with self.allow_state_dict():
+            sd = model.state_dict(keep_vars=True)
+        return {k: (values[id(v)] if id(v) in values else v.detach()) for k, v in sd.items()}
+
+    def refuse_checkpoint(self, doing: str) -> None:
+        raise NotImplementedError(f"{doing} under full sharding (FSDP / ZeRO stage 3) is not built yet in "
+                                  "accelerate_c; accelerator.get_state_dict(model) / save_model give the full "
+                                  "weights")
+
+
+class _UnitGradShard(GradShard):
+    """A unit's gradient shard that says when the unit's gradients have all landed (its one
+    bucket's reduce-scatter launched), so the unit's parameters can be released."""
+
+    on_complete = None
+
+    def _launch(self, first, last):
+        super()._launch(first, last)
+        if self.on_complete is not None and last == len(self.buckets):
+            self.on_complete()
+

@@ -1,0 +1,80 @@
+"""Full sharding (FSDP / ZeRO stage 3: strategies/fsdp.py, fsdp_units.py) turned on the way a
+user does: accelerate's FullyShardedDataParallelPlugin, or a config file with distributed_type
+FSDP. The training itself is held to torch DDP (fp32) and to FSDP2's bf16 policy written out in
+torch (tests/scripts/fsdp_train.py); here: that script over the axes, and what is refused."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from accelerate_c import Accelerator
+from accelerate_c.fsdp_plugin import FullyShardedDataParallelPlugin, fsdp_settings
+from helpers import fresh_state  # noqa: F401  (an autouse fixture: fresh accelerator states)
+from test_launch import SCRIPTS, launch
+from timeouts import wait_s
+
+
+def _script_passes(world, script, *args, says):
+    res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, script), *args], timeout=wait_s(120))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert says in res.stdout
+
+
+@pytest.mark.parametrize("world,mp,reshard,wrap", [
+    (2, "fp32", "1", "TRANSFORMER_BASED_WRAP"),
+    (2, "fp32", "0", "SIZE_BASED_WRAP"),
+    (3, "fp32", "1", "NO_WRAP"),
+    (2, "bf16", "1", "TRANSFORMER_BASED_WRAP"),
+    (4, "bf16", "0", "TRANSFORMER_BASED_WRAP"),
+])
+def test_fsdp_trains_as_torch_with_everything_sharded(world, mp, reshard, wrap):
+    """Parameters after every step, norms and learning rates against torch (DDP, or the bf16
+    policy written out), 1/N of the parameters and optimizer state per process between steps,
+    no full gradient in p.grad, model.state_dict() refused, eval under no_grad/inference_mode."""
+    _script_passes(world, "fsdp_train.py", mp, reshard, wrap,
+                   says=f"fsdp {mp} reshard={reshard} {wrap} OK on {world} processes")
+
+
+def test_plugin_reads_accelerates_fields_and_variables(monkeypatch):
+    """Our plugin's fields left unset come from the FSDP_* variables accelerate's launcher
+    exports; accelerate's own plugin reads the same; both give the same settings."""
+    from accelerate.utils import FullyShardedDataParallelPlugin as AccPlugin
+
+    env = {"FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+           "FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP": "Block", "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block",
+           "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    ours = fsdp_settings(FullyShardedDataParallelPlugin(), "bf16")
+    theirs = fsdp_settings(AccPlugin(), "bf16")
+    assert ours == theirs
+    assert ours.version == 2 and ours.reshard_after_forward is False
+    assert ours.wrap_policy == "TRANSFORMER_BASED_WRAP" and ours.wrap_classes == ("Block",)
+    assert ours.param_dtype == torch.bfloat16 and ours.state_dict_type == "SHARDED_STATE_DICT"
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    ({"sharding_strategy": "HYBRID_SHARD"}, "HYBRID_SHARD"),
+    ({"sharding_strategy": "NO_SHARD"}, "NO_SHARD"),
+    ({"fsdp_version": 2, "activation_checkpointing": True}, "activation_checkpointing"),
+    ({"fsdp_version": 2, "auto_wrap_policy": lambda m: True}, "auto_wrap_policy"),
+    ({"fsdp_version": 2, "state_dict_type": "LOCAL_STATE_DICT"}, "LOCAL_STATE_DICT"),
+    ({"fsdp_version": 2, "mixed_precision_policy": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}, "reduce_dtype"),
+])
+def test_what_is_not_built_is_refused_by_name(kwargs, says):
+    with pytest.raises((NotImplementedError, ValueError), match=says):
+        fsdp_settings(FullyShardedDataParallelPlugin(**kwargs), "no")
+
+
+def test_fp16_under_fsdp_is_refused():
+    with pytest.raises(NotImplementedError, match="fp16"):
+        Accelerator(cpu=True, mixed_precision="fp16", fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+
+
+def test_one_process_reports_fsdp():
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    assert acc.distributed_type == "FSDP" and acc.is_fsdp2
+    assert acc.state.fsdp_plugin is not None
