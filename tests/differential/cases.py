@@ -18,7 +18,8 @@ COMM_HOOKS = ("no", "fp16", "bf16")
 ZERO_GRADS = ("opt_none", "opt_zeros", "model", "manual_none")
 SYNC_STYLES = ("accumulate", "no_sync")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adamw")
-SHARDINGS = ("none", "zero1", "zero2")
+SHARDINGS = ("none", "zero1", "zero2", "fsdp")
+FSDP_WRAPS = ("NO_WRAP", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP")
 
 
 def draw(seed: int, world: int | None = None, sharding: str | None = None) -> dict:
@@ -105,7 +106,26 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None) -> di
     c["sharding"] = (drawn if sharding is None else sharding) if c["world"] > 1 else "none"
     if c["uneven"]:
         c["sharding"] = "none"
-    if c["sharding"] != "none" and c["mp"] != "no":
+    if c["sharding"] == "fsdp":
+        # full sharding (FSDP2's semantics, through accelerate's FullyShardedDataParallelPlugin):
+        # fp32 here (its bf16 policy has its own torch reference in tests/scripts/fsdp_train.py);
+        # no full gradient between backward and the step, so no loop writes or NaNs one, and
+        # `p.grad = None` has nothing to drop (zero_grad clears the shards); no comm hooks
+        # (FSDP has none); reentrant checkpointing inside a unit is not built yet
+        c["mp"] = "no"
+        c["comm_hook"] = "no"
+        c["assign_grad"] = False
+        c["nan_grad_step"] = None
+        c["reentrant"] = False
+        c["overflow"] = None
+        c["two_optimizers"] = False
+        if c["clip"] == "value":
+            c["clip"] = "norm2"
+        if c["zero_grad"] == "manual_none":
+            c["zero_grad"] = "opt_none"
+        c["fsdp_wrap"] = r.choice(FSDP_WRAPS)
+        c["fsdp_reshard"] = r.random() < 0.7
+    if c["sharding"] in ("zero1", "zero2") and c["mp"] != "no":
         # DeepSpeed has no DDP comm hooks; and a NaN gradient under bf16 is skipped by DeepSpeed
         # 0.19.3 on (bf16.check_grad_overflow) but stepped by older ones and by accelerate_c
         # (docs/sharding.md): not drawn until one version is the reference
@@ -119,7 +139,7 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None) -> di
         c["assign_grad"] = False
         c["comm_hook"] = "no"
         c["nan_grad_step"] = None
-    if c["sharding"] != "none":
+    if c["sharding"] in ("zero1", "zero2"):
         # under DeepSpeed the engine clips inside its step, at the configuration's
         # gradient_clipping: the 2-norm of the whole model, once (clip_grad_norm_ only reports
         # the norm, clip_grad_value_ is refused, as in accelerate); one engine, one optimizer
@@ -191,6 +211,8 @@ def describe(c: dict) -> str:
         parts.append(f"reentrant={c['reentrant']}")
     if c.get("sharding", "none") != "none":
         parts.append(f"sharding={c['sharding']}")
+    if c.get("sharding") == "fsdp":
+        parts.append(f"wrap={c['fsdp_wrap']} reshard={c['fsdp_reshard']}")
     if c["skip_first"]:
         parts.append(f"skip_first={c['skip_first']}")
     if c["overflow"] is not None:

@@ -11,7 +11,8 @@ import contextlib
 import torch
 
 from accelerate_c import Accelerator
-from accelerate.utils import DeepSpeedPlugin  # accelerate's own plugin, as a moved script keeps it
+from accelerate.utils import DeepSpeedPlugin  # accelerate's own plugins, as a moved script keeps them
+from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate_c.utils import DataLoaderConfiguration, DistributedDataParallelKwargs
 
 from . import workload as W
@@ -32,6 +33,19 @@ def _clip(acc, case, params):
 
 
 
+def _values(acc, case, models, params) -> list:
+    """The parameters' values (fp32 copies); under full sharding each process holds a shard of
+    each, so the full values come from accelerator.get_state_dict (a collective)."""
+    if case.get("sharding") != "fsdp":
+        return [p.detach().float().clone() for p in params]
+    full = {}
+    for m in models:
+        sd = acc.get_state_dict(m)
+        for name, p in m.named_parameters():
+            full[id(p)] = sd[name].float().clone()
+    return [full[id(p)] for p in params]
+
+
 def run(case: dict) -> dict:
     handlers = [DistributedDataParallelKwargs(bucket_cap_mb=W.bucket_cap_mb(case), find_unused_parameters=case["unused"],
                                               comm_hook=case["comm_hook"])]
@@ -44,6 +58,10 @@ def run(case: dict) -> dict:
         if case["mp"] == "fp16":  # DeepSpeed's fp16 section as a user writes it (workload.py says why)
             plugin.deepspeed_config["fp16"] = {"enabled": True, "auto_cast": True, **W.DEEPSPEED_FP16}
         sharding["deepspeed_plugin"] = plugin
+    elif case.get("sharding") == "fsdp":
+        sharding["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy=case["fsdp_wrap"], reshard_after_forward=case["fsdp_reshard"],
+            min_num_params=50, transformer_cls_names_to_wrap=["Linear"])
     acc = Accelerator(cpu=True, mixed_precision=case["mp"], gradient_accumulation_steps=ga, kwargs_handlers=handlers,
                       dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]), **sharding)
     models = W.models(case)
@@ -59,7 +77,7 @@ def run(case: dict) -> dict:
     with acc.join_uneven_inputs(models) if case["uneven"] else contextlib.nullcontext():
         _train(case, acc, models, params, opts, dl, sched, trace)
     # after a join every rank holds the model of one that ran to the end
-    trace["final"] = [p.detach().float().clone() for p in params]
+    trace["final"] = _values(acc, case, models, params)
     if case["eval"]:
         edl = acc.prepare(W.loader(W.eval_dataset(case), case))
         if case["eval_skip"]:
@@ -93,7 +111,7 @@ def _train(case, acc, models, params, opts, dl, sched, trace):
                 if case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0:
                     loss = loss * float("inf")
                 acc.backward(loss)
-                if case["sharding"] == "zero2":  # no full gradient exists, as with DeepSpeed's stage 2
+                if case["sharding"] in ("zero2", "fsdp"):  # no full gradient exists, as with DeepSpeed's stage 2
                     assert all(p.grad is None for p in params), "ZeRO-2 left a full gradient in p.grad"
                 # accumulate(): accelerate decides; no_sync: the loop does (its Accelerator has ga=1)
                 sync = acc.sync_gradients if case["sync_style"] == "accumulate" else window_end
@@ -114,7 +132,7 @@ def _train(case, acc, models, params, opts, dl, sched, trace):
                     sched.step()
                 if sync:
                     trace["steps"].append({
-                        "params": [p.detach().float().clone() for p in params],
+                        "params": _values(acc, case, models, params),
                         "grads": grads,
                         "norm": norm,
                         "skipped": any(opt.step_was_skipped for opt in opts),
