@@ -335,25 +335,31 @@ def test_interactive_config_end_of_input_writes_nothing(monkeypatch, capsys):
     assert not os.path.exists(default_config_file())
 
 
-def test_interactive_fsdp_config_is_written_then_refused_at_launch(tmp_path, monkeypatch, capsys):
+def _accelerates_fsdp_env(path):
+    """The FSDP variables accelerate's own launcher computes for this config file."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    env = prepare_multi_gpu_env(args)
+    return {k: v for k, v in env.items() if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"}
+
+
+def test_interactive_fsdp_config_is_written_then_exported_as_accelerate_does(tmp_path, monkeypatch, capsys):
     path = tmp_path / "fsdp.yaml"
     assert _interactive(monkeypatch, FSDP_ANSWERS, ["--config_file", str(path)]) == 0
     c = load_config_from_file(str(path))
     assert c.distributed_type == "FSDP" and c.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
     assert _accelerate_reads(path) == c.to_dict()
-    with pytest.raises(SystemExit, match="FSDP is not supported yet"):
-        main(["launch", "--config_file", str(path), "x.py"])
+    assert launch_cmd.fsdp_env(c.fsdp_config) == _accelerates_fsdp_env(path)
 
 
-def test_fsdp_docs_file_loads_and_launch_refuses_it(tmp_path):
+def test_fsdp_docs_file_loads_and_launch_exports_what_accelerate_exports(tmp_path):
     path = tmp_path / "fsdp.yaml"
     path.write_text(FSDP_DOCS)
     c = load_config_from_file(str(path))
     assert c.fsdp_config["fsdp_version"] == 2 and c.num_processes == 4
-    res = subprocess.run([os.path.join(VENV_BIN, "accelerate-c"), "launch", "--config_file", str(path), "x.py"],
-                         capture_output=True, text=True, timeout=wait_s(120))
-    assert res.returncode != 0
-    assert "FSDP is not supported yet" in res.stderr and str(path) in res.stderr, res.stderr
+    assert launch_cmd.fsdp_env(c.fsdp_config) == _accelerates_fsdp_env(path)
 
 
 def _resolve(argv):
@@ -379,8 +385,8 @@ def test_unbuilt_features_are_refused_at_launch(tmp_path, extra, msg):
     assert msg in str(e.value)
 
 
-# DEEPSPEED launches; its settings are tested in tests/test_deepspeed_config.py
-@pytest.mark.parametrize("dt", ["FSDP", "MEGATRON_LM", "XLA", "MULTI_XPU", "MULTI_NPU", "MULTI_HPU"])
+# DEEPSPEED and FSDP launch; their settings are tested in tests/test_deepspeed_config.py and above
+@pytest.mark.parametrize("dt", ["MEGATRON_LM", "XLA", "MULTI_XPU", "MULTI_NPU", "MULTI_HPU"])
 def test_unsupported_distributed_types_are_refused(tmp_path, dt):
     path = tmp_path / "c.yaml"
     path.write_text(f"distributed_type: {dt}\nnum_processes: 2\n")

@@ -78,3 +78,17 @@ def test_one_process_reports_fsdp():
     acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
     assert acc.distributed_type == "FSDP" and acc.is_fsdp2
     assert acc.state.fsdp_plugin is not None
+
+
+SEED_CONFIG = os.path.join(os.path.dirname(__file__), "data", "fsdp_seed_config.yaml")
+
+
+def test_the_seed_fsdp_config_trains_llama_on_4_processes():
+    """The transformers Trainer page's FSDP config file, verbatim (tests/data/fsdp_seed_config.yaml),
+    through `accelerate-c launch --config_file`: a LlamaForCausalLM from a small LlamaConfig,
+    against the unsharded same-policy run (1e-3) and the autocast run (3e-2) computed in the
+    script; ~1/4 of the elements per process; generate() as the unsharded model's."""
+    res = launch(["--config_file", SEED_CONFIG, "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "fsdp_seed_llama.py")], timeout=wait_s(240))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "fsdp seed llama OK on 4 processes" in res.stdout
