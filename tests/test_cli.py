@@ -60,10 +60,10 @@ def test_test_command_one_process_bf16_and_failures(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert SUCCESS in res.stdout and "mixed_precision=bf16" in res.stdout
     # a config accelerate_c cannot run, and a run that fails inside: non-zero, no success line
-    fsdp = tmp_path / "fsdp.yaml"
-    fsdp.write_text("distributed_type: FSDP\nnum_processes: 2\n")
-    res = _cli(["test", "--config_file", str(fsdp)])
-    assert res.returncode != 0 and SUCCESS not in res.stdout and "not supported yet" in res.stderr
+    bad = tmp_path / "megatron.yaml"
+    bad.write_text("distributed_type: MEGATRON_LM\nnum_processes: 2\n")
+    res = _cli(["test", "--config_file", str(bad)])
+    assert res.returncode != 0 and SUCCESS not in res.stdout and "not supported" in res.stderr
     res = _cli(["test", "--config_file", str(cfg)], env={"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "x"})
     assert res.returncode != 0 and SUCCESS not in res.stdout and "Test failed" in res.stderr
 

@@ -523,7 +523,6 @@ def test_env_prints_the_config_in_effect(tmp_path, capsys):
     assert main(["env", "--config_file", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"accelerate_c config: {path}" in out and "- distributed_type: FSDP" in out
-    assert "FSDP is not supported yet" in out
     main(["config", "default"])
     capsys.readouterr()
     assert main(["env"]) == 0

@@ -205,9 +205,7 @@ def test_one_handler_of_a_kind_whichever_package_it_comes_from():
 
 
 # ---- features not built: refused, naming the argument and the value --------------------------------
-def test_fsdp_and_megatron_plugins_are_refused_naming_them():
-    with pytest.raises(NotImplementedError, match=r"fsdp_plugin=FullyShardedDataParallelPlugin\(.*FSDP"):
-        _ours(fsdp_plugin=theirs.FullyShardedDataParallelPlugin())
+def test_megatron_plugin_is_refused_naming_it():
     with pytest.raises(NotImplementedError, match=r"megatron_lm_plugin=.*Megatron"):
         _ours(megatron_lm_plugin="anything")
 

@@ -108,7 +108,9 @@ def self_check() -> int:
 
     tol = 1e-5 if acc.mixed_precision == "no" else 5e-2
     worst = 0.0
-    for (name, p), q in zip(acc.unwrap_model(model).named_parameters(), ref.parameters()):
+    full = acc.get_state_dict(model)  # the whole weights under every strategy (FSDP: gathered)
+    for name, q in ref.named_parameters():
+        p = full[name]
         diff = ((p.detach().float().cpu() - q.detach()).abs().max() / q.detach().abs().max().clamp_min(1e-6)).item()
         worst = max(worst, diff)
         if diff > tol:
