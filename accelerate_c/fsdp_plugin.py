@@ -205,6 +205,11 @@ def resolve_fsdp_plugin(given):
     """The plugin in effect: the one given, else one built from the FSDP_* variables when
     ACCELERATE_USE_FSDP is true (what `accelerate-c launch` sets for distributed_type FSDP)."""
     if given is not None:
+        if isinstance(given, dict) and "fsdp" in given:  # what TrainingArguments(fsdp=...) hands on
+            raise NotImplementedError(f"fsdp_plugin from TrainingArguments(fsdp={given['fsdp']!r}): FSDP configured through "
+                                      "TrainingArguments is not built in accelerate_c yet; use an accelerate config "
+                                      "file with distributed_type: FSDP (accelerate-c launch --config_file), or "
+                                      "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(...))")
         if not hasattr(given, "auto_wrap_policy") or not hasattr(given, "state_dict_type"):
             raise TypeError(f"Accelerator(fsdp_plugin=...): expected a FullyShardedDataParallelPlugin, got "
                             f"{type(given).__name__}")

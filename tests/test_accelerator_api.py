@@ -63,7 +63,6 @@ def test_plugin_alone_sets_steps():
 
 
 @pytest.mark.parametrize("name,value", [
-    ("fsdp_plugin", object()),
     ("dynamo_backend", "inductor"),
     ("parallelism_config", object()),
     ("log_with", "tensorboard"),
