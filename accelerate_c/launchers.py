@@ -13,7 +13,9 @@ traceback (torch.multiprocessing's ProcessRaisedException).
 
 Differences from accelerate: the processes are CPU processes (gloo) whatever the machine has
 (accelerate runs GPUs through torch's elastic agent; on GPUs use `accelerate-c launch`); rendezvous backends other than static and restarts are not
-built; an Accelerator that exists in the caller is not an error (it is not inherited).
+built; an Accelerator that exists in the caller is not an error (it is not inherited);
+debug_launcher's processes get LOCAL_RANK like any launched process (accelerate's get none, so
+each of them takes itself for its machine's local main process).
 """
 from __future__ import annotations
 
