@@ -45,9 +45,10 @@ def test_debug_launcher_runs_the_function_as_accelerates_does(tmp_path):
 
 def test_notebook_launcher_forms_one_group_with_the_launchers_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    before = dict(os.environ), torch.get_num_threads()
     accelerate.notebook_launcher(_report, args=(str(tmp_path / "theirs"), accelerate.Accelerator, ("extra",)),
                                  num_processes=2, mixed_precision="bf16", use_port=str(_free_port()))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # accelerate's set it here
+    before = dict(os.environ), torch.get_num_threads()
     accelerate_c.notebook_launcher(_report, args=(str(tmp_path / "ours"), accelerate_c.Accelerator,
                                                   ("extra",)), num_processes=2, mixed_precision="bf16",
                                    use_port=str(_free_port()))
