@@ -358,3 +358,28 @@ def test_trainer_report_to_logs_every_log_entry_to_the_trackers(tmp_path):
     tb_loss = {r.step: r.value for r in scalars[scalars.tag == "loss"].itertuples()}
     assert tb_loss == pytest.approx({e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e})
     assert sorted(tb_loss) == [2, 4, 6]
+
+
+# ---- get_logger on one process ------------------------------------------------------------
+
+def test_get_logger_needs_a_state_and_prefixes_the_rank_as_accelerate(caplog, monkeypatch):
+    from accelerate.logging import get_logger as theirs
+
+    from accelerate_c.logging import get_logger as ours
+
+    with pytest.raises(RuntimeError, match="PartialState"):
+        ours("t_ours").info("before any state")
+    with pytest.raises(RuntimeError, match="PartialState"):
+        theirs("t_theirs").info("before any state")
+    accelerate_c.PartialState(), accelerate.PartialState()
+    monkeypatch.setenv("ACCELERATE_LOG_LEVEL", "debug")
+    with caplog.at_level("DEBUG"):
+        for name, make in (("t_ours", ours), ("t_theirs", theirs)):
+            logger = make(name)
+            logger.debug("d %s", 1)
+            logger.info("i", main_process_only=False)
+            logger.info("o", in_order=True)
+    got = {(r.name, r.levelname, r.getMessage(), r.funcName) for r in caplog.records}
+    for level, msg in (("DEBUG", "[RANK 0] d 1"), ("INFO", "[RANK 0] i"), ("INFO", "[RANK 0] o")):
+        func = "test_get_logger_needs_a_state_and_prefixes_the_rank_as_accelerate"  # the caller's frame
+        assert ("t_ours", level, msg, func) in got and ("t_theirs", level, msg, func) in got
