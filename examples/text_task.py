@@ -106,7 +106,9 @@ def build(accelerator, args):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     per_epoch = len(train_dl) // (accelerator.num_processes * accelerator.gradient_accumulation_steps)
     total = min(per_epoch * args.num_epochs, args.max_train_steps or 10**9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / max(1, total)))
+    # a prepared scheduler steps once per process at each optimizer step (accelerate's rule)
+    horizon = max(1, total * accelerator.num_processes)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / horizon))
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl,
                                                                          scheduler)
     return model, optimizer, train_dl, eval_dl, scheduler, total
