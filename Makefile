@@ -1,5 +1,6 @@
 # make test  — set up .venv (pinned torch, tools), build the package, run the C and Python tests
-# make demo  — set up, then train the small example model (the main job)
+# make demo  — set up, then train the small example model on 2 processes, resume its second half
+#              bitwise, and leave logs and a loss curve under runs/demo/ (the main job)
 # make bench — set up, run every benchmark (~20 min on 2 cores), then one table of all targets
 #              (benchmarks/run_all.py; BENCH_ARGS=--full for each benchmark's own defaults)
 # make fuzz FUZZ_SECONDS=N — fuzz every C target for N seconds in all (docs/security.md)
@@ -42,7 +43,7 @@ test-py: install
 test: install test-c fuzz-smoke test-py
 
 demo: install
-	$(PY) examples/train_gpt.py
+	$(PY) examples/demo.py
 
 bench: install
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)

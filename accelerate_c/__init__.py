@@ -3,6 +3,7 @@ from . import _C
 from ._C import CoreError
 from .accelerator import Accelerator, create_accelerator
 from .data_loader import skip_first_batches
+from .launchers import debug_launcher, notebook_launcher
 from .state import AcceleratorState, GradientState, PartialState
 from .trainer import Trainer, TrainerCallback, TrainerControl, TrainerState
 from .training_args import TrainingArguments
@@ -25,7 +26,7 @@ __all__ = [
     "Accelerator", "AcceleratorState", "AutocastKwargs", "CoreError", "DataLoaderConfiguration",
     "DeepSpeedPlugin", "DistributedDataParallelKwargs", "DistributedType", "GradientAccumulationPlugin", "GradientState",
     "GradScalerKwargs", "HostMallocKwargs", "InitProcessGroupKwargs", "PartialState", "ProjectConfiguration",
-    "skip_first_batches",
+    "skip_first_batches", "debug_launcher", "notebook_launcher",
     "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "TrainingArguments", "create_accelerator",
     "__version__",
 ]

@@ -24,6 +24,7 @@ from .fsdp_plugin import fsdp_settings, resolve_fsdp_plugin
 from .grads import GradManager, clip_coef
 from .optimizer import AcceleratedOptimizer
 from .accelerator_process import ProcessFacade
+from .accelerator_tracking import TrackerFacade
 from .parallelism import ParallelismNames
 from .plugins import check_kind, kind_of, refuse_features, resolve_deepspeed_plugin, resolve_dynamo_plugin
 from .ds_scaler import DeepSpeedScaler
@@ -84,7 +85,7 @@ def _model_parameters(opt) -> list:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-class Accelerator(ProcessFacade, ParallelismNames):
+class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
     """Creates the training state and wraps models, optimizers, schedulers and data loaders.
 
     Parameters and their order are accelerate 1.15's, so positional and keyword calls bind the
@@ -116,7 +117,7 @@ class Accelerator(ProcessFacade, ParallelismNames):
         parallelism_config=None,
     ):
         refuse_features(megatron_lm_plugin=megatron_lm_plugin,
-                        torch_tp_plugin=torch_tp_plugin, parallelism_config=parallelism_config, log_with=log_with)
+                        torch_tp_plugin=torch_tp_plugin, parallelism_config=parallelism_config)
         if parse_flag_from_env("ACCELERATE_USE_MEGATRON_LM"):
             raise NotImplementedError("ACCELERATE_USE_MEGATRON_LM=true: Megatron-LM is not supported by accelerate_c")
         ds_plugin = resolve_deepspeed_plugin(deepspeed_plugin, deepspeed_plugins)
@@ -133,6 +134,7 @@ class Accelerator(ProcessFacade, ParallelismNames):
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
+        self.setup_trackers(log_with)  # accelerator_tracking.py
 
         # mixed precision: argument, then environment, then "no"
         if mixed_precision is None:
@@ -759,11 +761,6 @@ class Accelerator(ProcessFacade, ParallelismNames):
 
     def clear(self, *objects):
         return self.free_memory(*objects)
-
-    def end_training(self):
-        """Ends the run (no trackers are configured yet): destroys the process group, as
-        accelerate does."""
-        self.state.destroy_process_group()
 
     def __repr__(self):
         return (f"Accelerator(device={self.device}, mixed_precision={self.mixed_precision!r}, "

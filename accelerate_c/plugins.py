@@ -107,7 +107,6 @@ _FEATURE_ARGUMENTS = {
     "fsdp_plugin": "FSDP",
     "megatron_lm_plugin": "Megatron-LM", "torch_tp_plugin": "tensor parallelism",
     "parallelism_config": "ParallelismConfig (tensor/context/sharded data parallelism)",
-    "log_with": "experiment trackers (log_with)",
 }
 
 

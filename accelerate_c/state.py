@@ -122,6 +122,12 @@ class PartialState:
         return "device" in self._shared
 
     @classmethod
+    def exists(cls) -> bool:
+        """Whether an Accelerator or PartialState has set the shared state up (asked without
+        constructing one, which would set it up)."""
+        return "device" in cls._shared
+
+    @classmethod
     def _reset_state(cls):
         cls._shared.clear()
 

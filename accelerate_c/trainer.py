@@ -38,6 +38,7 @@ from .trainer_utils import (  # noqa: F401  (get_last_checkpoint, default_data_c
     label_smoothed_loss,
     output_field,
     sorted_checkpoints,
+    tracker_config,
 )
 from .utils.random import set_seed
 
@@ -407,6 +408,9 @@ class Trainer(EvaluationLoop):
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=max_steps, initial=self.state.global_step, dynamic_ncols=True)
+        if acc.log_with and not acc.trackers:  # report_to: the Accelerator's trackers (training_args.py)
+            acc.init_trackers(args.run_name or os.path.basename(os.path.normpath(args.output_dir)) or "trainer",
+                              config=tracker_config(args))
         self._call("on_train_begin")
         if args.eval_on_start:
             self._evaluate(ignore_keys_for_eval)
@@ -431,6 +435,7 @@ class Trainer(EvaluationLoop):
                    "total_flos": self.state.total_flos, "train_loss": train_loss}
         self.log(metrics)
         self._call("on_train_end")
+        acc.finish_trackers()
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
     def _loop(self, model, train_dl, epochs_trained, num_epochs, batches_to_skip, ignore_keys):
@@ -543,6 +548,8 @@ class Trainer(EvaluationLoop):
         if self.state.epoch is not None:
             logs["epoch"] = round(self.state.epoch, 4)
         self.state.log_history.append({**logs, "step": self.state.global_step})
+        if self.accelerator.trackers:
+            self.accelerator.log(logs, step=self.state.global_step)
         self._print(str(logs))
         self.control = self._call("on_log", logs=logs)
 

@@ -153,3 +153,15 @@ def label_smoothed_loss(outputs, labels, epsilon: float, shift: bool = False, ig
     spread = neg_log_probs.sum(dim=-1, keepdim=True, dtype=torch.float32).masked_fill(ignored, 0.0)
     active = ignored.numel() - ignored.long().sum()
     return (1 - epsilon) * nll.sum() / active + epsilon * spread.sum() / (active * neg_log_probs.shape[-1])
+
+
+def tracker_config(args) -> dict:
+    """TrainingArguments as a tracker's run configuration: the fields whose values are plain
+    (numbers, strings, booleans), others as their str(), None dropped, as transformers'
+    to_sanitized_dict gives its integrations."""
+    config = {}
+    for key, value in args.to_dict().items():
+        if value is None:
+            continue
+        config[key] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    return config

@@ -587,9 +587,7 @@ def accelerator_kwargs(args: TrainingArguments) -> dict:
         ProjectConfiguration,
     )
 
-    if args.report_to and args.report_to not in ([], ["none"]):
-        raise NotImplementedError(f"TrainingArguments.report_to={args.report_to!r}: experiment trackers are not "
-                                  "supported yet by accelerate_c; use report_to='none'")
+    log_with = trackers_for_report_to(args.report_to)
     cfg = dict(args.accelerator_config)
     if cfg.pop("use_configured_state"):
         raise NotImplementedError("TrainingArguments.accelerator_config.use_configured_state=True is not supported "
@@ -623,12 +621,35 @@ def accelerator_kwargs(args: TrainingArguments) -> dict:
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir,
                                             save_on_each_node=args.save_on_each_node),
     )
+    if log_with:
+        kwargs["log_with"] = log_with
     # passed on so that the Accelerator refuses it with its "not supported yet" error
     if args.fsdp:
         kwargs["fsdp_plugin"] = {"fsdp": args.fsdp, "fsdp_config": args.fsdp_config}
     if args.deepspeed is not None:
         kwargs["deepspeed_plugin"] = deepspeed_plugin(args)
     return kwargs
+
+
+# transformers' report_to integrations that are accelerate_c trackers of the same name (tracking.py);
+# "jsonl" is accelerate_c's own
+REPORT_TO_TRACKERS = ("tensorboard", "wandb", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab", "trackio", "jsonl")
+
+
+def trackers_for_report_to(report_to) -> list:
+    """The Accelerator's log_with for TrainingArguments.report_to: "all" stays "all" (every
+    installed tracker), the integrations that are trackers here keep their names; the others of
+    transformers' (azure_ml, codecarbon, dagshub, flyte, neptune) are refused by name."""
+    names = [] if report_to in (None, "none") else ([report_to] if isinstance(report_to, str) else list(report_to))
+    names = [n for n in names if n != "none"]
+    if "all" in names:
+        return ["all"]
+    other = [n for n in names if n not in REPORT_TO_TRACKERS]
+    if other:
+        raise NotImplementedError(f"TrainingArguments.report_to={report_to!r}: {', '.join(map(repr, other))} "
+                                  f"{'is' if len(other) == 1 else 'are'} not among accelerate_c's trackers "
+                                  f"{list(REPORT_TO_TRACKERS)}; use those, 'all' or 'none'")
+    return names
 
 
 def deepspeed_plugin(args: TrainingArguments):

@@ -65,7 +65,6 @@ def test_plugin_alone_sets_steps():
 @pytest.mark.parametrize("name,value", [
     ("dynamo_backend", "inductor"),
     ("parallelism_config", object()),
-    ("log_with", "tensorboard"),
     ("torch_tp_plugin", object()),
     ("megatron_lm_plugin", object()),
     ("dynamo_plugin", accelerate_c.utils.TorchDynamoPlugin(backend="inductor")),

@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from . import config, env, estimate, launch, merge, test
+from . import config, convert, env, estimate, launch, merge, test
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -10,13 +10,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="accelerate-c",
         description="accelerate_c command line: accelerate's CLI, backed by a C core.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{config,env,launch,test,estimate-memory,merge-weights}")
+    sub = parser.add_subparsers(dest="command", metavar="{config,env,launch,test,estimate-memory,merge-weights,convert-checkpoint}")
     config.register(sub)
     env.register(sub)
     launch.register(sub)
     test.register(sub)
     estimate.register(sub)
     merge.register(sub)
+    convert.register(sub)
     return parser
 
 

@@ -12,6 +12,7 @@ from .dataclasses import (
     HostMallocKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    LoggerType,
     PrecisionType,
     ProjectConfiguration,
     RNGType,

@@ -88,6 +88,23 @@ class DynamoBackend(_ValueStrEnum):
     NEURON = "NEURON"
 
 
+class LoggerType(_ValueEnum):
+    """Experiment trackers by accelerate's names (accelerate_c.tracking), plus JSONL, accelerate_c's
+    own JSON-lines tracker that needs no package."""
+
+    ALL = "all"
+    AIM = "aim"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    TRACKIO = "trackio"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+    JSONL = "jsonl"
+
+
 class RNGType(_ValueEnum):
     """accelerate's members; synchronize_rng_state handles torch, cuda and generator."""
 
