@@ -13,7 +13,8 @@ import torch
 from . import _C, checkpointing, host_malloc
 from .autocast import AutocastForward, autocast_context
 from .batch_sharding import BatchSamplerShard
-from .data_loader import DataLoaderShard, prepare_data_loader, skip_first_batches
+from .data_loader import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
+from .stateful_loader import stateful_dataloader_class
 from .deepspeed_config import sharding_from_config
 from .deepspeed_config.prepare import prepare_args
 from .strategies.ddp import DDPStrategy
@@ -239,12 +240,8 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
             dataloader_config = DataLoaderConfiguration()
         if split_batches is not _split_batches:
             dataloader_config.split_batches = bool(split_batches)
-        if dataloader_config.dispatch_batches:
-            raise NotImplementedError("DataLoaderConfiguration(dispatch_batches=True) is not supported yet by "
-                                      "accelerate_c")
         if dataloader_config.use_stateful_dataloader:
-            raise NotImplementedError("DataLoaderConfiguration(use_stateful_dataloader=True) is not supported "
-                                      "yet by accelerate_c")
+            stateful_dataloader_class()  # torchdata missing: ImportError naming it, now rather than at prepare
         self.dataloader_config = dataloader_config
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -411,7 +408,7 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         return wrapped
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        if isinstance(data_loader, DataLoaderShard):
+        if isinstance(data_loader, (DataLoaderShard, DataLoaderDispatcher)):
             return data_loader
         if device_placement is None:
             device_placement = self.device_placement

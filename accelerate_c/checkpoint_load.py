@@ -58,6 +58,37 @@ def _check_epoch_starts(starts, where: str) -> None:
             _check_generator_state(state, f"{where}: {key}['generators'][{role!r}]")
 
 
+def _check_stateful_states(states, where: str) -> None:
+    """``dataloader_state_dict`` of a random_states file: per data loader, None or a stateful
+    loader's state_dict() (an object with string keys)."""
+    if not isinstance(states, (list, tuple)):
+        raise CheckpointError(f"{where}: dataloader_state_dict must be a list, got {type(states).__name__}")
+    for i, sd in enumerate(states):
+        if sd is not None and (not isinstance(sd, dict) or not all(isinstance(k, str) for k in sd)):
+            raise CheckpointError(f"{where}: dataloader_state_dict[{i}] must be null or an object with string keys "
+                                  "(a StatefulDataLoader state_dict())")
+
+
+def _plan_stateful_loaders(acc, reader, plan, states: list, d: str) -> None:
+    """Each stateful loader gets this process's saved state_dict(); from a checkpoint accelerate
+    wrote, its dl_state_dict{_i}.bin (one file for every process)."""
+    for i, dl in enumerate(acc._dataloaders):
+        sd = states[i] if i < len(states) else None
+        if not getattr(dl, "use_stateful_dataloader", False):
+            if sd is not None:
+                warnings.warn(f"{d}: data loader {i} was saved as a stateful data loader; this one is not "
+                              "(use_stateful_dataloader=False), so only its position is restored")
+            continue
+        name = f"dl_state_dict{suffix(i)}.bin"
+        if sd is None and reader.marker is None and reader.has(name):
+            sd = reader.pickled(name, f"state of stateful data loader {i}")
+            _check_stateful_states([sd], os.path.join(d, name))
+        if sd is None:
+            warnings.warn(f"{d}: no saved state for stateful data loader {i}; it starts its epoch from the beginning")
+            continue
+        plan.applies.append(lambda dl=dl, sd=sd: dl.load_state_dict(sd))
+
+
 def _apply_loader_state(dl, st: dict, where: str) -> None:
     if "iteration" in st and hasattr(dl, "iteration"):
         dl.iteration = int(st["iteration"])
@@ -400,7 +431,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
         else:
             raise FileNotFoundError(f"{os.path.join(d, 'scaler.json')}: missing from the checkpoint (loss scaler state)")
     rank = acc.process_index
-    epoch_starts = []
+    epoch_starts, stateful_states = [], []
     rng_json, rng_pkl = f"random_states_{rank}.json", f"random_states_{rank}.pkl"
     if reader.has(rng_json) or reader.has(rng_pkl):
         st, where = reader.either(f"random_states_{rank}", rng_pkl, f"random states of process {rank}")
@@ -412,6 +443,9 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
         if "dataloader_epoch_start" in st:
             _check_epoch_starts(st["dataloader_epoch_start"], where)
             epoch_starts = list(st["dataloader_epoch_start"])
+        if "dataloader_state_dict" in st:
+            _check_stateful_states(st["dataloader_state_dict"], where)
+            stateful_states = list(st["dataloader_state_dict"])
         plan.applies.append(lambda st=st, w=where: set_rng_state(st, w))
     else:
         saved_n = reader.marker.get("num_processes") if reader.marker is not None else None
@@ -425,6 +459,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
     # the next epoch of each such loader is the resumed one; mid-epoch, it re-creates its
     # iterator under this process's record of the epoch's start (none when this process has no
     # random states here: saved by another number of processes, warned above).
+    _plan_stateful_loaders(acc, reader, plan, stateful_states, d)
     for i, (dl, pos) in resumed.items():
         rec = epoch_starts[i] if pos["mid_epoch"] and i < len(epoch_starts) else None
         plan.applies.append(lambda dl=dl, rec=rec, pos=pos:

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -84,13 +85,23 @@ def _gather(acc, values) -> list:
     return [o.tolist() for o in out]
 
 
-def _token_and_nodes(acc):
+def _token_and_nodes(acc, final: str):
     """A token naming this save (rank 0's random draw, shared by all: a pid could repeat across
     hosts or after a restart) and every rank's node index (ranks of one node are contiguous, as
-    every launcher numbers them; a node starts at each local rank 0)."""
-    rows = _gather(acc, [acc.local_process_index, int.from_bytes(os.urandom(6), "little")])
+    every launcher numbers them; a node starts at each local rank 0). A checkpoint is written by
+    every process into one directory: processes that name different ones are refused."""
+    rows = _gather(acc, [acc.local_process_index, int.from_bytes(os.urandom(6), "little"),
+                         zlib.crc32(final.encode("utf-8", "surrogateescape"))])
+    if len({row[2] for row in rows}) > 1:
+        import torch.distributed as dist
+
+        paths = [None] * acc.num_processes
+        dist.all_gather_object(paths, final)
+        raise ValueError("save_state: the processes name different checkpoint directories ("
+                         + ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths)) + "); every process writes its "
+                         "part of one checkpoint, so every process must pass the same directory")
     nodes, node = [], -1
-    for local, _ in rows:
+    for local, _, _ in rows:
         if local == 0 or not nodes:
             node += 1
         nodes.append(node)
@@ -281,6 +292,9 @@ def _writer_jobs(acc, tmp: str, weights: list, safe: bool) -> list:
     for i, dl in enumerate(acc._dataloaders):
         st = loader_state(dl)
         jobs.append(("dataloader", lambda st=st, i=i: write_state(tmp, f"dataloader_{i}", st, f"dataloader {i}")))
+        if not safe and getattr(dl, "use_stateful_dataloader", False):  # accelerate's own file for it too
+            jobs.append(("dataloader", lambda sd=dl.state_dict(), i=i: torch_save_durable(
+                sd, os.path.join(tmp, f"dl_state_dict{suffix(i)}.bin"))))
     if acc.scaler is not None:
         add("scaler", "scaler", acc.scaler.state_dict(), "scaler", "scaler.pt")
     for i, obj in enumerate(acc._custom_objects):
@@ -335,7 +349,7 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
         if os.path.lexists(final) and not os.path.isdir(final):
             raise ValueError(f"save_state: {final} exists and is not a directory")
     name = os.path.basename(final)
-    token, nodes = _token_and_nodes(acc)
+    token, nodes = _token_and_nodes(acc, final)
     node, n_nodes, rank = nodes[acc.process_index], nodes[-1] + 1, acc.process_index
     agent = acc.is_local_main_process  # sets up and publishes for its node
     tmp_of = [os.path.join(base, f".{name}.tmp-{token}-n{k}") for k in range(n_nodes)]
@@ -399,6 +413,10 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
         states["dataloader_epoch_start"] = [
             dl.resume_position()["epoch_start"] if callable(getattr(dl, "resume_position", None)) else None
             for dl in acc._dataloaders]
+        # per process, per data loader: a stateful loader's state_dict() (None for the others);
+        # each process has its own (its shard of the data, or under dispatch the main one's reads)
+        states["dataloader_state_dict"] = [dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None
+                                           for dl in acc._dataloaders]
         if safe_serialization:
             jobs.append(("rng", lambda: write_state(tmp, f"random_states_{rank}", states, "random states")))
         else:

@@ -32,7 +32,8 @@ PASS = {
     "test_script.py": [
         "init_state_check", "process_execution_check", "test_split_between_processes_list",
         "test_split_between_processes_nested_dict", "test_split_between_processes_tensor",
-        "test_split_between_processes_evenly", "rng_sync_check", "dl_preparation_check", "custom_sampler_check",
+        "test_split_between_processes_evenly", "test_split_between_processes_dataset", "rng_sync_check",
+        "dl_preparation_check", "central_dl_preparation_check", "custom_sampler_check",
         "check_seedable_sampler", "check_seedable_sampler_with_data_seed",
         "check_seedable_sampler_in_batch_sampler_shard", "training_check[use_seedable_sampler=False]",
         "training_check[use_seedable_sampler=True]", "test_trigger", "test_reinstantiated_state",
@@ -43,6 +44,7 @@ PASS = {
         _GAS.format(False, False, False), _GAS.format(True, False, False),
         _GA.format(True, False, True), _GA.format(False, False, True),
         _GAS.format(True, False, True), _GAS.format(False, False, True),
+        *[f.format(s, True, e) for f in (_GA, _GAS) for s in (True, False) for e in (True, False)],
     ],
     "test_distributed_data_loop.py": [
         "test_default_ensures_even_batch_sizes", "test_can_disable_even_batches",
@@ -50,27 +52,16 @@ PASS = {
         "test_join_raises_warning_for_iterable_when_overriding_even_batches",
         "test_join_raises_warning_for_non_ddp_distributed", "test_pickle_accelerator",
         "test_data_loader[shuffle=False]", "test_data_loader[shuffle=True]", "test_data_loader[batch_sampler]",
-        "test_data_loader[sampler=BatchSampler]", "test_can_join_uneven_inputs",
+        "test_data_loader[sampler=BatchSampler]", "test_can_join_uneven_inputs", "test_stateful_dataloader",
+        # the runner gives every rank rank 0's temporary directory (specs._SharedTemporaryDirectory):
+        # save_state writes one checkpoint with all processes, into one directory
+        "test_stateful_dataloader_save_state",
     ],
 }
 
-_DISPATCH = "needs DataLoaderConfiguration(dispatch_batches=True), not built yet (raises NotImplementedError)"
 NOT_APPLICABLE = {
-    "test_script.py": {
-        "test_split_between_processes_dataset": "needs Hugging Face `datasets`, not installed here (main() skips it "
-                                                "too)",
-        "central_dl_preparation_check": _DISPATCH,
-    },
     "test_sync.py": {
         "test_noop_sync": "main() runs it on one process only (DistributedType.NO); these runs are multi-process",
-        **{_GA.format(s, True, e): _DISPATCH for s in (True, False) for e in (True, False)},
-        **{_GAS.format(s, True, e): _DISPATCH for s in (True, False) for e in (True, False)},
-    },
-    "test_distributed_data_loop.py": {
-        "test_stateful_dataloader": "needs use_stateful_dataloader=True (torchdata StatefulDataLoader), not built "
-                                    "yet; accelerate itself fails it here too (torchdata is not installed)",
-        "test_stateful_dataloader_save_state": "needs stateful data loaders (use_stateful_dataloader=True, "
-                                               "torchdata), not built yet",
     },
 }
 

@@ -34,6 +34,7 @@ from .operations import (
     reduce,
     send_to_device,
 )
+from .imports import *  # noqa: F403 - the is_*_available machine probes (imports.__all__)
 from .random import set_seed, synchronize_rng_state, synchronize_rng_states
 from .memory import clear_device_cache, find_executable_batch_size, release_memory, should_reduce_batch_size
 from .other import extract_model_from_parallel, is_compiled_module

@@ -8,8 +8,9 @@ point at the wheel's source lines):
   assert_exception...) stay accelerate's: they are test fixtures, not the library under test;
   except are_the_same_tensors, which reads accelerate's own state and so comes from
   wheel_fixtures.py (the same check on plain torch.distributed);
-- `is_*_available` probes (is_cuda_available, is_datasets_available...) stay accelerate's:
-  they describe the machine, not the library;
+- the `is_*_available` machine probes (is_cuda_available, is_datasets_available...) come from
+  accelerate_c.utils like the rest: it has every one accelerate 1.15 exports, with the same
+  answers (tests/test_probes.py);
 - everything else (Accelerator, the states, DataLoaderConfiguration, gather, set_seed...) comes
   from accelerate_c: the same module path under accelerate_c if it has the name there, else
   accelerate_c.utils (for accelerate.utils.*), else accelerate_c itself;
@@ -24,9 +25,6 @@ from __future__ import annotations
 import ast
 import importlib
 import os
-import re
-
-_PROBE = re.compile(r"^is_\w+_available$")
 
 # fixtures of accelerate.test_utils replaced by wheel_fixtures.py (see there why)
 _FIXTURE_OVERRIDES = {"are_the_same_tensors"}
@@ -85,11 +83,11 @@ def _candidates(module: str):
 
 def resolve(module: str, name: str):
     """Where the rewritten script takes `name` (imported from accelerate's `module`) from:
-    ("accelerate", module) for fixtures and probes, ("accelerate_c", module_c) when
+    ("accelerate", module) for test fixtures, ("accelerate_c", module_c) when
     accelerate_c provides it, ("missing", None) otherwise."""
     if module.startswith("accelerate.test_utils") and name in _FIXTURE_OVERRIDES:
         return "fixture", "wheel_fixtures"
-    if module.startswith("accelerate.test_utils") or _PROBE.match(name):
+    if module.startswith("accelerate.test_utils"):
         return "accelerate", module
     for cand in _candidates(module):
         try:

@@ -166,6 +166,44 @@ def _loader(kind):
     return call
 
 
+class _SharedTemporaryDirectory:
+    """tempfile.TemporaryDirectory for a script whose every rank makes its own and passes it to
+    save_state: here every rank gets rank 0's (accelerate_c's save_state writes one checkpoint
+    with all processes together, into one directory, and refuses different ones by name;
+    accelerate lets each process write into its own)."""
+
+    def __init__(self, *args, **kwargs):
+        import tempfile
+
+        import torch.distributed as dist
+
+        self._own = tempfile.TemporaryDirectory(*args, **kwargs) if dist.get_rank() == 0 else None
+        name = [self._own.name if self._own is not None else None]
+        dist.broadcast_object_list(name, src=0)
+        self.name = name[0]
+
+    def __enter__(self):
+        return self.name
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank is done with it before rank 0 removes it
+        if self._own is not None:
+            self._own.cleanup()
+
+
+def _stateful_save_state(mod, ctx):
+    import types
+
+    original = mod.tempfile
+    mod.tempfile = types.SimpleNamespace(TemporaryDirectory=_SharedTemporaryDirectory)
+    try:
+        mod.test_stateful_dataloader_save_state(ctx["accelerator"])
+    finally:
+        mod.tempfile = original
+
+
 LOOP = [
     ("test_default_ensures_even_batch_sizes", _plain("test_default_ensures_even_batch_sizes"), _two),
     ("test_can_disable_even_batches", _plain("test_can_disable_even_batches"), _two),
@@ -182,7 +220,7 @@ LOOP = [
     ("test_data_loader[batch_sampler]", _loader("batch_sampler"), _two),
     ("test_data_loader[sampler=BatchSampler]", _loader("sampler=BatchSampler"), _two),
     ("test_stateful_dataloader", _with_acc("test_stateful_dataloader"), _two),
-    ("test_stateful_dataloader_save_state", _with_acc("test_stateful_dataloader_save_state"), _two),
+    ("test_stateful_dataloader_save_state", _stateful_save_state, _two),
 ]
 
 
