@@ -140,11 +140,13 @@ def _check_model_entries(model, state: dict, entries: dict, path: str, strict: b
     # another dtype is no error: the copy casts, as torch's load_state_dict (and accelerate) do
 
 
-def _model_targets(model, path: str, strict: bool) -> dict:
+def _model_targets(model, path: str, strict: bool, strategy):
+    """(what each saved tensor is read into, what then applies them: None when the targets are
+    the model's own tensors; under full sharding full-size tensors whose runs go to the shards)."""
     infos = list_tensors(path)  # validates the header: CoreError naming the file
-    state = model.state_dict()
+    state, apply = strategy.load_targets(model)
     _check_model_entries(model, state, {n: (i.shape, DTYPES.get(i.dtype)) for n, i in infos.items()}, path, strict)
-    return {n: state[n] for n in infos if n in state}
+    return {n: state[n] for n in infos if n in state}, apply
 
 
 def _check_pickled_model(model, sd, path: str, strict: bool) -> None:
@@ -352,14 +354,19 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
         safe_name, bin_name = f"model{suffix(i)}.safetensors", f"pytorch_model{suffix(i)}.bin"
         if reader.has(safe_name):
             path = reader.path(safe_name, f"weights of model {i}")
-            targets = _model_targets(model, path, strict)
+            targets, apply = _model_targets(model, path, strict, acc._grads.strategy)
             plan.reads.append(lambda p=path, t=targets: load_into(p, t))
+            if apply is not None:
+                plan.applies.append(apply)
         else:
             if not reader.has(bin_name):
                 raise FileNotFoundError(f"{os.path.join(d, safe_name)}: missing from the checkpoint (weights of model "
                                         f"{i}; no {bin_name} either)")
             path = os.path.join(d, bin_name)
             sd = reader.pickled(bin_name, f"weights of model {i}")
+            if acc._grads.strategy.load_targets(model)[1] is not None:
+                raise CheckpointError(f"{path}: pickled weights under full sharding are not supported; save with "
+                                      "safe_serialization=True (the default)")
             _check_pickled_model(model, sd, path, strict)  # torch's load_state_dict copies until a mismatch
             plan.applies.append(lambda m=model, sd=sd: m.load_state_dict(sd, strict=strict))
     strategy = acc._grads.strategy

@@ -64,8 +64,9 @@ def plan_doc(acc, strategy) -> dict:
                            "model": model_index.get(key),
                            "params": [index.get(id(p)) for p in params],
                            "names": [strategy.manager.name_of(p) for p in params],
-                           "shapes": [list(p.shape) for p in params],
-                           "master": strategy.fp32_masters and group.dtype != torch.float32})
+                           "shapes": [list(shape) for shape in group.shapes],
+                           "master": id(group) in shards.masters or
+                           (strategy.fp32_masters and group.dtype != torch.float32)})
         optimizers.append({"groups": groups, "num_params": len(book.originals)})
     return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "stage": strategy.stage, "world": strategy.world,
             "optimizers": optimizers}
@@ -232,7 +233,7 @@ def plan_load(acc, strategy, directory: str):
                 raise CheckpointError(f"{path}: shard group {g} of optimizer {i} was saved as {gdoc.get('dtype')}, this "
                                       f"model's is {group.dtype} (the checkpoint was saved under another precision)")
             names = [strategy.manager.name_of(p) for p in params]
-            shapes = [list(p.shape) for p in params]
+            shapes = [list(shape) for shape in group.shapes]  # full sharding changes p.shape between steps
             if gdoc["names"] != names or gdoc["shapes"] != shapes:
                 diff = next((k for k in range(min(len(names), len(gdoc["names"])))
                              if (names[k], shapes[k]) != (gdoc["names"][k], gdoc["shapes"][k])), None)

@@ -31,17 +31,20 @@ def _run(world, *args, says=None):
     (2, "no", 4, (2, 1)),
     (1, "no", 2, (3, 1)),
     (2, "bf16", 2, (2, 3)),
+    (3, "no", 3, (2, 1)),
+    (3, "bf16", 2, (2, 3)),
 ])
 def test_saved_on_n_resumes_on_m(tmp_path, stage, precision, saved_on, loaded_on):
     _run(saved_on, "save", str(tmp_path), str(stage), precision, says=f"saved on {saved_on}")
-    _merge_weights(tmp_path / "ckpt", tmp_path / "merged", precision)
+    _merge_weights(tmp_path / "ckpt", tmp_path / "merged", precision if stage < 3 else "no")
     for m in loaded_on:
         _run(m, "load", str(tmp_path), str(stage), precision, says=f"zero{stage} {precision} resumed on {m}")
 
 
 def _merge_weights(ckpt, out, precision):
     """`accelerate-c merge-weights`, no process group: Hugging Face safetensors (read here by the
-    safetensors package). fp32: the saved weights themselves. bf16: the fp32 masters, assembled
+    safetensors package). fp32, and full sharding (its saved weights are the fp32 masters): the
+    saved weights themselves. ZeRO's bf16: the fp32 masters, assembled
     from every process's shard: each rounds to the bf16 weight the model held, and carries more
     than it (not just the bf16 weights widened)."""
     from safetensors.torch import load_file

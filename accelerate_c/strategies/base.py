@@ -173,6 +173,11 @@ class GradStrategy:
         """The optimizer's update of the parameters it owns."""
         return optimizer.step(closure) if closure is not None else optimizer.step()
 
+    def load_targets(self, model):
+        """(tensors load_state reads `model`'s saved weights into, by name; a callable that then
+        applies them, or None when the tensors are the model's own)."""
+        return model.state_dict(), None
+
     def model_state_dict(self, model) -> dict:
         """The full state dict of `model` (as a single-process model's)."""
         return model.state_dict()

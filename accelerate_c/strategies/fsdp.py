@@ -30,7 +30,8 @@ from .zero2 import Zero2Strategy
 class FsdpModel:
     """A prepared model's units, with the interface strategies/zero.py reads of ModelShards:
     `gathers` (per trainable shard group: the group, its parameters, its full buffer), `owned`
-    (id(param) -> Owned), `masters` and `views` (none: the shards are the masters)."""
+    (id(param) -> Owned), `masters` (the trainable groups' fp32 shards: the masters, which
+    sharded checkpoints save and reload, zero_checkpoint.py) and `views` (none)."""
 
     def __init__(self, units):
         self.units = units
@@ -42,8 +43,17 @@ class FsdpModel:
                 if not ug.trainable:
                     continue
                 self.gathers.append((ug.group, ug.params, ug.flat))
+                self.masters[id(ug.group)] = ug.shard
                 for p, run in zip(ug.params, ug.group.runs()):
                     self.owned[id(p)] = Owned(ug.group, *run)
+
+
+    def master(self, group):
+        return self.masters[id(group)]
+
+    def locate(self) -> dict:
+        """id(param) -> (its UnitGroup, its index there), frozen parameters included."""
+        return {id(p): (ug, j) for unit in self.units for ug in unit.groups for j, p in enumerate(ug.params)}
 
 
 class _InputsDone(torch.autograd.Function):
@@ -250,10 +260,42 @@ class FullShardStrategy(Zero2Strategy):
             sd = model.state_dict(keep_vars=True)
         return {k: (values[id(v)] if id(v) in values else v.detach()) for k, v in sd.items()}
 
-    def refuse_checkpoint(self, doing: str) -> None:
-        raise NotImplementedError(f"{doing} under full sharding (FSDP / ZeRO stage 3) is not built yet in "
-                                  "accelerate_c; accelerator.get_state_dict(model) / save_model give the full "
-                                  "weights")
+    def load_targets(self, model):
+        """load_state reads the saved full weights into fresh full-size tensors (buffers into the
+        model's own); applying them copies each process's runs into its shards."""
+        fsdp = self.models.get(id(model))
+        if fsdp is None:
+            return super().load_targets(model)
+        where = fsdp.locate()
+        with self.allow_state_dict():
+            sd = model.state_dict(keep_vars=True)
+        targets, made = {}, {}
+        for name, v in sd.items():
+            hit = where.get(id(v))
+            if hit is None:
+                targets[name] = v.detach()
+                continue
+            if id(v) not in made:  # a tied parameter: one target under both names (an alias, as in the model)
+                made[id(v)] = torch.empty(hit[0].group.shapes[hit[1]], dtype=hit[0].shard.dtype)
+            targets[name] = made[id(v)]
+
+        def apply():
+            parts: dict = {}
+            with torch.no_grad():
+                for name, v in sd.items():
+                    hit = where.get(id(v))
+                    if hit is not None:
+                        ug, j = hit
+                        if id(ug) not in parts:
+                            parts[id(ug)] = ug.group.owned_views(ug.shard)
+                        part = parts[id(ug)][j]
+                        if part is not None:
+                            flat = targets[name].reshape(-1)
+                            part.view.copy_(flat[part.param_offset:part.param_offset + part.view.numel()])
+                for unit in fsdp.units:  # a unit gathered before the load holds the old values
+                    if unit.state == "idle":
+                        unit.reshard()
+        return targets, apply
 
 
 class _UnitGradShard(GradShard):

@@ -372,7 +372,7 @@ class Zero1Strategy(DDPStrategy):
                         l_off, p_off, length = group.plan.param_shard(j, q)
                         if length:
                             t[p_off:p_off + length].copy_(full[q * n + l_off:q * n + l_off + length])
-                    state.setdefault(k, dict(other_of.get(k, {})))[key] = t.view(p.shape)
+                    state.setdefault(k, dict(other_of.get(k, {})))[key] = t.view(group.shapes[j])
         for k, other in other_of.items():
             state.setdefault(k, dict(other))
         groups = []

@@ -1,4 +1,5 @@
-"""Sharded checkpoints under ZeRO (launched by tests/test_zero_checkpoint.py, twice per case):
+"""Sharded checkpoints under ZeRO (launched by tests/test_zero_checkpoint.py, twice per case);
+STAGE 3 is full sharding through accelerate's FullyShardedDataParallelPlugin (FSDP2):
 
     zero_checkpoint.py save DIR STAGE PRECISION   (on N processes)
     zero_checkpoint.py load DIR STAGE PRECISION   (on M processes, any M)
@@ -23,7 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from accelerate.utils import DeepSpeedPlugin
+from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
 from accelerate_c import Accelerator
 
@@ -67,6 +68,9 @@ def local(step, rank, world):
 
 
 def accelerator(stage, precision):
+    if stage == 3:
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=300)
+        return Accelerator(cpu=True, mixed_precision=precision, fsdp_plugin=plugin)
     cfg = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": GLOBAL // dist.get_world_size(),
            "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
     if precision == "bf16":
@@ -81,8 +85,14 @@ def train(acc, model, opt, first, rank, world):
         acc.backward(torch.nn.functional.cross_entropy(model(x).float(), y))
         opt.step()
         opt.zero_grad()
-        out.append([p.detach().float().clone() for p in model.parameters()])
+        out.append(values(acc, model))
     return out
+
+
+def values(acc, model):
+    """The parameters in model order, whole (under full sharding each process holds a shard)."""
+    sd = acc.get_state_dict(model)
+    return [sd[n].float().clone() for n, _ in model.named_parameters()]
 
 
 def save(directory, stage, precision):
