@@ -479,3 +479,32 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
     return Path(final)
 
 
+
+
+def save_sharded_optimizers(acc, directory: str) -> None:
+    """Each process writes its own shard of every prepared optimizer's state into `directory` (the
+    main process also the plans: zero_checkpoint.py), for a Trainer that saves the model apart.
+    A collective; errors are agreed, so no process waits for one that failed. Nothing is written
+    when the optimizers are not sharded."""
+    strategy = acc._grads.strategy
+    if not strategy.sharded_state:
+        raise RuntimeError("save_sharded_optimizers: the optimizers are not sharded (no ZeRO / FSDP strategy)")
+    err = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        for _, write in zero_checkpoint.save_jobs(acc, strategy, directory, acc.process_index, acc.is_main_process):
+            write()
+    except Exception as e:  # noqa: BLE001
+        err = e
+    _check(acc, err, f"save its optimizer shard in {directory}")
+
+
+def load_sharded_optimizers(acc, directory: str) -> None:
+    """The optimizers' shards from `directory` (written by save_sharded_optimizers on any number
+    of processes): every file checked before anything changes, then each process's ranges read."""
+    strategy = acc._grads.strategy
+    reads, applies = zero_checkpoint.plan_load(acc, strategy, directory)
+    for read in reads:
+        read()
+    for apply in applies:
+        apply()

@@ -20,12 +20,15 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import inspect
+import os
 from datetime import timedelta
 
+import torch
 import transformers
 from packaging.version import Version
 
 from accelerate_c.accelerator import Accelerator
+from accelerate_c.checkpointing import load_sharded_optimizers, save_sharded_optimizers
 from accelerate_c.utils.dataclasses import (
     DataLoaderConfiguration,
     DistributedType,
@@ -66,7 +69,9 @@ def _refuse(args):
             "(ZeRO-1/2 settings reach accelerate_c through the accelerate config file with accelerate_c's own "
             "Trainer), or use transformers.Trainer on accelerate")
     if args.fsdp_plugin_args is not None or args.fsdp:
-        raise NotImplementedError(f"TrainingArguments.fsdp={args.fsdp!r}: FSDP is not supported yet by accelerate_c")
+        raise NotImplementedError(f"TrainingArguments.fsdp={args.fsdp!r}: FSDP through TrainingArguments is not built "
+                                  "in accelerate_c yet; an accelerate config file with distributed_type: FSDP "
+                                  "(accelerate-c launch --config_file) turns full sharding on for this Trainer")
 
 
 class Trainer(transformers.Trainer):
@@ -122,7 +127,39 @@ class Trainer(transformers.Trainer):
             self.gather_function = functools.partial(self.gather_function,
                                                      use_gather_object=args.eval_use_gather_object)
         self.is_deepspeed_enabled = False
+        # transformers' FSDP branches call accelerate's torch-FSDP helpers; full sharding here is
+        # accelerate_c's own, so the Trainer takes its generic paths and the overrides below
         self.is_fsdp_enabled = False
+
+    # ---- full sharding (an accelerate config with distributed_type FSDP) ----------------------
+    def _sharded(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.FSDP and self.accelerator.num_processes > 1
+
+    def save_model(self, output_dir=None, _internal_call: bool = False) -> None:
+        """Under full sharding the weights are gathered (every process takes part) and the main
+        process writes them in the model's own format, so from_pretrained(output_dir) loads them."""
+        if not self._sharded():
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = self.accelerator.get_state_dict(self.model)
+        self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Under full sharding each process writes its own optimizer shard (plus the plans), never
+        the whole state; the scheduler as transformers saves it."""
+        if not self._sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_sharded_optimizers(self.accelerator, output_dir)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if checkpoint is None or not self._sharded():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_sharded_optimizers(self.accelerator, checkpoint)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
 
 
 __all__ = ["Trainer", "SUPPORTED", "TESTED_VERSION", "check_transformers_version"]

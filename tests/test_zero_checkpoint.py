@@ -31,8 +31,7 @@ def _run(world, *args, says=None):
     (2, "no", 4, (2, 1)),
     (1, "no", 2, (3, 1)),
     (2, "bf16", 2, (2, 3)),
-    (3, "no", 3, (2, 1)),
-    (3, "bf16", 2, (2, 3)),
+    (3, "no", 3, (2, 1)),  # full sharding (FSDP); its bf16 resume: tests/test_fsdp.py's Trainer test
 ])
 def test_saved_on_n_resumes_on_m(tmp_path, stage, precision, saved_on, loaded_on):
     _run(saved_on, "save", str(tmp_path), str(stage), precision, says=f"saved on {saved_on}")

@@ -106,7 +106,7 @@ class FullShardStrategy(Zero2Strategy):
             unit.hooks.append(m.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True))
             unit.hooks.append(m.register_forward_hook(self._post_forward_hook(unit)))
         model.register_state_dict_pre_hook(self._state_dict_guard)
-        del fsdp
+        self._hook_full_loads(model, fsdp)
 
     def adopt_gradients(self, model, manager):
         """A GradShard per trainable group of every unit, in the compute dtype, its shard fp32."""
@@ -259,6 +259,46 @@ class FullShardStrategy(Zero2Strategy):
         with self.allow_state_dict():
             sd = model.state_dict(keep_vars=True)
         return {k: (values[id(v)] if id(v) in values else v.detach()) for k, v in sd.items()}
+
+    def _hook_full_loads(self, model, fsdp):
+        """`model.load_state_dict(full_weights)` works on the prepared model (as FSDP's full
+        state-dict loading): each module's pre-hook takes its sharded parameters' entries out of
+        the dict and copies this process's runs of them into the shards; the root's post-hook
+        drops them from the missing keys."""
+        where = fsdp.locate()
+        taken: set = set()
+
+        def pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+            with torch.no_grad():
+                for name, p in module._parameters.items():
+                    hit = where.get(id(p)) if p is not None else None
+                    key = prefix + name
+                    if hit is None or key not in state_dict:
+                        continue
+                    ug, j = hit
+                    value = state_dict.pop(key)
+                    shape = tuple(ug.group.shapes[j])
+                    if tuple(value.shape) != shape:
+                        error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} "
+                                          f"from checkpoint, the shape in current model is {shape}.")
+                        continue
+                    part = ug.group.owned_views(ug.shard)[j]
+                    if part is not None:
+                        flat = value.detach().reshape(-1)
+                        part.view.copy_(flat[part.param_offset:part.param_offset + part.view.numel()])
+                    taken.add(key)
+
+        def post_hook(module, incompatible):
+            incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in taken]
+            taken.clear()
+            for unit in fsdp.units:  # a unit gathered before the load holds the old values
+                if unit.state == "idle":
+                    unit.reshard()
+
+        for m in model.modules():
+            if any(p is not None and id(p) in where for p in m._parameters.values()):
+                m.register_load_state_dict_pre_hook(pre_hook)
+        model.register_load_state_dict_post_hook(post_hook)
 
     def load_targets(self, model):
         """load_state reads the saved full weights into fresh full-size tensors (buffers into the

@@ -67,7 +67,7 @@ def trainer_class(backend):
     return Trainer
 
 
-def run(out, backend, mp, interrupt_at=None, resume=False, max_steps=8):
+def run(out, backend, mp, interrupt_at=None, resume=False, max_steps=8, save_model=False):
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4, gradient_accumulation_steps=2,
         max_grad_norm=0.5, learning_rate=3e-3, warmup_steps=2, max_steps=max_steps, logging_steps=1,
@@ -79,10 +79,18 @@ def run(out, backend, mp, interrupt_at=None, resume=False, max_steps=8):
                                      callbacks=callbacks)
     result = trainer.train(resume_from_checkpoint=True if resume else None)
     metrics = trainer.evaluate()
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    # every process: under full sharding the weights are gathered (a collective)
+    state = trainer.accelerator.get_state_dict(trainer.model)
     if trainer.accelerator.is_main_process:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "final.pt"))
-    return {"log_history": trainer.state.log_history, "train_loss": result.training_loss,
+        torch.save({k: v.detach().clone() for k, v in state.items()}, os.path.join(out, "final.pt"))
+    reloaded = None
+    if save_model:  # trainer.save_model() writes what from_pretrained loads, equal to the trained weights
+        trainer.save_model(os.path.join(out, "saved"))
+        trainer.accelerator.wait_for_everyone()
+        back = LlamaForCausalLM.from_pretrained(os.path.join(out, "saved")).state_dict()
+        reloaded = all(torch.equal(back[k].float(), v.float()) for k, v in state.items() if k in back) and \
+            set(back) <= set(state)
+    return {"saved_model_reloads": reloaded,"log_history": trainer.state.log_history, "train_loss": result.training_loss,
             "global_step": result.global_step, "eval": metrics,
             "checkpoints": sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")),
             "num_processes": trainer.accelerator.num_processes,
@@ -98,10 +106,11 @@ def main():
     p.add_argument("--part", default=None)
     p.add_argument("--interrupt-at", type=int, default=4)
     p.add_argument("--resume", default=None)
+    p.add_argument("--save-model", action="store_true", help="after training, save_model() and from_pretrained()")
     a = p.parse_args()
     results = {}
     for mp in filter(None, a.mp.split(",")):
-        results[mp] = run(os.path.join(a.out, mp), a.backend, mp)
+        results[mp] = run(os.path.join(a.out, mp), a.backend, mp, save_model=a.save_model)
     if a.part:
         results[f"{a.part}-part"] = run(os.path.join(a.out, f"{a.part}-part"), a.backend, a.part, a.interrupt_at)
     if a.resume:
