@@ -351,7 +351,8 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
                 f = self._fsdp
                 strategy = FullShardStrategy(self._grads, h, wrap_policy=f.wrap_policy, wrap_classes=f.wrap_classes,
                                              min_num_params=f.min_num_params, param_dtype=f.param_dtype,
-                                             reshard_after_forward=f.reshard_after_forward)
+                                             reshard_after_forward=f.reshard_after_forward,
+                                             activation_checkpointing=f.activation_checkpointing)
             elif self._zero_stage in (1, 2):
                 kind = Zero1Strategy if self._zero_stage == 1 else Zero2Strategy
                 zero_cfg = self.sharding.config.get("zero_optimization") or {}

@@ -106,6 +106,7 @@ class FsdpSettings:
     param_dtype: Any  # torch dtype of the gathers and the compute, or None (the parameters')
     state_dict_type: str
     cpu_ram_efficient_loading: bool
+    activation_checkpointing: bool = False
 
 
 def _name(value, names, key):
@@ -184,9 +185,6 @@ def fsdp_settings(plugin, mixed_precision: str = "no", device_type: str = "cpu")
     if offload and device_type != "cpu":
         raise NotImplementedError("FSDP cpu_offload=True on GPUs is not built in accelerate_c yet (on CPU processes "
                                   "the shards and the step are on the CPU already)")
-    if getattr(plugin, "activation_checkpointing", False):
-        raise NotImplementedError("FSDP activation_checkpointing=True is not built in accelerate_c yet; apply "
-                                  "torch.utils.checkpoint in the model (gradient_checkpointing_enable) instead")
     if getattr(plugin, "ignored_modules", None):
         raise NotImplementedError("FSDP ignored_modules is not supported by accelerate_c yet")
     sdt = _name(plugin.state_dict_type, STATE_DICT_TYPES, "state_dict_type")
@@ -198,7 +196,8 @@ def fsdp_settings(plugin, mixed_precision: str = "no", device_type: str = "cpu")
     return FsdpSettings(version=version, reshard_after_forward=bool(raf), wrap_policy=wrap, wrap_classes=classes,
                         min_num_params=int(plugin.min_num_params or 0),
                         param_dtype=_param_dtype(plugin, mixed_precision), state_dict_type=sdt,
-                        cpu_ram_efficient_loading=bool(getattr(plugin, "cpu_ram_efficient_loading", False)))
+                        cpu_ram_efficient_loading=bool(getattr(plugin, "cpu_ram_efficient_loading", False)),
+                        activation_checkpointing=bool(getattr(plugin, "activation_checkpointing", False)))
 
 
 def resolve_fsdp_plugin(given):

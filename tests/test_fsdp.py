@@ -23,18 +23,20 @@ def _script_passes(world, script, *args, says):
     assert says in res.stdout
 
 
-@pytest.mark.parametrize("world,mp,reshard,wrap", [
-    (2, "fp32", "1", "TRANSFORMER_BASED_WRAP"),
-    (3, "fp32", "0", "SIZE_BASED_WRAP"),
-    (2, "bf16", "1", "TRANSFORMER_BASED_WRAP"),
-    (4, "bf16", "0", "TRANSFORMER_BASED_WRAP"),
+@pytest.mark.parametrize("world,mp,reshard,wrap,ckpt", [
+    (2, "fp32", "1", "TRANSFORMER_BASED_WRAP", "reentrant"),
+    (3, "fp32", "0", "SIZE_BASED_WRAP", "none"),
+    (2, "bf16", "1", "TRANSFORMER_BASED_WRAP", "none"),
+    (4, "bf16", "0", "TRANSFORMER_BASED_WRAP", "ac"),
 ])
-def test_fsdp_trains_as_torch_with_everything_sharded(world, mp, reshard, wrap):
+def test_fsdp_trains_as_torch_with_everything_sharded(world, mp, reshard, wrap, ckpt):
     """Parameters after every step, norms and learning rates against torch (DDP, or the bf16
     policy written out), 1/N of the parameters and optimizer state per process between steps,
-    no full gradient in p.grad, model.state_dict() refused, eval under no_grad/inference_mode."""
-    _script_passes(world, "fsdp_train.py", mp, reshard, wrap,
-                   says=f"fsdp {mp} reshard={reshard} {wrap} OK on {world} processes")
+    no full gradient in p.grad, model.state_dict() refused, eval under no_grad/inference_mode;
+    with FSDP's activation_checkpointing (each unit recomputed in backward) or the model's own
+    reentrant checkpointing (a nested backward per block)."""
+    _script_passes(world, "fsdp_train.py", mp, reshard, wrap, ckpt,
+                   says=f"fsdp {mp} reshard={reshard} {wrap} {ckpt} OK on {world} processes")
 
 
 def test_plugin_reads_accelerates_fields_and_variables(monkeypatch):
@@ -58,7 +60,6 @@ def test_plugin_reads_accelerates_fields_and_variables(monkeypatch):
 @pytest.mark.parametrize("kwargs,says", [
     ({"sharding_strategy": "HYBRID_SHARD"}, "HYBRID_SHARD"),
     ({"sharding_strategy": "NO_SHARD"}, "NO_SHARD"),
-    ({"fsdp_version": 2, "activation_checkpointing": True}, "activation_checkpointing"),
     ({"fsdp_version": 2, "auto_wrap_policy": lambda m: True}, "auto_wrap_policy"),
     ({"fsdp_version": 2, "state_dict_type": "LOCAL_STATE_DICT"}, "LOCAL_STATE_DICT"),
     ({"fsdp_version": 2, "mixed_precision_policy": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}, "reduce_dtype"),

@@ -77,13 +77,14 @@ class FullShardStrategy(Zero2Strategy):
     stage = 3
 
     def __init__(self, manager, handler=None, *, wrap_policy="NO_WRAP", wrap_classes=(), min_num_params=0,
-                 reshard_after_forward=True, param_dtype=None):
+                 reshard_after_forward=True, param_dtype=None, activation_checkpointing=False):
         super().__init__(manager, handler, fp32_masters=False, ignore_unused=False)
         self.wrap_policy = wrap_policy
         self.wrap_classes = tuple(wrap_classes or ())
         self.min_num_params = min_num_params
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype  # the gathers' and the compute's dtype (None: the parameters')
+        self.activation_checkpointing = activation_checkpointing
         self._final_queued = False
         self._state_dict_ok = 0  # > 0 while the strategy itself reads model.state_dict()
 
@@ -105,6 +106,9 @@ class FullShardStrategy(Zero2Strategy):
             m = unit.module
             unit.hooks.append(m.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True))
             unit.hooks.append(m.register_forward_hook(self._post_forward_hook(unit)))
+        if self.activation_checkpointing:
+            for unit in units[:-1]:
+                _checkpoint_forward(unit.module)
         model.register_state_dict_pre_hook(self._state_dict_guard)
         self._hook_full_loads(model, fsdp)
 
@@ -201,7 +205,22 @@ class FullShardStrategy(Zero2Strategy):
             unit.state = "idle"
 
     def _end_of_backward_all(self):
-        """Every unit is released at the end of a backward, as FSDP2 does."""
+        """The end of a backward (an engine callback): every unit whose backward is over is
+        released, the root included, as FSDP2 releases everything. A unit whose gradients or
+        inputs' gradients are still to come stays gathered: this may be the end of a nested
+        backward (a reentrant-checkpointed segment's) inside the one still running, whose next
+        pre-backward hook queues this again; the optimizer step releases whatever is left."""
+        self._final_queued = False
+        for fsdp in self.models.values():
+            for unit in fsdp.units:
+                if unit.state == "backward":
+                    if unit.grads_done and unit.inputs_pending == 0:
+                        unit.reshard()
+                        unit.state = "idle"
+                elif unit.state == "idle":
+                    unit.reshard()
+
+    def _release_all(self):
         self._final_queued = False
         for fsdp in self.models.values():
             for unit in fsdp.units:
@@ -211,16 +230,13 @@ class FullShardStrategy(Zero2Strategy):
 
     def abort_held(self) -> None:
         super().abort_held()
-        self._end_of_backward_all()
+        self._release_all()
 
     # ---- step -----------------------------------------------------------------------------
     def _gather_updated(self, book):
-        """The step wrote the shards: a unit still gathered (forward without backward) is
-        stale, so it is released and the next forward gathers the new values."""
-        for fsdp in self.models.values():
-            for unit in fsdp.units:
-                if unit.state == "idle":
-                    unit.reshard()
+        """The step wrote the shards: a unit still gathered (a forward without backward) is
+        stale, so every unit is released and the next forward gathers the new values."""
+        self._release_all()
 
     def after_step(self, optimizer) -> None:
         """Gradients stay until zero_grad, as torch's optimizers and FSDP2 keep them."""
@@ -336,6 +352,27 @@ class FullShardStrategy(Zero2Strategy):
                     if unit.state == "idle":
                         unit.reshard()
         return targets, apply
+
+
+def _checkpoint_forward(module):
+    """FSDP's activation_checkpointing: the unit's forward runs under non-reentrant
+    torch.utils.checkpoint (accelerate applies it to the wrapped layers). The recomputation
+    inside backward calls the forward itself, not the module, so no hook runs then: the unit was
+    gathered by its pre-backward hook before any of its saved tensors is needed."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    if getattr(module, "_ac_checkpointed", False):
+        return
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    module._ac_checkpointed = True
 
 
 class _UnitGradShard(GradShard):

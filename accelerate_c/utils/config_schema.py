@@ -107,7 +107,7 @@ FSDP_KEYS = _keys(
     Key("fsdp_use_orig_params", B, True),
     Key("fsdp_cpu_ram_efficient_loading", B, True),
     Key("fsdp_sync_module_states", B, True),
-    Key("fsdp_activation_checkpointing", B, False, supported=(False,), feature="FSDP activation checkpointing"),
+    Key("fsdp_activation_checkpointing", B, False),
     Key("fsdp_activation_checkpointing_offload", B, False),
     Key("fsdp_ignored_modules", S, None, nullable=True),
 )

@@ -111,12 +111,11 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None) -> di
         # fp32 here (its bf16 policy has its own torch reference in tests/scripts/fsdp_train.py);
         # no full gradient between backward and the step, so no loop writes or NaNs one, and
         # `p.grad = None` has nothing to drop (zero_grad clears the shards); no comm hooks
-        # (FSDP has none); reentrant checkpointing inside a unit is not built yet
+        # (FSDP has none)
         c["mp"] = "no"
         c["comm_hook"] = "no"
         c["assign_grad"] = False
         c["nan_grad_step"] = None
-        c["reentrant"] = False
         c["overflow"] = None
         c["two_optimizers"] = False
         if c["clip"] == "value":

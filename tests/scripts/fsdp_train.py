@@ -1,6 +1,6 @@
 """Full sharding (FSDP / ZeRO-3) on N CPU processes against torch DDP (launched by
 tests/test_fsdp.py). argv: precision (fp32 | bf16), reshard_after_forward (1 | 0), wrap policy
-(TRANSFORMER_BASED_WRAP | SIZE_BASED_WRAP | NO_WRAP).
+(TRANSFORMER_BASED_WRAP | SIZE_BASED_WRAP | NO_WRAP), checkpointing (none | ac | reentrant).
 
 The subject is a user's loop on accelerate_c with accelerate's own FullyShardedDataParallelPlugin
 (fsdp_version 2): AdamW with two param groups, a scheduler built before prepare, gradient
@@ -22,6 +22,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accelerate_c import Accelerator
@@ -30,6 +31,9 @@ from accelerate.utils import FullyShardedDataParallelPlugin  # accelerate's own 
 MP = sys.argv[1] if len(sys.argv) > 1 else "fp32"
 RESHARD = (sys.argv[2] if len(sys.argv) > 2 else "1") == "1"
 WRAP = sys.argv[3] if len(sys.argv) > 3 else "TRANSFORMER_BASED_WRAP"
+# "ac": FSDP's activation_checkpointing (the plugin's); "reentrant": the model checkpoints each
+# block itself with torch.utils.checkpoint(use_reentrant=True) (nested backwards); "none"
+CKPT = sys.argv[4] if len(sys.argv) > 4 else "none"
 STEPS = 5
 GA = 2
 MAX_NORM = 0.5
@@ -62,7 +66,7 @@ class Net(torch.nn.Module):
     def forward(self, x):
         h = self.emb(x)
         for b in self.blocks:
-            h = b(h)
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=True) if CKPT == "reentrant" else b(h)
         return self.head(h.mean(1))
 
 
@@ -144,7 +148,8 @@ def reference_bf16(rank):
 
 def subject(rank):
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=RESHARD, auto_wrap_policy=WRAP,
-                                            min_num_params=1000, state_dict_type="FULL_STATE_DICT")
+                                            min_num_params=1000, state_dict_type="FULL_STATE_DICT",
+                                            activation_checkpointing=CKPT == "ac")
     acc = Accelerator(cpu=True, mixed_precision=MP if MP != "fp32" else "no", gradient_accumulation_steps=GA,
                       fsdp_plugin=plugin)
     assert acc.distributed_type == "FSDP", acc.distributed_type
@@ -153,6 +158,8 @@ def subject(rank):
     total = sum(p.numel() for p in model.parameters())
     model, opt, sched = acc.prepare(model, opt, sched)
     names = [n for n, _ in model.named_parameters()]
+    calls = [0]  # a layer inside a unit: under activation checkpointing it runs again in backward
+    model.blocks[0].up.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     trace = []
     for x, y in batches(rank):
         with acc.accumulate(model):
@@ -166,6 +173,8 @@ def subject(rank):
         if acc.sync_gradients:
             sd = acc.get_state_dict(model)
             trace.append(({n: sd[n] for n in names if n in sd}, float(norm), sched.get_last_lr()))
+    runs = 1 if CKPT == "none" else 2  # the forward, and the recomputation of a checkpointed one
+    assert calls[0] == runs * len(batches(rank)), (calls, CKPT)
     # between steps: 1/N of the parameters' and the optimizer state's elements on each process
     held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()
             if p.untyped_storage().nbytes()}
@@ -214,7 +223,7 @@ def main():
         assert gl == rl, (k, gl, rl)
     dist.barrier()
     if rank == 0:
-        print(f"fsdp {MP} reshard={int(RESHARD)} {WRAP} OK on {dist.get_world_size()} processes (worst {worst:.2g})")
+        print(f"fsdp {MP} reshard={int(RESHARD)} {WRAP} {CKPT} OK on {dist.get_world_size()} processes (worst {worst:.2g})")
     dist.destroy_process_group()
 
 
