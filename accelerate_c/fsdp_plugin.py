@@ -67,7 +67,10 @@ class FullyShardedDataParallelPlugin:
             if self.reshard_after_forward is None:
                 self.reshard_after_forward = _env("RESHARD_AFTER_FORWARD", "true")
         elif self.sharding_strategy is None:
-            self.sharding_strategy = _env("SHARDING_STRATEGY", "FULL_SHARD")
+            # FSDP1 takes reshard_after_forward as the strategy's name (transformers passes it so)
+            given = self.reshard_after_forward
+            self.sharding_strategy = given if isinstance(given, str) and given.upper() in STRATEGIES else \
+                _env("SHARDING_STRATEGY", "FULL_SHARD")
         if self.auto_wrap_policy is None:
             self.auto_wrap_policy = _env("AUTO_WRAP_POLICY", "NO_WRAP")
         if self.transformer_cls_names_to_wrap is None and _env("TRANSFORMER_CLS_TO_WRAP"):
@@ -175,7 +178,8 @@ def fsdp_settings(plugin, mixed_precision: str = "no", device_type: str = "cpu")
         elif not isinstance(raf, bool):
             raf = _flag(raf)
     else:
-        strategy = _name(plugin.sharding_strategy, STRATEGIES, "sharding_strategy")
+        given = plugin.sharding_strategy if plugin.sharding_strategy is not None else plugin.reshard_after_forward
+        strategy = _name(given, STRATEGIES, "sharding_strategy")
         if strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
             raise NotImplementedError(f"FSDP sharding_strategy={strategy}: accelerate_c builds FULL_SHARD and "
                                       "SHARD_GRAD_OP (use DDP for NO_SHARD)")
@@ -200,15 +204,53 @@ def fsdp_settings(plugin, mixed_precision: str = "no", device_type: str = "cpu")
                         activation_checkpointing=bool(getattr(plugin, "activation_checkpointing", False)))
 
 
+def plugin_from_training_args(fsdp, fsdp_config) -> FullyShardedDataParallelPlugin | None:
+    """The plugin TrainingArguments' `fsdp` / `fsdp_config` describe, by transformers' rules
+    (its TrainingArguments._process_fsdp_args: options in `fsdp` such as "full_shard auto_wrap
+    offload", `fsdp_config` a dict or a JSON file with or without its fsdp_ prefixes, FSDP2 by
+    default, TRANSFORMER_BASED_WRAP by default). None when `fsdp` is off."""
+    import json
+
+    if not fsdp:
+        return None
+    if isinstance(fsdp_config, (str, os.PathLike)):
+        with open(fsdp_config, encoding="utf-8") as f:
+            fsdp_config = json.load(f)
+    cfg = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in dict(fsdp_config or {}).items()}
+    options = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, (list, tuple)) else []
+    options = [o.lower() for o in options]
+    unknown = [o for o in options if o not in ("full_shard", "shard_grad_op", "offload", "auto_wrap")]
+    if unknown:
+        raise NotImplementedError(f"TrainingArguments.fsdp option {unknown[0]!r}: accelerate_c builds full_shard, "
+                                  "shard_grad_op, offload and auto_wrap")
+    version = int(cfg.get("version", 2))
+    policy = cfg.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
+    if policy not in WRAP_POLICIES:
+        raise ValueError(f"fsdp_config.auto_wrap_policy={policy!r}: expected one of {', '.join(WRAP_POLICIES)}")
+    classes = cfg.get("transformer_layer_cls_to_wrap")
+    if isinstance(classes, str):
+        classes = [classes]
+    reshard = cfg.get("reshard_after_forward", "shard_grad_op" not in options)
+    if version == 1:
+        reshard = "SHARD_GRAD_OP" if "shard_grad_op" in options else str(reshard).upper() \
+            if str(reshard).upper() in STRATEGIES else ("FULL_SHARD" if _flag(reshard) else "SHARD_GRAD_OP")
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=version, auto_wrap_policy=policy,
+        min_num_params=int(cfg.get("min_num_params", 0)) if policy == "SIZE_BASED_WRAP" else 0,
+        transformer_cls_names_to_wrap=list(classes) if classes and policy == "TRANSFORMER_BASED_WRAP" else None,
+        cpu_offload=bool(cfg.get("cpu_offload", False)) or "offload" in options,
+        cpu_ram_efficient_loading=_flag(cfg.get("cpu_ram_efficient_loading", False)),
+        state_dict_type=cfg.get("state_dict_type", "FULL_STATE_DICT"),
+        activation_checkpointing=_flag(cfg.get("activation_checkpointing", False)),
+        reshard_after_forward=reshard if version == 1 else _flag(reshard))
+
+
 def resolve_fsdp_plugin(given):
     """The plugin in effect: the one given, else one built from the FSDP_* variables when
     ACCELERATE_USE_FSDP is true (what `accelerate-c launch` sets for distributed_type FSDP)."""
     if given is not None:
-        if isinstance(given, dict) and "fsdp" in given:  # what TrainingArguments(fsdp=...) hands on
-            raise NotImplementedError(f"fsdp_plugin from TrainingArguments(fsdp={given['fsdp']!r}): FSDP configured through "
-                                      "TrainingArguments is not built in accelerate_c yet; use an accelerate config "
-                                      "file with distributed_type: FSDP (accelerate-c launch --config_file), or "
-                                      "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(...))")
+        if isinstance(given, dict) and "fsdp" in given:  # what accelerate_c's TrainingArguments hands on
+            return plugin_from_training_args(given["fsdp"], given.get("fsdp_config"))
         if not hasattr(given, "auto_wrap_policy") or not hasattr(given, "state_dict_type"):
             raise TypeError(f"Accelerator(fsdp_plugin=...): expected a FullyShardedDataParallelPlugin, got "
                             f"{type(given).__name__}")

@@ -29,6 +29,7 @@ from packaging.version import Version
 
 from accelerate_c.accelerator import Accelerator
 from accelerate_c.checkpointing import load_sharded_optimizers, save_sharded_optimizers
+from accelerate_c.fsdp_plugin import FullyShardedDataParallelPlugin
 from accelerate_c.utils.dataclasses import (
     DataLoaderConfiguration,
     DistributedType,
@@ -68,16 +69,12 @@ def _refuse(args):
             "deepspeed package's engine, which accelerate_c.transformers.Trainer does not use. Leave deepspeed=None "
             "(ZeRO-1/2 settings reach accelerate_c through the accelerate config file with accelerate_c's own "
             "Trainer), or use transformers.Trainer on accelerate")
-    if args.fsdp_plugin_args is not None or args.fsdp:
-        raise NotImplementedError(f"TrainingArguments.fsdp={args.fsdp!r}: FSDP through TrainingArguments is not built "
-                                  "in accelerate_c yet; an accelerate config file with distributed_type: FSDP "
-                                  "(accelerate-c launch --config_file) turns full sharding on for this Trainer")
 
 
 class Trainer(transformers.Trainer):
     """transformers.Trainer whose Accelerator is accelerate_c's (see the module docstring).
     Refused when built: an unsupported transformers version, `deepspeed=` (and a DeepSpeed
-    accelerate config), `fsdp=`; the Accelerator itself refuses what it has not built
+    accelerate config); the Accelerator itself refuses what it has not built
     (torch_compile's dynamo backends, parallelism_config)."""
 
     def __init__(self, *args, **kwargs):
@@ -105,7 +102,9 @@ class Trainer(transformers.Trainer):
         dataloader_config = DataLoaderConfiguration(
             split_batches=cfg.split_batches, dispatch_batches=cfg.dispatch_batches, even_batches=cfg.even_batches,
             use_seedable_sampler=cfg.use_seedable_sampler, data_seed=args.data_seed, non_blocking=cfg.non_blocking)
-        kwargs = self._build_accelerator_args(dataloader_config=dataloader_config, fsdp_plugin=None,
+        # TrainingArguments(fsdp=..., fsdp_config=...): the plugin transformers would build, ours
+        fsdp_plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args) if args.fsdp_plugin_args else None
+        kwargs = self._build_accelerator_args(dataloader_config=dataloader_config, fsdp_plugin=fsdp_plugin,
                                               gradient_accumulation_plugin=GradientAccumulationPlugin(**grad_acc))
         # what transformers gives accelerate's PartialState when the arguments are built
         init = {"timeout": timedelta(seconds=args.ddp_timeout)}

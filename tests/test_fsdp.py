@@ -133,3 +133,26 @@ def test_transformers_trainer_on_the_seed_config_saves_sharded_and_resumes(tmp_p
     assert on2["num_processes"] == 2 and on2["global_step"] == 8
     # the history saved at step 4 and the steps trained after it, each once
     assert [h["step"] for h in on2["log_history"] if "loss" in h] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("fsdp,cfg", [
+    ("full_shard auto_wrap", {"transformer_layer_cls_to_wrap": ["Block"]}),
+    ("shard_grad_op", {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 100}),
+    (True, {"activation_checkpointing": True, "reshard_after_forward": False, "state_dict_type": "SHARDED_STATE_DICT"}),
+])  # (FSDP1: accelerate's plugin then needs a GPU to be built, so it cannot be the reference here)
+def test_training_args_fsdp_gives_what_transformers_gives_accelerate(tmp_path, monkeypatch, fsdp, cfg):
+    """TrainingArguments(fsdp=..., fsdp_config=...): the plugin transformers builds for accelerate
+    (its fsdp_plugin_args into accelerate's own plugin) and ours, from transformers' arguments
+    (accelerate_c.transformers.Trainer) and from accelerate_c's own TrainingArguments, run the
+    same settings."""
+    import transformers
+    from accelerate.utils import FullyShardedDataParallelPlugin as AccPlugin
+
+    from accelerate_c.fsdp_plugin import plugin_from_training_args
+
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # transformers sets it; restored after
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), fsdp=fsdp, fsdp_config=dict(cfg), use_cpu=True,
+                                          report_to="none")
+    theirs = fsdp_settings(AccPlugin(**args.fsdp_plugin_args), "bf16")
+    assert fsdp_settings(FullyShardedDataParallelPlugin(**args.fsdp_plugin_args), "bf16") == theirs
+    assert fsdp_settings(plugin_from_training_args(fsdp, dict(cfg)), "bf16") == theirs

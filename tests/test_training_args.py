@@ -92,13 +92,20 @@ def test_mixed_precision_unset_leaves_the_launcher_setting(monkeypatch):
     assert _acc(fp16=True).mixed_precision == "fp16"
 
 
+def test_fsdp_training_args_turn_full_sharding_on():
+    """TrainingArguments(fsdp=..., fsdp_config=...) by transformers' rules (the settings themselves
+    are held to transformers + accelerate in tests/test_fsdp.py)."""
+    acc = Accelerator.from_training_args(TrainingArguments(output_dir="out", fsdp=["full_shard", "auto_wrap"],
+                                                           fsdp_config={"transformer_layer_cls_to_wrap": "Block"}))
+    assert acc.distributed_type == "FSDP" and acc.is_fsdp2
+    assert acc.state.fsdp_plugin.transformer_cls_names_to_wrap == ["Block"]
+
+
 @pytest.mark.parametrize("kw,error,match", [
-    (dict(fsdp="full_shard"), NotImplementedError, "fsdp_plugin"),
-    (dict(fsdp=["full_shard", "auto_wrap"], fsdp_config={"min_num_params": 10}), NotImplementedError, "fsdp_plugin"),
+    (dict(fsdp="full_shard hybrid_shard"), NotImplementedError, "hybrid_shard"),
     (dict(deepspeed={"zero_optimization": {"stage": 3}}), NotImplementedError, "ZeRO-3"),
     (dict(report_to="neptune"), NotImplementedError, "'neptune' is not among accelerate_c's trackers"),
     (dict(report_to=["tensorboard", "azure_ml"]), NotImplementedError, "'azure_ml' is not among"),
-    (dict(accelerator_config={"dispatch_batches": True}), NotImplementedError, "dispatch_batches"),
     (dict(accelerator_config={"use_configured_state": True}), NotImplementedError, "use_configured_state"),
     (dict(gradient_accumulation_steps=2, accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 3}}),
      ValueError, "set only one"),

@@ -175,16 +175,12 @@ def test_unsupported_transformers_version_is_refused_at_construction(tmp_path, m
         check_transformers_version("6.0.0")
 
 
-def test_deepspeed_fsdp_and_compile_are_refused_by_name(tmp_path):
+def test_deepspeed_and_compile_are_refused_by_name(tmp_path):
     from accelerate_c.transformers import Trainer
 
     args = _args(tmp_path)
     args.deepspeed = "ds_config.json"  # transformers itself would need the deepspeed package to build these
     with pytest.raises(NotImplementedError, match=r"TrainingArguments\.deepspeed='ds_config\.json'"):
-        Trainer(model=script.make_model(), args=args)
-    args = _args(tmp_path)
-    args.fsdp = "full_shard"
-    with pytest.raises(NotImplementedError, match=r"TrainingArguments\.fsdp='full_shard'"):
         Trainer(model=script.make_model(), args=args)
     with pytest.raises(NotImplementedError, match="dynamo backend INDUCTOR"):
         Trainer(model=script.make_model(), args=_args(tmp_path, torch_compile=True))
