@@ -103,7 +103,8 @@ class UnitGroup:
     shard (the parameters' dtype), each parameter's owned run of it, and the full-size flat
     buffer in the compute dtype whose memory exists only while the unit is gathered."""
 
-    def __init__(self, group, params, compute_dtype):
+    def __init__(self, group, params, compute_dtype, label: str = "unit"):
+        self.label = label  # the unit's module, for errors: "unit 'layers.3' (LlamaDecoderLayer)"
         self.group = group
         self.params = params  # in plan parameter order
         self.trainable = params[0].requires_grad
@@ -133,7 +134,7 @@ class UnitGroup:
                 full = self.flat[start:start + chunk * world]
                 # the chunk as this rank owns it, cast once to the compute dtype (its padding is zeros)
                 full[rank * chunk:(rank + 1) * chunk].copy_(self.shard[local:local + chunk])
-                collectives.gather_chunks(full, rank, world)
+                self._collective(full, rank, world, "gather of the parameters")
         for p, v in zip(self.params, self.full_views):
             p.data = v
         self.gathered = True
@@ -147,8 +148,18 @@ class UnitGroup:
             if chunk:
                 part = full[start:start + chunk * world]
                 part[rank * chunk:(rank + 1) * chunk].copy_(self.shard[local:local + chunk])
-                collectives.gather_chunks(part, rank, world)
+                self._collective(part, rank, world, "gather of the full weights (get_state_dict)")
         return self.group.param_views(full)
+
+    def _collective(self, full, rank, world, what):
+        """One in-place all-gather; a failure (a process that never joined it: a collective called
+        on one process only, a forward skipped on one) names the unit."""
+        try:
+            collectives.gather_chunks(full, rank, world)
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {rank}: full sharding, {self.label}: the {what} failed or timed out; every "
+                               f"process must run the same units' forwards and call get_state_dict / save_model "
+                               f"together ({e})") from e
 
     def reshard(self) -> None:
         self.point_at_runs()
@@ -189,8 +200,10 @@ class Unit:
 def build_units(model, modules, world: int, rank: int, compute_dtype=None) -> list[Unit]:
     """The units of `model` (modules from unit_modules), each parameter moved into its shard."""
     held = assign_params(modules)
+    module_names = {id(m): n for n, m in model.named_modules()}
     units = []
     for k, (m, named) in enumerate(zip(modules, held)):
+        label = f"unit {module_names.get(id(m)) or '<root>'!r} ({type(m).__name__})"
         unit = Unit(m, k, is_root=k == len(modules) - 1)
         params = [p for _, p in named]
         for trainable in (True, False):
@@ -203,7 +216,7 @@ def build_units(model, modules, world: int, rank: int, compute_dtype=None) -> li
             for group in layout:
                 members = [subset[j] for j in group.indices]
                 cd = compute_dtype if (compute_dtype is not None and group.dtype.is_floating_point) else None
-                unit.groups.append(UnitGroup(group, members, cd))
+                unit.groups.append(UnitGroup(group, members, cd, label))
         units.append(unit)
     for unit in units:  # only once every shard holds its values: a tied parameter is read once
         for g in unit.groups:

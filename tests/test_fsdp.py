@@ -156,3 +156,12 @@ def test_training_args_fsdp_gives_what_transformers_gives_accelerate(tmp_path, m
     theirs = fsdp_settings(AccPlugin(**args.fsdp_plugin_args), "bf16")
     assert fsdp_settings(FullyShardedDataParallelPlugin(**args.fsdp_plugin_args), "bf16") == theirs
     assert fsdp_settings(plugin_from_training_args(fsdp, dict(cfg)), "bf16") == theirs
+
+
+def test_a_collective_called_on_one_process_names_the_unit_within_the_timeout():
+    """get_state_dict under `if is_main_process` (tests/scripts/fsdp_one_rank.py, timeout 5 s): a
+    RuntimeError naming the unit whose gather did not complete, not a hang."""
+    res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "fsdp_one_rank.py")], timeout=wait_s(120))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "one-rank get_state_dict refused after" in res.stdout and "unit 'a' (Linear)" in res.stdout

@@ -1,0 +1,53 @@
+"""A collective under full sharding called by one process only (launched by tests/test_fsdp.py on
+2 processes, process-group timeout 5 s): rank 0 calls accelerator.get_state_dict(model) inside an
+`if is_main_process`, rank 1 does not. Rank 0 must get a RuntimeError naming the unit whose
+gather did not complete, within the timeout (not a hang); rank 1 waits, then both leave."""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+
+from accelerate_c import Accelerator
+from accelerate_c.fsdp_plugin import FullyShardedDataParallelPlugin
+from accelerate_c.utils import InitProcessGroupKwargs
+
+
+class Net(torch.nn.Module):
+    _no_split_modules = ["Linear"]
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
+                                                                       auto_wrap_policy="TRANSFORMER_BASED_WRAP"),
+                  kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=5))])
+torch.manual_seed(0)
+net = Net()
+model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+acc.backward(model(torch.randn(4, 8)).sum())
+opt.step()
+opt.zero_grad()
+acc.wait_for_everyone()
+if acc.is_main_process:
+    t0 = time.monotonic()
+    try:
+        acc.get_state_dict(model)
+    except RuntimeError as e:
+        took = time.monotonic() - t0
+        assert "unit 'a' (Linear)" in str(e), str(e)
+        assert took < 60, took
+        print(f"one-rank get_state_dict refused after {took:.1f} s: {str(e)[:160]}", flush=True)
+    else:
+        raise AssertionError("get_state_dict on one process returned")
+else:
+    time.sleep(15)
+os._exit(0)  # the process group saw a failed collective: leave without tearing it down
