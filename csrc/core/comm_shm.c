@@ -381,6 +381,9 @@ static ac_result_t barrier(ac_shm_t *c) {
         futex(&h->wake, FUTEX_WAIT, w, &ts);
       }
       atomic_fetch_sub(&h->sleepers, 1);
+      /* arrived while this rank slept: done with it, even if it has exited since (a rank may
+       * leave right after its last collective; its death is only an error before it arrives) */
+      if (atomic_load_explicit(&h->ranks[q].arrive, memory_order_acquire) >= target) break;
       if (atomic_load(&c->aborted)) {
         c->broken = 1;
         return AC_FAIL(AC_ERR_STATE, "shm %s (collective #%llu, group '%s'): the communicator was closed while "

@@ -9,6 +9,7 @@
 #include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "ac/comm_shm.h"
@@ -674,7 +675,50 @@ TEST(a_peer_overwriting_the_header_gives_an_error_not_a_crash) {
   CHECK(strstr(j.error[0], "data at 1099511627776") != NULL);
 }
 
+/* A rank that arrives at a collective and exits right after (its last one) is no error for the
+ * peers still waiting in it: they check arrival before death. The peer is written by hand (the
+ * header layout above): it arrives while rank 0 sleeps on the futex and then its pid is a reaped
+ * child's, without a wake; rank 0's next check finds it arrived, not dead. */
+static ac_result_t lone_barrier_rank(ac_shm_t *c, job_t *j, int rank) {
+  (void)j;
+  return rank == 0 ? ac_shm_barrier(c) : AC_OK;
+}
+
+TEST(a_peer_that_arrives_then_exits_completes_the_collective) {
+  job_t j = {.nranks = 2, .slot = SLOT, .timeout_ms = 5000, .fn = lone_barrier_rank};
+  fresh_name(j.name, sizeof j.name);
+  pid_t gone = fork(); /* a pid that is certainly dead once reaped */
+  if (gone == 0) _exit(0);
+  CHECK(gone > 0);
+  CHECK(waitpid(gone, NULL, 0) == gone);
+  pthread_t th;
+  pthread_create(&th, NULL, rank0_main, &j);
+  int fd = -1;
+  struct stat st;
+  for (int i = 0; i < 5000; i++) {
+    fd = shm_open(j.name, O_RDWR, 0600);
+    if (fd >= 0 && fstat(fd, &st) == 0 && st.st_size > 4096) break;
+    if (fd >= 0) close(fd);
+    fd = -1;
+    usleep(1000);
+  }
+  CHECK(fd >= 0);
+  unsigned char *seg = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  CHECK(seg != MAP_FAILED);
+  while (__atomic_load_n((uint64_t *)seg, __ATOMIC_ACQUIRE) == 0) usleep(100); /* the magic */
+  __atomic_store_n((int32_t *)(seg + 64 + 64 + 16), (int32_t)getpid(), __ATOMIC_SEQ_CST);
+  __atomic_add_fetch((uint32_t *)(seg + 40), 1, __ATOMIC_SEQ_CST); /* joined */
+  usleep(5000); /* rank 0 is in the barrier, asleep on the futex (10 ms at a time) */
+  __atomic_store_n((uint64_t *)(seg + 64 + 64), (uint64_t)1, __ATOMIC_SEQ_CST); /* arrives ... */
+  __atomic_store_n((int32_t *)(seg + 64 + 64 + 16), (int32_t)gone, __ATOMIC_SEQ_CST); /* ... and is gone */
+  pthread_join(th, NULL);
+  munmap(seg, (size_t)st.st_size);
+  CHECK_EQ_INT(j.result[0], AC_OK);
+}
+
 static const tu_test_t tests[] = {
+    TU_CASE(a_peer_that_arrives_then_exits_completes_the_collective),
     TU_CASE(window_all_reduce_matches_the_reference_in_every_region),
     TU_CASE(window_mismatch_and_bad_ranges_are_refused),
     TU_CASE(async_requests_run_in_order_and_close_fails_what_is_left),
