@@ -3,6 +3,7 @@ gradient accumulation, mid-epoch resume (skip_first_batches) and seedable shuffl
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
@@ -515,7 +516,11 @@ def prepare_data_loader(dataloader: DataLoader, device=None, num_processes=None,
         return _dispatcher(dataloader, device, split_batches, slice_fn_for_dispatch, non_blocking,
                            use_stateful_dataloader, sampler if use_seedable_sampler else None)
     if num_processes > 1:
-        if isinstance(dataset, IterableDataset):
+        if not split_batches and _streaming_shards(dataset) >= num_processes:
+            # a Hugging Face streaming dataset with a shard (file) per process at least: each
+            # process streams its own shards, as accelerate does (no read-and-discard)
+            dataset = dataset.shard(num_shards=num_processes, index=process_index)
+        elif isinstance(dataset, IterableDataset):
             synchronized_generator = getattr(dataset, "generator", None)
             dataset = IterableDatasetShard(dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
                                            num_processes=num_processes, process_index=process_index,
@@ -554,6 +559,14 @@ def prepare_data_loader(dataloader: DataLoader, device=None, num_processes=None,
     if isinstance(sampler, SeedableRandomSampler):
         new.set_sampler(sampler)
     return new
+
+
+def _streaming_shards(dataset) -> int:
+    """A datasets.IterableDataset's number of shards; 0 for anything else. (datasets is only
+    looked up when already imported: an object of it cannot exist otherwise.)"""
+    hf = sys.modules.get("datasets")
+    kind = getattr(hf, "IterableDataset", None)
+    return int(dataset.n_shards) if kind is not None and isinstance(dataset, kind) else 0
 
 
 def _stateful_kwargs(kwargs: dict, cls) -> dict:
