@@ -98,7 +98,6 @@ def test_mixed_precision_unset_leaves_the_launcher_setting(monkeypatch):
     (dict(deepspeed={"zero_optimization": {"stage": 3}}), NotImplementedError, "ZeRO-3"),
     (dict(report_to="neptune"), NotImplementedError, "'neptune' is not among accelerate_c's trackers"),
     (dict(report_to=["tensorboard", "azure_ml"]), NotImplementedError, "'azure_ml' is not among"),
-    (dict(accelerator_config={"dispatch_batches": True}), NotImplementedError, "dispatch_batches"),
     (dict(accelerator_config={"use_configured_state": True}), NotImplementedError, "use_configured_state"),
     (dict(gradient_accumulation_steps=2, accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 3}}),
      ValueError, "set only one"),
@@ -107,6 +106,11 @@ def test_unsupported_features_raise_when_the_accelerator_is_built(kw, error, mat
     args = TrainingArguments(output_dir="out", **kw)  # valid arguments ...
     with pytest.raises(error, match=match):  # ... that the Accelerator cannot run yet
         Accelerator.from_training_args(args)
+
+
+def test_dispatch_batches_reaches_the_accelerator():
+    acc = Accelerator.from_training_args(TrainingArguments(output_dir="out", accelerator_config={"dispatch_batches": True}))
+    assert acc.dataloader_config.dispatch_batches is True
 
 
 @pytest.mark.parametrize("name,value,match", [
