@@ -628,6 +628,8 @@ def skip_first_batches(dataloader, num_batches: int = 0):
         if new_bs is not None and is_batch_sampler:
             extra = dict(sampler=new_bs, batch_size=dataloader.batch_size)
         kwargs.pop("generator", None)
+        if dataloader.use_stateful_dataloader:
+            kwargs = _stateful_kwargs(kwargs, cls)
         new = cls(dataset, split_batches=dataloader.split_batches, _drop_last=dataloader._drop_last,
                   iteration=dataloader.iteration, device=dataloader.device, **extra, **kwargs)
         per_step = 1 if dataloader.split_batches else dataloader.state.num_processes
@@ -644,6 +646,8 @@ def skip_first_batches(dataloader, num_batches: int = 0):
         # _drop_last stays False, as in accelerate's skipped loader: over an iterable shard with
         # drop_last the remainder is then worked out, and is 0 (the shard holds whole batches
         # only); over a map-style dataset it is -1 anyway (DataLoaderStateMixin.begin)
+        if dataloader.use_stateful_dataloader:
+            kwargs = _stateful_kwargs(kwargs, type(dataloader))
         new = type(dataloader)(dataset, device=dataloader.device, rng_types=dataloader.rng_types,
                                synchronized_generator=dataloader.synchronized_generator,
                                _drop_last=False, _non_blocking=dataloader._non_blocking,

@@ -115,3 +115,28 @@ def test_missing_torchdata_is_named(monkeypatch):
     acc.dataloader_config.use_stateful_dataloader = True  # set after construction, as accelerate's tests do
     with pytest.raises(ImportError, match="pip install 'torchdata"):
         acc.prepare(DataLoader(list(range(4)), batch_size=2))
+
+
+def test_a_converted_checkpoint_resumes_a_stateful_loader_in_accelerate(tmp_path):
+    # convert-checkpoint writes the stateful loader's state as accelerate's dl_state_dict.bin:
+    # accelerate's own load_state then resumes at the batch ours would have given next
+    accelerate = pytest.importorskip("accelerate")
+    pytest.importorskip("torchdata.stateful_dataloader")
+    from accelerate_c.checkpoint_convert import to_accelerate
+
+    data = list(range(20))
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    dl = acc.prepare(DataLoader(data, batch_size=3))
+    rest = []
+    for i, b in enumerate(dl):
+        if i == 2:
+            acc.save_state(tmp_path / "ours")
+        elif i > 2:
+            rest.append(b.tolist())
+    written, _ = to_accelerate(tmp_path / "ours", tmp_path / "theirs")
+    assert "dl_state_dict.bin" in written
+    ref = accelerate.Accelerator(cpu=True, dataloader_config=accelerate.DataLoaderConfiguration(
+        use_stateful_dataloader=True))
+    ref_dl = ref.prepare(DataLoader(data, batch_size=3))
+    ref.load_state(str(tmp_path / "theirs"))
+    assert [b.tolist() for b in ref_dl] == rest
