@@ -5,8 +5,9 @@ accelerate's names (its checkpointing.save_accelerator_state): the models' `mode
 `model_1.safetensors`, ... (or `pytorch_model*.bin`) as they are; `optimizer.bin`,
 `optimizer_1.bin`, `scheduler.bin`, ..., `scaler.pt`, `random_states_<rank>.pkl` and
 `custom_checkpoint_<i>.pkl` as torch.save files of the same state dicts (which accelerate's
-load_state reads with torch.load). The data loaders' positions have no file in accelerate's
-layout (it records none): they are left out, and a resumed accelerate run skips the consumed
+load_state reads with torch.load), and a stateful data loader's state as its
+`dl_state_dict{_i}.bin` (the main process's). The other data loaders' positions have no file in
+accelerate's layout (it records none): they are left out, and a resumed accelerate run skips the consumed
 batches itself (skip_first_batches), as with its own checkpoints. A checkpoint sharded under ZeRO
 is refused: `accelerate-c merge-weights` gives its consolidated weights.
 
@@ -38,6 +39,21 @@ def _accelerate_name(stem: str):
         if pattern.match(stem):
             return name.format(stem)
     return None
+
+
+def _stateful_loader_files(src: str, files: dict, tmp: str) -> list:
+    """accelerate's dl_state_dict{_i}.bin for each stateful data loader: the main process's
+    state_dict() (accelerate keeps one file, whichever process wrote it last)."""
+    if "random_states_0.json" not in files:
+        return []
+    states = StateFile(src, "random_states_0", "random_states_0.json").load().get("dataloader_state_dict") or []
+    out = []
+    for i, sd in enumerate(states):
+        if sd is not None:
+            name = "dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"
+            torch.save(sd, os.path.join(tmp, name))
+            out.append(name)
+    return out
 
 
 def to_accelerate(src: str, dst: str) -> tuple:
@@ -76,6 +92,7 @@ def to_accelerate(src: str, dst: str) -> tuple:
                 continue  # the tensors of a state file, now inside its torch.save file
             else:
                 left_out.append(name)  # data loader positions: no such file in accelerate's layout
+        written += _stateful_loader_files(src, files, tmp)
         for name in os.listdir(tmp):
             with open(os.path.join(tmp, name), "rb") as f:
                 os.fsync(f.fileno())

@@ -3,6 +3,7 @@ gradient accumulation, mid-epoch resume (skip_first_batches) and seedable shuffl
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
@@ -515,7 +516,11 @@ def prepare_data_loader(dataloader: DataLoader, device=None, num_processes=None,
         return _dispatcher(dataloader, device, split_batches, slice_fn_for_dispatch, non_blocking,
                            use_stateful_dataloader, sampler if use_seedable_sampler else None)
     if num_processes > 1:
-        if isinstance(dataset, IterableDataset):
+        if not split_batches and _streaming_shards(dataset) >= num_processes:
+            # a Hugging Face streaming dataset with a shard (file) per process at least: each
+            # process streams its own shards, as accelerate does (no read-and-discard)
+            dataset = dataset.shard(num_shards=num_processes, index=process_index)
+        elif isinstance(dataset, IterableDataset):
             synchronized_generator = getattr(dataset, "generator", None)
             dataset = IterableDatasetShard(dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
                                            num_processes=num_processes, process_index=process_index,
@@ -554,6 +559,14 @@ def prepare_data_loader(dataloader: DataLoader, device=None, num_processes=None,
     if isinstance(sampler, SeedableRandomSampler):
         new.set_sampler(sampler)
     return new
+
+
+def _streaming_shards(dataset) -> int:
+    """A datasets.IterableDataset's number of shards; 0 for anything else. (datasets is only
+    looked up when already imported: an object of it cannot exist otherwise.)"""
+    hf = sys.modules.get("datasets")
+    kind = getattr(hf, "IterableDataset", None)
+    return int(dataset.n_shards) if kind is not None and isinstance(dataset, kind) else 0
 
 
 def _stateful_kwargs(kwargs: dict, cls) -> dict:
@@ -615,6 +628,8 @@ def skip_first_batches(dataloader, num_batches: int = 0):
         if new_bs is not None and is_batch_sampler:
             extra = dict(sampler=new_bs, batch_size=dataloader.batch_size)
         kwargs.pop("generator", None)
+        if dataloader.use_stateful_dataloader:
+            kwargs = _stateful_kwargs(kwargs, cls)
         new = cls(dataset, split_batches=dataloader.split_batches, _drop_last=dataloader._drop_last,
                   iteration=dataloader.iteration, device=dataloader.device, **extra, **kwargs)
         per_step = 1 if dataloader.split_batches else dataloader.state.num_processes
@@ -631,6 +646,8 @@ def skip_first_batches(dataloader, num_batches: int = 0):
         # _drop_last stays False, as in accelerate's skipped loader: over an iterable shard with
         # drop_last the remainder is then worked out, and is 0 (the shard holds whole batches
         # only); over a map-style dataset it is -1 anyway (DataLoaderStateMixin.begin)
+        if dataloader.use_stateful_dataloader:
+            kwargs = _stateful_kwargs(kwargs, type(dataloader))
         new = type(dataloader)(dataset, device=dataloader.device, rng_types=dataloader.rng_types,
                                synchronized_generator=dataloader.synchronized_generator,
                                _drop_last=False, _non_blocking=dataloader._non_blocking,

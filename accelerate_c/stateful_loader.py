@@ -52,9 +52,7 @@ class _StatefulParts:
     use_stateful_dataloader = True
 
     def _take_state(self):
-        base = self._stateful_base
-        state = base.state_dict(self)
-        return state
+        return self._stateful_base.state_dict(self)
 
     def _set_state(self, state):
         if state is not None:
@@ -78,8 +76,8 @@ _VARIANTS: dict = {}
 
 def stateful_variant(cls):
     """`cls` over torchdata's StatefulDataLoader (one class per `cls`, made on first use)."""
+    base = stateful_dataloader_class()  # checked every time: a missing torchdata is named
     if cls not in _VARIANTS:
-        base = stateful_dataloader_class()
         name = "Stateful" + cls.__name__
         variant = type(name, (_StatefulParts, cls, base), {"_stateful_base": base, "__module__": cls.__module__,
                                                           "__qualname__": name, "__doc__": cls.__doc__})

@@ -170,13 +170,25 @@ def test_end_of_dataloader_and_remainder_match_accelerate():
     assert ours == theirs
 
 
-def test_iterable_dataset_end_of_dataloader_and_unknown_remainder():
-    ds = RangeIterable(22)
-    accelerator = Accelerator()
-    dl = accelerator.prepare(DataLoader(ds, batch_size=4))
-    seen = [(accelerator.gradient_state.end_of_dataloader, accelerator.gradient_state.remainder) for _ in dl]
-    assert [f for f, _ in seen] == [False] * 5 + [True]
-    assert {r for _, r in seen} == {-1}  # unsized dataset: unknown, as in accelerate
+@pytest.mark.parametrize("dispatch", [None, False])
+def test_iterable_dataset_end_of_dataloader_and_remainder_match_accelerate(dispatch):
+    # dispatch None: accelerate dispatches an iterable dataset even on one process, and its
+    # dispatcher knows the last batch's size (remainder 2 at the end, -1 before); a sharded
+    # unsized stream never knows it (-1)
+    accelerate = pytest.importorskip("accelerate")
+    ref_acc = accelerate.Accelerator(cpu=True, dataloader_config=accelerate.DataLoaderConfiguration(
+        dispatch_batches=dispatch))
+    ref_dl = ref_acc.prepare(DataLoader(RangeIterable(22), batch_size=4))
+    theirs = [(ref_acc.gradient_state.end_of_dataloader, ref_acc.gradient_state.remainder, y.tolist())
+              for _, y in ref_dl]
+    from accelerate_c.utils import DataLoaderConfiguration
+
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
+    dl = accelerator.prepare(DataLoader(RangeIterable(22), batch_size=4))
+    seen = [(accelerator.gradient_state.end_of_dataloader, accelerator.gradient_state.remainder, y.tolist())
+            for _, y in dl]
+    assert [f for f, _, _ in seen] == [False] * 5 + [True]
+    assert seen == theirs
 
 
 def test_drop_last_remainder_and_len():

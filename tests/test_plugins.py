@@ -170,10 +170,14 @@ def test_split_batches_argument_is_written_into_accelerates_configuration_object
         assert c.split_batches is True, cls.__module__
 
 
-def test_unsupported_dataloader_configuration_values_are_named():
+def test_dispatch_batches_of_either_configuration_object_dispatches():
+    from torch.utils.data import DataLoader
+
+    ref = _reference_accelerator(dataloader_config=theirs.DataLoaderConfiguration(dispatch_batches=True))
+    want = type(ref.prepare(DataLoader(list(range(8)), batch_size=2))).__name__
     for cls in (ours.DataLoaderConfiguration, theirs.DataLoaderConfiguration):
-        with pytest.raises(NotImplementedError, match="dispatch_batches=True"):
-            _ours(dataloader_config=cls(dispatch_batches=True))
+        dl = _ours(dataloader_config=cls(dispatch_batches=True)).prepare(DataLoader(list(range(8)), batch_size=2))
+        assert type(dl).__name__ == want == "DataLoaderDispatcher", cls.__module__
 
 
 # ---- AutocastKwargs, GradScalerKwargs --------------------------------------------------------------

@@ -116,6 +116,11 @@ def test_unsupported_features_raise_when_the_accelerator_is_built(kw, error, mat
         Accelerator.from_training_args(args)
 
 
+def test_dispatch_batches_reaches_the_accelerator():
+    acc = Accelerator.from_training_args(TrainingArguments(output_dir="out", accelerator_config={"dispatch_batches": True}))
+    assert acc.dataloader_config.dispatch_batches is True
+
+
 @pytest.mark.parametrize("name,value,match", [
     ("per_device_train_batch_size", 0, "must be >= 1"),
     ("per_device_eval_batch_size", 2.5, "expected an integer"),

@@ -72,7 +72,8 @@ def test_collective_gaps_on_n_processes(n):
 @pytest.mark.parametrize("pad", [False, True])
 def test_split_between_processes_selects_rows_of_a_datasets_dataset(monkeypatch, n, length, pad):
     """A datasets.Dataset is split by row (Dataset.select), as accelerate does: slicing one
-    would give a dict of columns. `datasets` is not installed here, so a stand-in module with
+    would give a dict of columns. A stand-in module (the real package: accelerate's own
+    test_split_between_processes_dataset, through the wheel-script runner) with
     the same select/len/row-slicing behaviour is used; rows must match the list split, which
     accelerate's own test_script.py checks (test_split_between_processes_list)."""
     import types
