@@ -279,6 +279,7 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         # opt-in only: process-wide (HostMallocKwargs / ACCELERATE_C_MALLOC_TUNING=1)
         host_malloc.apply(self.host_malloc_handler)
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._eval_only: set = set()  # id() of models prepared with evaluation_mode=True only
         self._custom_objects = []
         self.flag_tensor = None
 
@@ -332,8 +333,16 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         if device_placement is None:
             device_placement = self.device_placement
         if any(m is model for m in self._models):
+            if evaluation_mode or id(model) not in self._eval_only:
+                return model
+            # prepared for evaluation first (the Trainer's evaluate() before train()): its
+            # gradients get their buffers or shards now, or they would never be reduced
+            self._eval_only.discard(id(model))
+            self._grads.prepare_model(model, trainable=True)
             return model
         self._models.append(model)
+        if evaluation_mode:
+            self._eval_only.add(id(model))
         if device_placement and not getattr(model, "hf_device_map", None):
             model.to(self.device)
         if self._compute_dtype is not None and not evaluation_mode:  # accelerate leaves those as they are
@@ -629,6 +638,9 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         return norm
 
     def clip_grad_value_(self, parameters, clip_value):
+        if self._fsdp is not None and self.use_distributed:  # p.grad is None: nothing would be clipped
+            raise RuntimeError("clip_grad_value_ is not supported under FSDP (accelerate refuses it too): each "
+                               "process holds a shard of the gradients; use clip_grad_norm_")
         if self.sharding is not None:  # as accelerate: the engine only clips norms
             raise RuntimeError("clip_grad_value_ is not supported under DeepSpeed (accelerate refuses it too): the "
                                "DeepSpeed engine clips the gradients' norm at the configuration's gradient_clipping; "
@@ -750,6 +762,7 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         and empties caches; returns `objects` as Nones, for `a, b = accelerator.free_memory(a, b)`."""
         self._grads.clear()
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._eval_only = set()
         self._custom_objects = []
         self.step = 0
         gc.collect()

@@ -189,6 +189,9 @@ def fsdp_settings(plugin, mixed_precision: str = "no", device_type: str = "cpu")
     if offload and device_type != "cpu":
         raise NotImplementedError("FSDP cpu_offload=True on GPUs is not built in accelerate_c yet (on CPU processes "
                                   "the shards and the step are on the CPU already)")
+    if getattr(plugin, "activation_checkpointing_offload", False) or \
+            _flag(os.environ.get("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "false")):
+        raise NotImplementedError("FSDP activation_checkpointing_offload=True is not built in accelerate_c")
     if getattr(plugin, "ignored_modules", None):
         raise NotImplementedError("FSDP ignored_modules is not supported by accelerate_c yet")
     sdt = _name(plugin.state_dict_type, STATE_DICT_TYPES, "state_dict_type")

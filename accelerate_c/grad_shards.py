@@ -95,6 +95,8 @@ class GradShard:
         self._never = object()
         self.hooks = [p.register_post_accumulate_grad_hook(self.reducer.hook(i, self._never))
                       for i, p in enumerate(self.params)]
+        self.on_launched = None  # callable(last bucket launched): the reduce-scatters of buckets were launched
+        self.keep_free = MAX_INFLIGHT + 1  # staging buffers kept between backwards
 
     # ---- what the hooks call -------------------------------------------------------------
     def _on_first(self):
@@ -164,6 +166,8 @@ class GradShard:
             except RuntimeError as e:
                 raise RuntimeError(self._where(b) + f" could not start: {e}") from e
             self.works.append((b, work, staging))
+        if self.on_launched is not None:
+            self.on_launched(last == len(self.buckets))
 
     def _finish(self, item):
         b, work, staging = item
@@ -228,9 +232,20 @@ class GradShard:
             self.has = [h or s for h, s in zip(self.has, seen)]
             # the buckets launch in plan order: gradients arriving in another order keep more
             # buckets open at once (up to all of them); what that took is not kept beyond this
-            del self.free[MAX_INFLIGHT + 1:]
+            del self.free[self.keep_free:]
         finally:
             self.abort()
+
+    def drain(self) -> None:
+        """Waits for every reduce-scatter this shard launched and lands the sums (a strategy that
+        bounds how many shards have reductions in flight at once calls it on the oldest)."""
+        while self.works:
+            self._finish(self.works.pop(0))
+
+    def release_staging(self) -> None:
+        """Drops the staging buffers kept for the next backward (full sharding: a unit's buffer
+        is the unit's whole gradient, and units take turns)."""
+        self.free.clear()
 
     def abort(self):
         """Forgets what a backward half did, so the next one starts clean."""

@@ -26,6 +26,10 @@ from .ddp import broadcast_model
 from .zero import Owned
 from .zero2 import Zero2Strategy
 
+# units whose gradients' reduce-scatters may be in flight at once (each holds a staging buffer the
+# size of the unit's unsharded gradient while it runs)
+MAX_UNITS_IN_FLIGHT = 2
+
 
 class FsdpModel:
     """A prepared model's units, with the interface strategies/zero.py reads of ModelShards:
@@ -86,12 +90,18 @@ class FullShardStrategy(Zero2Strategy):
         self.param_dtype = param_dtype  # the gathers' and the compute's dtype (None: the parameters')
         self.activation_checkpointing = activation_checkpointing
         self._final_queued = False
+        self._in_flight: list = []  # GradShards whose reduce-scatters may still be running, oldest first
         self._state_dict_ok = 0  # > 0 while the strategy itself reads model.state_dict()
 
     # ---- prepare ------------------------------------------------------------------------
     def prepare_model(self, model, manager):
         if id(model) in self.models:
             return
+        held = {id(p) for fsdp in self.models.values() for unit in fsdp.units for ug in unit.groups for p in ug.params}
+        shared = [n for n, p in model.named_parameters() if id(p) in held]
+        if shared:
+            raise NotImplementedError(f"full sharding: parameters {', '.join(shared[:3])} belong to a model prepared "
+                                      "before; prepare models that share parameters as one module")
         broadcast_model(model)  # every process starts from rank 0's weights
         if self.param_dtype is not None:  # fp32 masters of 16-bit parameters, as accelerate's FSDP2 path
             for p in model.parameters():
@@ -119,9 +129,10 @@ class FullShardStrategy(Zero2Strategy):
             for ug in unit.groups:
                 if not ug.trainable or any(id(p) in self.held for p in ug.params):
                     continue
-                gs = _UnitGradShard(ug.group, ug.params, self.manager.name_of, self.find_unused, id(model),
-                                    dtype=ug.compute_dtype, shard_dtype=ug.shard.dtype)
-                gs.on_complete = lambda _u=unit: self._grads_landed(_u)
+                gs = GradShard(ug.group, ug.params, self.manager.name_of, self.find_unused, id(model),
+                               dtype=ug.compute_dtype, shard_dtype=ug.shard.dtype)
+                gs.on_launched = lambda done, _u=unit, _gs=gs: self._launched(_u, _gs, done)
+                gs.keep_free = 0  # a unit's staging is its whole gradient: none kept between backwards
                 self.grad_shards.append(gs)
                 for i, p in enumerate(ug.params):
                     self.held[id(p)] = (gs, i)
@@ -137,6 +148,10 @@ class FullShardStrategy(Zero2Strategy):
             model._zero2_zero_grad = original
             model.zero_grad = zero_grad
 
+    def _full_shape(self, shards, p):
+        ug, j = shards.locate()[id(p)]
+        return torch.Size(ug.group.shapes[j])
+
     def _run_view(self, shards, p, o):
         """The optimizer steps the parameter's run of its unit's shard: the master itself."""
         _, ug = shards.unit_of_group[id(o.group)]
@@ -146,8 +161,8 @@ class FullShardStrategy(Zero2Strategy):
     def _pre_forward_hook(self, unit):
         def hook(module, args, kwargs):
             unit.gather(self.rank, self.world)
-            if unit.state == "backward":  # activation checkpointing's recomputation inside backward
-                return None
+            if unit.state == "backward" or _in_backward():  # a checkpointed forward recomputed in backward:
+                return None  # its graph is not backpropagated through, and the unit's own hooks did the rest
             unit.state = "forward"
             if not torch.is_grad_enabled():
                 return None
@@ -164,7 +179,7 @@ class FullShardStrategy(Zero2Strategy):
 
     def _post_forward_hook(self, unit):
         def hook(module, args, output):
-            if unit.state == "backward":
+            if unit.state == "backward" or _in_backward():
                 return None
             needs_grad = False
             if torch.is_grad_enabled():
@@ -174,7 +189,9 @@ class FullShardStrategy(Zero2Strategy):
                         x.register_hook(self._pre_backward_hook(unit))
                         needs_grad = True
             unit.state = "idle"
-            if not needs_grad or (self.reshard_after_forward and not unit.is_root):
+            # the root stays gathered while grad is on, even when no output tensor is visible (a
+            # model returning a plain object): the end of backward or the step releases it
+            if not torch.is_grad_enabled() or (not unit.is_root and (not needs_grad or self.reshard_after_forward)):
                 unit.reshard()
             return None
         return hook
@@ -195,9 +212,19 @@ class FullShardStrategy(Zero2Strategy):
         unit.inputs_pending = max(0, unit.inputs_pending - 1)
         self._maybe_release(unit)
 
-    def _grads_landed(self, unit):
-        unit.grads_done = True
-        self._maybe_release(unit)
+    def _launched(self, unit, gs, done: bool):
+        """A unit's gradients launched their reduce-scatter: at most MAX_UNITS_IN_FLIGHT units'
+        staging buffers (each the unit's whole gradient) are alive at once; the oldest is waited
+        for and lands in its shard."""
+        if gs not in self._in_flight:
+            self._in_flight.append(gs)
+        while len(self._in_flight) > MAX_UNITS_IN_FLIGHT:
+            oldest = self._in_flight.pop(0)
+            oldest.drain()
+            oldest.release_staging()
+        if done:
+            unit.grads_done = True
+            self._maybe_release(unit)
 
     def _maybe_release(self, unit):
         if unit.state == "backward" and unit.grads_done and unit.inputs_pending == 0 and not unit.is_root:
@@ -211,6 +238,7 @@ class FullShardStrategy(Zero2Strategy):
         backward (a reentrant-checkpointed segment's) inside the one still running, whose next
         pre-backward hook queues this again; the optimizer step releases whatever is left."""
         self._final_queued = False
+        self._in_flight.clear()  # each shard's own end of backward waits for what it launched
         for fsdp in self.models.values():
             for unit in fsdp.units:
                 if unit.state == "backward":
@@ -354,6 +382,12 @@ class FullShardStrategy(Zero2Strategy):
         return targets, apply
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a forward now is an
+    activation checkpoint's recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _checkpoint_forward(module):
     """FSDP's activation_checkpointing: the unit's forward runs under non-reentrant
     torch.utils.checkpoint (accelerate applies it to the wrapped layers). The recomputation
@@ -373,16 +407,3 @@ def _checkpoint_forward(module):
 
     module.forward = forward
     module._ac_checkpointed = True
-
-
-class _UnitGradShard(GradShard):
-    """A unit's gradient shard that says when the unit's gradients have all landed (its one
-    bucket's reduce-scatter launched), so the unit's parameters can be released."""
-
-    on_complete = None
-
-    def _launch(self, first, last):
-        super()._launch(first, last)
-        if self.on_complete is not None and last == len(self.buckets):
-            self.on_complete()
-

@@ -23,6 +23,7 @@ and any other class is refused at prepare.
 from __future__ import annotations
 
 import datetime
+import math
 from typing import NamedTuple
 
 import torch
@@ -182,7 +183,8 @@ class Zero1Strategy(DDPStrategy):
                 book.views.append((view, p, o))
                 kept.append(view)
                 if p in old_state:
-                    new_state[view] = {k: self._slice_state(v, p, o, view.dtype) for k, v in old_state[p].items()}
+                    shape = self._full_shape(shards, p)
+                    new_state[view] = {k: self._slice_state(v, shape, o, view.dtype) for k, v in old_state[p].items()}
             group["params"] = kept
         optimizer.state = new_state
         self.optimizers[id(optimizer)] = book
@@ -194,9 +196,13 @@ class Zero1Strategy(DDPStrategy):
         # the parameter's own memory: the update writes the model directly
         return p.detach().view(-1).narrow(0, o.param_offset, o.length)
 
+    def _full_shape(self, shards, p):
+        """p's whole shape (full sharding overrides: there p.shape is its owned run's between steps)."""
+        return p.shape
+
     @staticmethod
-    def _slice_state(v, p, o, dtype):
-        if torch.is_tensor(v) and v.shape == p.shape:
+    def _slice_state(v, shape, o, dtype):
+        if torch.is_tensor(v) and v.shape == shape:
             return v.detach().reshape(-1).narrow(0, o.param_offset, o.length).to(dtype, copy=True)
         return v
 
@@ -367,7 +373,7 @@ class Zero1Strategy(DDPStrategy):
                     k = index.get(id(p))
                     if k is None or key not in keys_of.get(k, ()):
                         continue
-                    t = torch.empty(p.numel(), dtype=dtype, device=group.device)
+                    t = torch.empty(math.prod(group.shapes[j]), dtype=dtype, device=group.device)
                     for q in range(self.world):
                         l_off, p_off, length = group.plan.param_shard(j, q)
                         if length:

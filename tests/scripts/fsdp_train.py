@@ -13,7 +13,8 @@ Checked: the
 parameters after every optimizer step (gathered with accelerator.get_state_dict), the norms, the
 learning rates; that between steps each process holds 1/N of the parameters' and of the
 optimizer state's elements (counted from distinct storage); that no full gradient is left in
-p.grad; that model.state_dict() refuses clearly; eval under no_grad and inference_mode.
+p.grad; that model.state_dict() refuses clearly; eval under no_grad and inference_mode; (fp32) a
+model prepared for evaluation before it is prepared for training.
 """
 from __future__ import annotations
 
@@ -156,6 +157,10 @@ def subject(rank):
     assert acc.is_fsdp2 and acc.state.fsdp_plugin is plugin
     model, opt, sched = build()
     total = sum(p.numel() for p in model.parameters())
+    if MP == "fp32":  # prepared for evaluation first, as the Trainer's evaluate() before train() does
+        acc.prepare_model(model, evaluation_mode=True)
+        with torch.no_grad():
+            model(batches(rank)[0][0])
     model, opt, sched = acc.prepare(model, opt, sched)
     names = [n for n, _ in model.named_parameters()]
     calls = [0]  # a layer inside a unit: under activation checkpointing it runs again in backward
@@ -189,6 +194,12 @@ def subject(rank):
     assert abs(counts[1] - 2 * trainable) <= 2 * 64 * world * 3, (counts, trainable)
     # the storage behind the parameters is the shards (fp32), nothing full-size kept
     assert sum(held.values()) <= 4 * (total / world * 1.05 + 64 * 12), (held, total, world)
+    try:  # p.grad is None under full sharding: a clip by value would clip nothing, so it refuses
+        acc.clip_grad_value_(model.parameters(), 1.0)
+    except RuntimeError as e:
+        assert "FSDP" in str(e), e
+    else:
+        raise AssertionError("clip_grad_value_ under FSDP did not refuse")
     try:
         model.state_dict()
     except RuntimeError as e:
