@@ -133,20 +133,8 @@ class FullShardStrategy(Zero2Strategy):
                                dtype=ug.compute_dtype, shard_dtype=ug.shard.dtype)
                 gs.on_launched = lambda done, _u=unit, _gs=gs: self._launched(_u, _gs, done)
                 gs.keep_free = 0  # a unit's staging is its whole gradient: none kept between backwards
-                self.grad_shards.append(gs)
-                for i, p in enumerate(ug.params):
-                    self.held[id(p)] = (gs, i)
-        if not hasattr(model, "_zero2_zero_grad"):
-            original = model.zero_grad
-
-            def zero_grad(set_to_none: bool = True, _original=original, _key=id(model)):
-                _original(set_to_none=set_to_none)
-                for gs in self.grad_shards:
-                    if gs.model_key == _key:
-                        gs.clear(None, set_to_none)
-
-            model._zero2_zero_grad = original
-            model.zero_grad = zero_grad
+                self.hold(gs)
+        self.hook_model_zero_grad(model)
 
     def _full_shape(self, shards, p):
         ug, j = shards.locate()[id(p)]

@@ -57,10 +57,18 @@ class Zero2Strategy(Zero1Strategy):
                 names = ", ".join(self.manager.name_of(p) for p in params if id(p) in self.held)
                 raise NotImplementedError(f"ZeRO stage 2: parameters {names} belong to a model prepared before and "
                                           "to this one; prepare models that share parameters as one module")
-            gs = GradShard(group, params, self.manager.name_of, self.find_unused, model_key=id(model))
-            self.grad_shards.append(gs)
-            for i, p in enumerate(params):
-                self.held[id(p)] = (gs, i)
+            self.hold(GradShard(group, params, self.manager.name_of, self.find_unused, model_key=id(model)))
+        self.hook_model_zero_grad(model)
+
+    def hold(self, gs) -> None:
+        """From now on the strategy keeps the gradients of `gs`'s parameters."""
+        self.grad_shards.append(gs)
+        for i, p in enumerate(gs.params):
+            self.held[id(p)] = (gs, i)
+
+    def hook_model_zero_grad(self, model) -> None:
+        """model.zero_grad() reaches the gradient shards of its parameters (it would only see
+        `p.grad`, which is None); once per model."""
         if not hasattr(model, "_zero2_zero_grad"):
             original = model.zero_grad
 

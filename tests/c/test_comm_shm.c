@@ -644,32 +644,42 @@ static void *rank0_main(void *p) {
   return rank_main(&a);
 }
 
-TEST(a_peer_overwriting_the_header_gives_an_error_not_a_crash) {
-  job_t j = {.nranks = 2, .slot = SLOT, .timeout_ms = 5000, .fn = overwritten_rank};
-  fresh_name(j.name, sizeof j.name);
-  pthread_t th;
-  pthread_create(&th, NULL, rank0_main, &j);
+/* The segment rank 0 of job `name` creates, mapped as a hand-written peer sees it once rank 0
+ * has sized it and written its magic; NULL if that does not happen within 5 s. */
+static unsigned char *map_peer_segment(const char *name, size_t *bytes) {
   int fd = -1;
   struct stat st;
   for (int i = 0; i < 5000; i++) { /* rank 0 creates and sizes the segment */
-    fd = shm_open(j.name, O_RDWR, 0600);
+    fd = shm_open(name, O_RDWR, 0600);
     if (fd >= 0 && fstat(fd, &st) == 0 && st.st_size > 4096) break;
     if (fd >= 0) close(fd);
     fd = -1;
     usleep(1000);
   }
-  CHECK(fd >= 0);
+  if (fd < 0) return NULL;
   unsigned char *seg = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
-  CHECK(seg != MAP_FAILED);
+  if (seg == MAP_FAILED) return NULL;
   while (__atomic_load_n((uint64_t *)seg, __ATOMIC_ACQUIRE) == 0) usleep(100); /* the magic */
+  *bytes = (size_t)st.st_size;
+  return seg;
+}
+
+TEST(a_peer_overwriting_the_header_gives_an_error_not_a_crash) {
+  job_t j = {.nranks = 2, .slot = SLOT, .timeout_ms = 5000, .fn = overwritten_rank};
+  fresh_name(j.name, sizeof j.name);
+  pthread_t th;
+  pthread_create(&th, NULL, rank0_main, &j);
+  size_t seg_bytes = 0;
+  unsigned char *seg = map_peer_segment(j.name, &seg_bytes);
+  CHECK(seg != NULL);
   uint64_t far = (uint64_t)1 << 40;
   memcpy(seg + 24, &far, sizeof far);
   __atomic_store_n((uint64_t *)(seg + 64 + 64), UINT64_MAX >> 1, __ATOMIC_SEQ_CST); /* rank 1 always arrived */
   __atomic_store_n((int32_t *)(seg + 64 + 64 + 16), (int32_t)getpid(), __ATOMIC_SEQ_CST);
   __atomic_add_fetch((uint32_t *)(seg + 40), 1, __ATOMIC_SEQ_CST); /* joined */
   pthread_join(th, NULL);
-  munmap(seg, (size_t)st.st_size);
+  munmap(seg, seg_bytes);
   CHECK_EQ_INT(j.result[0], AC_ERR_COMM);
   CHECK(strstr(j.error[0], "segment header was overwritten") != NULL);
   CHECK(strstr(j.error[0], "data at 1099511627776") != NULL);
@@ -693,27 +703,16 @@ TEST(a_peer_that_arrives_then_exits_completes_the_collective) {
   CHECK(waitpid(gone, NULL, 0) == gone);
   pthread_t th;
   pthread_create(&th, NULL, rank0_main, &j);
-  int fd = -1;
-  struct stat st;
-  for (int i = 0; i < 5000; i++) {
-    fd = shm_open(j.name, O_RDWR, 0600);
-    if (fd >= 0 && fstat(fd, &st) == 0 && st.st_size > 4096) break;
-    if (fd >= 0) close(fd);
-    fd = -1;
-    usleep(1000);
-  }
-  CHECK(fd >= 0);
-  unsigned char *seg = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  CHECK(seg != MAP_FAILED);
-  while (__atomic_load_n((uint64_t *)seg, __ATOMIC_ACQUIRE) == 0) usleep(100); /* the magic */
+  size_t seg_bytes = 0;
+  unsigned char *seg = map_peer_segment(j.name, &seg_bytes);
+  CHECK(seg != NULL);
   __atomic_store_n((int32_t *)(seg + 64 + 64 + 16), (int32_t)getpid(), __ATOMIC_SEQ_CST);
   __atomic_add_fetch((uint32_t *)(seg + 40), 1, __ATOMIC_SEQ_CST); /* joined */
   usleep(5000); /* rank 0 is in the barrier, asleep on the futex (10 ms at a time) */
   __atomic_store_n((uint64_t *)(seg + 64 + 64), (uint64_t)1, __ATOMIC_SEQ_CST); /* arrives ... */
   __atomic_store_n((int32_t *)(seg + 64 + 64 + 16), (int32_t)gone, __ATOMIC_SEQ_CST); /* ... and is gone */
   pthread_join(th, NULL);
-  munmap(seg, (size_t)st.st_size);
+  munmap(seg, seg_bytes);
   CHECK_EQ_INT(j.result[0], AC_OK);
 }
 
