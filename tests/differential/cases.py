@@ -124,6 +124,11 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None) -> di
             c["zero_grad"] = "opt_none"
         c["fsdp_wrap"] = r.choice(FSDP_WRAPS)
         c["fsdp_reshard"] = r.random() < 0.7
+        # FSDP's own activation checkpointing (each unit recomputed in backward), and the model
+        # prepared for evaluation before it is prepared for training (the Trainer's evaluate()
+        # before train())
+        c["fsdp_ac"] = r.random() < 0.3
+        c["eval_first"] = r.random() < 0.3
     if c["sharding"] in ("zero1", "zero2") and c["mp"] != "no":
         # DeepSpeed has no DDP comm hooks; and a NaN gradient under bf16 is skipped by DeepSpeed
         # 0.19.3 on (bf16.check_grad_overflow) but stepped by older ones and by accelerate_c
@@ -211,7 +216,8 @@ def describe(c: dict) -> str:
     if c.get("sharding", "none") != "none":
         parts.append(f"sharding={c['sharding']}")
     if c.get("sharding") == "fsdp":
-        parts.append(f"wrap={c['fsdp_wrap']} reshard={c['fsdp_reshard']}")
+        parts.append(f"wrap={c['fsdp_wrap']} reshard={c['fsdp_reshard']} ac={c['fsdp_ac']} "
+                     f"eval_first={c['eval_first']}")
     if c["skip_first"]:
         parts.append(f"skip_first={c['skip_first']}")
     if c["overflow"] is not None:

@@ -61,7 +61,7 @@ def run(case: dict) -> dict:
     elif case.get("sharding") == "fsdp":
         sharding["fsdp_plugin"] = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy=case["fsdp_wrap"], reshard_after_forward=case["fsdp_reshard"],
-            min_num_params=50, transformer_cls_names_to_wrap=["Linear"])
+            min_num_params=50, transformer_cls_names_to_wrap=["Linear"], activation_checkpointing=case["fsdp_ac"])
     acc = Accelerator(cpu=True, mixed_precision=case["mp"], gradient_accumulation_steps=ga, kwargs_handlers=handlers,
                       dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]), **sharding)
     models = W.models(case)
@@ -69,6 +69,9 @@ def run(case: dict) -> dict:
     opts = W.optimizers(case, params)
     sched = W.schedule(opts[0])
     dl = W.loader(W.dataset(case), case)
+    if case.get("eval_first"):  # prepared for evaluation first: its gradients must still be reduced after
+        for m in models:
+            acc.prepare_model(m, evaluation_mode=True)
     prepared = acc.prepare(*models, *opts, dl, sched)
     n, k = len(models), len(opts)
     models, opts, (dl, sched) = list(prepared[:n]), list(prepared[n:n + k]), prepared[n + k:]
