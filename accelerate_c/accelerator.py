@@ -638,13 +638,13 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         return norm
 
     def clip_grad_value_(self, parameters, clip_value):
-        if self._fsdp is not None and self.use_distributed:  # p.grad is None: nothing would be clipped
-            raise RuntimeError("clip_grad_value_ is not supported under FSDP (accelerate refuses it too): each "
-                               "process holds a shard of the gradients; use clip_grad_norm_")
         if self.sharding is not None:  # as accelerate: the engine only clips norms
             raise RuntimeError("clip_grad_value_ is not supported under DeepSpeed (accelerate refuses it too): the "
                                "DeepSpeed engine clips the gradients' norm at the configuration's gradient_clipping; "
                                "use clip_grad_norm_")
+        if not self._grads.strategy.buffers_gradients:  # p.grad is None: nothing would be clipped
+            raise RuntimeError("clip_grad_value_ is not supported under FSDP (accelerate refuses it too): each "
+                               "process holds a shard of the gradients; use clip_grad_norm_")
         self.unscale_gradients()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         self._grads.ready(params)

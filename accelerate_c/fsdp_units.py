@@ -114,9 +114,17 @@ class UnitGroup:
         # cannot take part in autograd later); its storage is resized, never replaced
         self.flat = torch.empty(group.plan.total, dtype=self.compute_dtype, device=group.device)
         self.full_views = group.param_views(self.flat)
-        self.runs = [part.view if part is not None else self.shard[:0] for part in group.owned_views(self.shard)]
+        self.parts = group.owned_views(self.shard)  # per parameter: its OwnedPart of the shard, or None
+        self.runs = [part.view if part is not None else self.shard[:0] for part in self.parts]
         self.nbytes = self.flat.untyped_storage().nbytes()
         self.gathered = True  # as made: the storage exists (released by the first reshard)
+
+    def load_param(self, j: int, full: torch.Tensor) -> None:
+        """This process's run of parameter j from a full-size tensor of it (a loaded weight)."""
+        part = self.parts[j]
+        if part is not None:
+            with torch.no_grad():
+                part.view.copy_(full.detach().reshape(-1)[part.param_offset:part.param_offset + part.view.numel()])
 
     def point_at_runs(self):
         for p, run in zip(self.params, self.runs):

@@ -50,14 +50,12 @@ class FsdpModel:
                 self.masters[id(ug.group)] = ug.shard
                 for p, run in zip(ug.params, ug.group.runs()):
                     self.owned[id(p)] = Owned(ug.group, *run)
-
+        # id(param) -> (its UnitGroup, its index there), frozen parameters included
+        self.where = {id(p): (ug, j) for unit in units for ug in unit.groups for j, p in enumerate(ug.params)}
 
     def master(self, group):
         return self.masters[id(group)]
 
-    def locate(self) -> dict:
-        """id(param) -> (its UnitGroup, its index there), frozen parameters included."""
-        return {id(p): (ug, j) for unit in self.units for ug in unit.groups for j, p in enumerate(ug.params)}
 
 
 class _InputsDone(torch.autograd.Function):
@@ -137,7 +135,7 @@ class FullShardStrategy(Zero2Strategy):
         self.hook_model_zero_grad(model)
 
     def _full_shape(self, shards, p):
-        ug, j = shards.locate()[id(p)]
+        ug, j = shards.where[id(p)]
         return torch.Size(ug.group.shapes[j])
 
     def _run_view(self, shards, p, o):
@@ -297,7 +295,7 @@ class FullShardStrategy(Zero2Strategy):
         state-dict loading): each module's pre-hook takes its sharded parameters' entries out of
         the dict and copies this process's runs of them into the shards; the root's post-hook
         drops them from the missing keys."""
-        where = fsdp.locate()
+        where = fsdp.where
         taken: set = set()
 
         def pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -314,10 +312,7 @@ class FullShardStrategy(Zero2Strategy):
                         error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} "
                                           f"from checkpoint, the shape in current model is {shape}.")
                         continue
-                    part = ug.group.owned_views(ug.shard)[j]
-                    if part is not None:
-                        flat = value.detach().reshape(-1)
-                        part.view.copy_(flat[part.param_offset:part.param_offset + part.view.numel()])
+                    ug.load_param(j, value)
                     taken.add(key)
 
         def post_hook(module, incompatible):
@@ -338,7 +333,7 @@ class FullShardStrategy(Zero2Strategy):
         fsdp = self.models.get(id(model))
         if fsdp is None:
             return super().load_targets(model)
-        where = fsdp.locate()
+        where = fsdp.where
         with self.allow_state_dict():
             sd = model.state_dict(keep_vars=True)
         targets, made = {}, {}
@@ -352,21 +347,13 @@ class FullShardStrategy(Zero2Strategy):
             targets[name] = made[id(v)]
 
         def apply():
-            parts: dict = {}
-            with torch.no_grad():
-                for name, v in sd.items():
-                    hit = where.get(id(v))
-                    if hit is not None:
-                        ug, j = hit
-                        if id(ug) not in parts:
-                            parts[id(ug)] = ug.group.owned_views(ug.shard)
-                        part = parts[id(ug)][j]
-                        if part is not None:
-                            flat = targets[name].reshape(-1)
-                            part.view.copy_(flat[part.param_offset:part.param_offset + part.view.numel()])
-                for unit in fsdp.units:  # a unit gathered before the load holds the old values
-                    if unit.state == "idle":
-                        unit.reshard()
+            for name, v in sd.items():
+                hit = where.get(id(v))
+                if hit is not None:
+                    hit[0].load_param(hit[1], targets[name])
+            for unit in fsdp.units:  # a unit gathered before the load holds the old values
+                if unit.state == "idle":
+                    unit.reshard()
         return targets, apply
 
 
