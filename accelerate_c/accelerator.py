@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import math
 import os
 import warnings
@@ -68,6 +69,10 @@ def _batch_sampler_shard(dataloader):
         if isinstance(inner, BatchSamplerShard):
             return inner
     return None
+
+
+def _on_meta(model) -> bool:
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def _cast_inputs_half(module, args, kwargs):
@@ -343,7 +348,10 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         self._models.append(model)
         if evaluation_mode:
             self._eval_only.add(id(model))
-        if device_placement and not getattr(model, "hf_device_map", None):
+        if device_placement and not getattr(model, "hf_device_map", None) and not (
+                self.use_distributed and _on_meta(model)):
+            # (a model on the meta device, on processes other than the main one, is placed by the
+            # strategy: full sharding loads the main process's weights into it, the others refuse)
             model.to(self.device)
         if self._compute_dtype is not None and not evaluation_mode:  # accelerate leaves those as they are
             if not self.use_distributed:
@@ -361,7 +369,8 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
                 strategy = FullShardStrategy(self._grads, h, wrap_policy=f.wrap_policy, wrap_classes=f.wrap_classes,
                                              min_num_params=f.min_num_params, param_dtype=f.param_dtype,
                                              reshard_after_forward=f.reshard_after_forward,
-                                             activation_checkpointing=f.activation_checkpointing)
+                                             activation_checkpointing=f.activation_checkpointing,
+                                             device=self.device)
             elif self._zero_stage in (1, 2):
                 kind = Zero1Strategy if self._zero_stage == 1 else Zero2Strategy
                 zero_cfg = self.sharding.config.get("zero_optimization") or {}
@@ -595,12 +604,16 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
 
     def _clip_norm(self, params, max_norm, norm_type):
         """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
-        trainable = [p for p in params if p.requires_grad]
         self._grads.prepare_step()
-        held = self._grads.strategy.sharded_norm(trainable, max_norm, norm_type)
-        if held is not None:  # ZeRO-2: the gradients are shards the strategy holds
-            return held
-        groups = self._grads.full_groups(trainable) if trainable else None
+        strategy = self._grads.strategy
+        if not strategy.buffers_gradients:  # ZeRO-2 / full sharding: shards the strategy holds
+            held = strategy.sharded_norm([p for p in params if p.requires_grad], max_norm, norm_type)
+            if held is not None:
+                return held
+        # frozen parameters are simply outside every group (no gradient: nothing to count, as
+        # in torch); not filtering them saves a walk over every parameter right after backward,
+        # when each one it touches is a cache miss
+        groups = self._grads.full_groups(params) or None if params else None
         if groups is not None and norm_type in (2.0, math.inf):
             # under DeepSpeed nothing is unscaled in place: its engine unscales the fp32 copies
             inv = 1.0 / self.scaler.get_scale() if self.scaler is not None and self.sharding is None else None

@@ -103,12 +103,13 @@ class UnitGroup:
     shard (the parameters' dtype), each parameter's owned run of it, and the full-size flat
     buffer in the compute dtype whose memory exists only while the unit is gathered."""
 
-    def __init__(self, group, params, compute_dtype, label: str = "unit"):
+    def __init__(self, group, params, compute_dtype, label: str = "unit", values=None):
         self.label = label  # the unit's module, for errors: "unit 'layers.3' (LlamaDecoderLayer)"
         self.group = group
         self.params = params  # in plan parameter order
         self.trainable = params[0].requires_grad
-        self.shard = group.load_shard(params)  # this rank's runs of the parameters as prepare saw them
+        # this rank's runs of the parameters' values (default: as prepare found them)
+        self.shard = group.load_shard(params if values is None else values)
         self.compute_dtype = compute_dtype if compute_dtype is not None else group.dtype
         # made once, outside any inference_mode() a forward may run in (an inference tensor
         # cannot take part in autograd later); its storage is resized, never replaced
@@ -205,8 +206,12 @@ class Unit:
                 g.reshard()
 
 
-def build_units(model, modules, world: int, rank: int, compute_dtype=None) -> list[Unit]:
-    """The units of `model` (modules from unit_modules), each parameter moved into its shard."""
+def build_units(model, modules, world: int, rank: int, compute_dtype=None, device=None, src=None) -> list[Unit]:
+    """The units of `model` (modules from unit_modules), each parameter moved into its shard on
+    `device` (default: where it is). With `src`, every process takes rank src's values (a
+    collective): one broadcast per unit group, so at most one unit's full weights are in flight
+    and a process whose model is on the meta device (transformers' cpu_ram_efficient_loading)
+    never holds more than that; each unit is resharded as soon as it is built."""
     held = assign_params(modules)
     module_names = {id(m): n for n, m in model.named_modules()}
     units = []
@@ -214,6 +219,8 @@ def build_units(model, modules, world: int, rank: int, compute_dtype=None) -> li
         label = f"unit {module_names.get(id(m)) or '<root>'!r} ({type(m).__name__})"
         unit = Unit(m, k, is_root=k == len(modules) - 1)
         params = [p for _, p in named]
+        if device is not None:
+            _place(params, device, keep_values=src is None or rank == src)
         for trainable in (True, False):
             subset = [p for p in params if p.requires_grad == trainable]
             if not subset:
@@ -224,9 +231,40 @@ def build_units(model, modules, world: int, rank: int, compute_dtype=None) -> li
             for group in layout:
                 members = [subset[j] for j in group.indices]
                 cd = compute_dtype if (compute_dtype is not None and group.dtype.is_floating_point) else None
-                unit.groups.append(UnitGroup(group, members, cd, label))
+                values = None if src is None else _from_src(group, members, rank, src, label)
+                unit.groups.append(UnitGroup(group, members, cd, label, values))
+        unit.reshard()  # the parameters point at their runs: the unit's full storage goes
         units.append(unit)
-    for unit in units:  # only once every shard holds its values: a tied parameter is read once
-        for g in unit.groups:
-            g.reshard()
     return units
+
+
+def _place(params, device, keep_values: bool) -> None:
+    """Puts `params` on `device`: moved when their values are needed, else (another process's
+    values will be loaded into their runs) only allocated there, which is also what a
+    parameter on the meta device gets."""
+    for p in params:
+        if p.is_meta:
+            # a meta tensor's data cannot be re-pointed at real memory; swapping the contents of
+            # the Parameter object keeps it the object the module and the optimizer hold
+            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty_like(p, device=device),
+                                                           requires_grad=p.requires_grad))
+        elif p.device != device:
+            with torch.no_grad():
+                p.data = p.data.to(device) if keep_values else torch.empty_like(p, device=device)
+
+
+def _from_src(group, members, rank: int, src: int, label: str) -> list:
+    """The group's parameters as rank `src` holds them, in one full-size buffer broadcast from
+    it (a collective; the values of the other processes' parameters are not read)."""
+    full = torch.empty(group.plan.total, dtype=group.dtype, device=group.device)
+    views = group.param_views(full)
+    if rank == src:
+        with torch.no_grad():
+            for v, p in zip(views, members):
+                v.copy_(p.detach())
+    try:
+        collectives.broadcast(full, src=src)
+    except RuntimeError as e:
+        raise RuntimeError(f"rank {rank}: full sharding, {label}: the broadcast of rank {src}'s weights at prepare "
+                           f"failed or timed out ({e})") from e
+    return views

@@ -83,13 +83,15 @@ def test_one_process_reports_fsdp():
 SEED_CONFIG = os.path.join(os.path.dirname(__file__), "data", "fsdp_seed_config.yaml")
 
 
-def test_the_seed_fsdp_config_trains_llama_on_4_processes():
+def test_the_seed_fsdp_config_trains_llama_on_4_processes(tmp_path):
     """The transformers Trainer page's FSDP config file, verbatim (tests/data/fsdp_seed_config.yaml),
-    through `accelerate-c launch --config_file`: a LlamaForCausalLM from a small LlamaConfig,
-    against the unsharded same-policy run (1e-3) and the autocast run (3e-2) computed in the
-    script; ~1/4 of the elements per process; generate() as the unsharded model's."""
+    through `accelerate-c launch --config_file`: a LlamaForCausalLM loaded with from_pretrained
+    from a local folder on the main process and built on the meta device on processes 1-3 (the
+    config's cpu_ram_efficient_loading), against the unsharded same-policy run (1e-3) and the autocast run
+    (3e-2) computed in the script; ~1/4 of the elements per process; generate() as the unsharded
+    model's."""
     res = launch(["--config_file", SEED_CONFIG, "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "fsdp_seed_llama.py")], timeout=wait_s(240))
+                  os.path.join(SCRIPTS, "fsdp_seed_llama.py"), str(tmp_path / "llama")], timeout=wait_s(240))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "fsdp seed llama OK on 4 processes" in res.stdout
 
@@ -165,3 +167,10 @@ def test_a_collective_called_on_one_process_names_the_unit_within_the_timeout():
                   os.path.join(SCRIPTS, "fsdp_one_rank.py")], timeout=wait_s(120))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "one-rank get_state_dict refused after" in res.stdout and "unit 'a' (Linear)" in res.stdout
+
+
+def test_meta_models_are_refused_by_name_where_they_cannot_be_loaded():
+    """A model on the meta device on a process other than the main one: refused by data
+    parallelism on every process (naming the process and the parameter), accepted by full
+    sharding (which the seed-config test loads that way); the main process on meta: refused."""
+    _script_passes(2, "meta_models.py", says="meta models refused OK on 2 processes")

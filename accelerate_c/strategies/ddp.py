@@ -434,27 +434,45 @@ def sync_gradients(groups, unbuffered) -> None:
         k += 1
 
 
-def broadcast_model(model: torch.nn.Module, src: int = 0) -> None:
-    """Gives every rank rank `src`'s parameters and buffers, after checking that the models
-    have the same structure (a mismatch is an error naming the first difference, not a hang)."""
+def check_same_structure(model: torch.nn.Module, src: int = 0, allow_meta: bool = False) -> list:
+    """Checks that every rank's model has the same parameters and buffers (names, shapes,
+    dtypes) as rank `src`'s, which holds real values; returns [(kind, name, tensor)]. A
+    difference is an error naming the first one on every rank (not a hang). Tensors on the
+    meta device (transformers' from_pretrained builds the model there on all but the main
+    process when FSDP's cpu_ram_efficient_loading is on) are accepted on the other ranks only
+    with allow_meta, by full sharding, which sends each process its shards from rank `src`."""
     tensors = [("parameter", n, t) for n, t in model.named_parameters()] + \
               [("buffer", n, t) for n, t in model.named_buffers()]
-    mine = [(kind, name, tuple(t.shape), str(t.dtype)) for kind, name, t in tensors]
+    mine = [(kind, name, tuple(t.shape), str(t.dtype), t.is_meta) for kind, name, t in tensors]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    want = [e[:4] for e in everyone[src]]
     for rank, theirs in enumerate(everyone):
-        if theirs != everyone[src]:
-            diff = next(((a, b) for a, b in zip(theirs, everyone[src]) if a != b), None)
+        if [e[:4] for e in theirs] != want:
+            diff = next(((a, b) for a, b in zip(theirs, everyone[src]) if a[:4] != b[:4]), None)
             detail = (f"rank {rank} has {diff[0][0]} {diff[0][1]!r} {diff[0][2]} {diff[0][3]}, rank {src} has "
                       f"{diff[1][0]} {diff[1][1]!r} {diff[1][2]} {diff[1][3]}") if diff else \
                 f"rank {rank} has {len(theirs)} tensors, rank {src} has {len(everyone[src])}"
             raise ValueError(f"the model differs across processes: {detail}")
+    for rank, theirs in enumerate(everyone):
+        meta = next((e for e in theirs if e[4]), None)
+        if meta is not None and (rank == src or not allow_meta):
+            why = ("every process takes its weights, so they must be real there" if rank == src else
+                   "only full sharding (FSDP) loads a model the other processes hold on the meta device "
+                   "(FSDP_CPU_RAM_EFFICIENT_LOADING); here every process needs real weights")
+            raise ValueError(f"rank {rank} has {meta[0]} {meta[1]!r} on the meta device (no values): {why}")
+    return tensors
+
+
+def broadcast_model(model: torch.nn.Module, src: int = 0) -> None:
+    """Gives every rank rank `src`'s parameters and buffers, after check_same_structure."""
+    tensors = check_same_structure(model, src)
     with torch.no_grad():
         for _, _, t in tensors:
             collectives.broadcast(t.data, src=src)
 
 
-def _broadcast_buffers(module, src: int):
+def broadcast_buffers(module, src: int):
     """Every rank takes rank `src`'s buffers, one broadcast per dtype and device."""
     by_dtype: dict = {}
     for b in module.buffers():
@@ -498,7 +516,7 @@ def register_forward_sync(model: torch.nn.Module, manager, strategy):
             src = int(flags[2])
         if bcast:
             with torch.no_grad():
-                _broadcast_buffers(module, src)
+                broadcast_buffers(module, src)
 
     # registered even without buffers: join_uneven_inputs() needs it. One per model, whoever
     # prepares it again (transformers' Trainer frees and re-prepares its model at every train()):
@@ -528,7 +546,7 @@ class _ShadowHook:
         will_reduce, bcast, src = (int(v) for v in flags.tolist())
         if bcast:
             with torch.no_grad():
-                _broadcast_buffers(m, src)
+                broadcast_buffers(m, src)
         if not will_reduce:
             return
         comm = j.strategy
@@ -573,7 +591,7 @@ class _ShadowHook:
         with torch.no_grad():
             for p in j.model.parameters():
                 collectives.broadcast(p.data, src=src)
-            _broadcast_buffers(j.model, src)
+            broadcast_buffers(j.model, src)
 
 
 class ModelJoinable(Joinable):

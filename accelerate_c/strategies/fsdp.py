@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..fsdp_units import build_units, unit_modules
 from ..grad_shards import GradShard
-from .ddp import broadcast_model
+from .ddp import broadcast_buffers, check_same_structure
 from .zero import Owned
 from .zero2 import Zero2Strategy
 
@@ -79,8 +79,9 @@ class FullShardStrategy(Zero2Strategy):
     stage = 3
 
     def __init__(self, manager, handler=None, *, wrap_policy="NO_WRAP", wrap_classes=(), min_num_params=0,
-                 reshard_after_forward=True, param_dtype=None, activation_checkpointing=False):
+                 reshard_after_forward=True, param_dtype=None, activation_checkpointing=False, device=None):
         super().__init__(manager, handler, fp32_masters=False, ignore_unused=False)
+        self.device = torch.device("cpu") if device is None else torch.device(device)  # where the shards live
         self.wrap_policy = wrap_policy
         self.wrap_classes = tuple(wrap_classes or ())
         self.min_num_params = min_num_params
@@ -100,7 +101,10 @@ class FullShardStrategy(Zero2Strategy):
         if shared:
             raise NotImplementedError(f"full sharding: parameters {', '.join(shared[:3])} belong to a model prepared "
                                       "before; prepare models that share parameters as one module")
-        broadcast_model(model)  # every process starts from rank 0's weights
+        # every process starts from rank 0's weights: its buffers now, its parameters unit by
+        # unit (build_units); the others may hold theirs on the meta device
+        check_same_structure(model, src=0, allow_meta=True)
+        _take_buffers(model, self.device, src=0)
         if self.param_dtype is not None:  # fp32 masters of 16-bit parameters, as accelerate's FSDP2 path
             for p in model.parameters():
                 if p.requires_grad and p.dtype != torch.float32 and p.is_floating_point():
@@ -108,7 +112,7 @@ class FullShardStrategy(Zero2Strategy):
         for name, p in model.named_parameters():
             manager.names.setdefault(id(p), name)
         modules = unit_modules(model, self.wrap_policy, self.wrap_classes, self.min_num_params)
-        units = build_units(model, modules, self.world, self.rank, self.param_dtype)
+        units = build_units(model, modules, self.world, self.rank, self.param_dtype, device=self.device, src=0)
         self.models[id(model)] = fsdp = FsdpModel(units)
         for unit in units:
             m = unit.module
@@ -117,6 +121,10 @@ class FullShardStrategy(Zero2Strategy):
         if self.activation_checkpointing:
             for unit in units[:-1]:
                 _checkpoint_forward(unit.module)
+        # transformers' mark of a model FSDP manages (its is_fsdp_managed_module): generate()
+        # then keeps a process whose sequences are done stepping until every process is
+        # (synced_gpus), since each forward gathers units with all of them
+        model._is_fsdp_managed_module = True
         model.register_state_dict_pre_hook(self._state_dict_guard)
         self._hook_full_loads(model, fsdp)
 
@@ -355,6 +363,18 @@ class FullShardStrategy(Zero2Strategy):
                 if unit.state == "idle":
                     unit.reshard()
         return targets, apply
+
+
+def _take_buffers(model, device, src: int) -> None:
+    """Every process takes rank `src`'s buffers on `device`, non-persistent ones included (a
+    rotary embedding's inv_freq, which transformers leaves as a placeholder on the processes
+    that load on the meta device); a buffer on the meta device is first made there."""
+    for module in model.modules():
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b.is_meta or b.device != device:
+                # setattr on a registered buffer replaces it and keeps its persistence
+                setattr(module, name, torch.empty_like(b, device=device) if b.is_meta else b.to(device))
+    broadcast_buffers(model, src)
 
 
 def _in_backward() -> bool:

@@ -11,8 +11,8 @@
 /* grad_views(params, views, ptrs, dtype, device_index) -> list of indices, or None.
  *
  * None: the group is broken (a parameter was cast or moved after prepare(): its dtype is not
- * `dtype`, or it is not on the group's device: the CPU for device_index -1, else CUDA device
- * `device_index` (p.is_cuda and p.get_device()), or a `.grad` that still is
+ * `dtype`, or it is not on the group's device: the CPU for device_index -1 (p.is_cpu), else CUDA
+ * device `device_index` (p.is_cuda and p.get_device()), or a `.grad` that still is
  * its view has had its storage swapped underneath, as module._apply does with
  * `param.grad.data = ...`). Otherwise: the indices i whose params[i].grad is not views[i]
  * (None or an assigned tensor), which the caller resyncs; an empty list is the common case. */
@@ -21,13 +21,13 @@ enum { GV_VIEW = 0, GV_LOOSE = 1, GV_BROKEN = 2 };
 /* One parameter: GV_VIEW (its .grad is its view, intact), GV_LOOSE (.grad is None or another
  * tensor), GV_BROKEN (cast or moved, see grad_views), or -1 with an exception set. */
 /* The attribute names the walk looks up, interned once (they live as long as the process). */
-static PyObject *s_grad, *s_dtype, *s_get_device, *s_data_ptr, *s_is_cuda;
+static PyObject *s_grad, *s_dtype, *s_get_device, *s_data_ptr, *s_is_cuda, *s_is_cpu;
 
 static int intern_names(void) {
-  if (s_is_cuda) return 0;
-  PyObject **slots[] = {&s_grad, &s_dtype, &s_get_device, &s_data_ptr, &s_is_cuda};
-  const char *names[] = {"grad", "dtype", "get_device", "data_ptr", "is_cuda"};
-  for (int k = 0; k < 5; k++)
+  if (s_is_cpu) return 0;
+  PyObject **slots[] = {&s_grad, &s_dtype, &s_get_device, &s_data_ptr, &s_is_cuda, &s_is_cpu};
+  const char *names[] = {"grad", "dtype", "get_device", "data_ptr", "is_cuda", "is_cpu"};
+  for (int k = 0; k < 6; k++)
     if (!*slots[k] && !(*slots[k] = PyUnicode_InternFromString(names[k]))) return -1;
   return 0;
 }
@@ -38,18 +38,30 @@ static int grad_view_state(PyObject *p, PyObject *v, PyObject *ptr0, PyObject *d
   int same_dtype = dt == dtype;
   Py_DECREF(dt);
   if (!same_dtype) return GV_BROKEN;
-  /* the device type first: get_device() gives 0 for device 0 of any accelerator */
-  PyObject *c = PyObject_GetAttr(p, s_is_cuda);
-  if (!c) return -1;
-  int is_cuda = PyObject_IsTrue(c);
-  Py_DECREF(c);
-  if (is_cuda < 0) return -1;
-  PyObject *d = PyObject_CallMethodNoArgs(p, s_get_device);
-  if (!d) return -1;
-  long pd = PyLong_AsLong(d); /* -1 on the CPU */
-  Py_DECREF(d);
-  if (pd == -1 && PyErr_Occurred()) return -1;
-  if (is_cuda != (dev >= 0) || pd != dev) return GV_BROKEN;
+  if (dev < 0) {
+    /* a CPU group: one attribute read (the walk runs right after backward, when every object
+     * it touches is out of cache, so each lookup it saves counts) */
+    PyObject *c = PyObject_GetAttr(p, s_is_cpu);
+    if (!c) return -1;
+    int is_cpu = PyObject_IsTrue(c);
+    Py_DECREF(c);
+    if (is_cpu < 0) return -1;
+    if (!is_cpu) return GV_BROKEN;
+  } else {
+    /* the device type first: get_device() gives 0 for device 0 of any accelerator */
+    PyObject *c = PyObject_GetAttr(p, s_is_cuda);
+    if (!c) return -1;
+    int is_cuda = PyObject_IsTrue(c);
+    Py_DECREF(c);
+    if (is_cuda < 0) return -1;
+    if (!is_cuda) return GV_BROKEN;
+    PyObject *d = PyObject_CallMethodNoArgs(p, s_get_device);
+    if (!d) return -1;
+    long pd = PyLong_AsLong(d);
+    Py_DECREF(d);
+    if (pd == -1 && PyErr_Occurred()) return -1;
+    if (pd != dev) return GV_BROKEN;
+  }
   PyObject *g = PyObject_GetAttr(p, s_grad);
   if (!g) return -1;
   int is_view = g == v;

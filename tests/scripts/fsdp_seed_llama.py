@@ -1,8 +1,13 @@
 """The project's lead configuration: the FSDP config file of the transformers Trainer page
 (distributed_type FSDP, fsdp_version 2, TRANSFORMER_BASED_WRAP of LlamaDecoderLayer, bf16,
 4 processes), passed verbatim to `accelerate-c launch --config_file` by tests/test_fsdp.py, trains
-transformers' LlamaForCausalLM built from a small LlamaConfig. The script has no FSDP code of its
-own: the Accelerator reads the launcher's variables.
+transformers' LlamaForCausalLM. The script has no FSDP code of its own: the Accelerator reads the
+launcher's variables. With a folder argument the model comes from `from_pretrained` of a local
+safetensors folder (the main process writes it first) on the main process only, while the others
+build it on the meta device (what cpu_ram_efficient_loading is for: one copy of the weights on
+the host; transformers 4.x's from_pretrained did this itself under the launcher's FSDP
+variables, 5.x loads on every process): prepare sends each process its shards, and the rotary
+embedding's non-persistent buffers, from the main process.
 
 Checked against references computed here in torch, on one process with the global batch: the
 unsharded run with the same precision policy (fp32 masters, bf16 copies for the compute: 1e-3
@@ -13,6 +18,7 @@ unsharded model with the gathered weights.
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 import torch.distributed as dist
@@ -56,6 +62,17 @@ def main():
     assert acc.distributed_type == "FSDP" and acc.is_fsdp2 and acc.mixed_precision == "bf16", acc.distributed_type
     rank, world = acc.process_index, acc.num_processes
     model, opt = build()
+    if len(sys.argv) > 1:  # from a local folder, as the seed's users load their model
+        folder = sys.argv[1]
+        if acc.is_main_process:
+            model.save_pretrained(folder)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            model = LlamaForCausalLM.from_pretrained(folder)
+        else:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(LlamaConfig.from_pretrained(folder))
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     total = sum(p.numel() for p in model.parameters())
     model, opt = acc.prepare(model, opt)
     for ids in global_batches(world):
@@ -81,10 +98,14 @@ def main():
     plain, _ = build()  # the same weights, unsharded, computing in bf16 as the policy does
     plain.load_state_dict(got)
     plain.to(torch.bfloat16)
+    # each process generates a different number of tokens: transformers keeps the finished
+    # ones stepping (synced_gpus, which it turns on for a model full sharding manages) so that
+    # every process takes part in every unit's gather until the last one is done
+    new_tokens = 2 + 2 * rank
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            expect = plain.generate(prompt, max_new_tokens=4, do_sample=False)
+            expect = plain.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
     assert torch.equal(out, expect), (out, expect)
     dist.barrier()
     if rank == 0:
