@@ -120,12 +120,13 @@ def _run_on_writer(acc, fn: Callable, doing: str):
 
 
 # ---- small API ---------------------------------------------------------------------------------------
-def get_state_dict(acc, model, strategy, unwrap: bool = True):
+def get_state_dict(acc, model, strategy, unwrap: bool = True, keep: bool | None = None):
     """The model's full state dict, as the gradient strategy has it (one process, DDP: the
-    model's own; a sharding strategy gathers the shards)."""
+    model's own; full sharding gathers the shards, to the main process unless `keep` says
+    this process needs them too)."""
     if unwrap:
         model = acc.unwrap_model(model)
-    return strategy.model_state_dict(model)
+    return strategy.model_state_dict(model, keep)
 
 
 def register_for_checkpointing(acc, *objects):
@@ -401,7 +402,8 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
     try:
         if err is not None:
             raise err
-        weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
+        # the weights where they are written (full sharding gathers them there; a collective)
+        weights = [get_state_dict(acc, m, acc._grads.strategy, unwrap=False, keep=writer) for m in acc._models]
         for hook in list(acc.__dict__.get("_save_model_state_pre_hook", {}).values()):
             hook(acc._models, weights, tmp)
         jobs = _writer_jobs(acc, tmp, weights, safe_serialization) if writer else []

@@ -140,8 +140,9 @@ class Trainer(transformers.Trainer):
         if not self._sharded():
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.accelerator.get_state_dict(self.model)
-        self._save(output_dir, state_dict=state_dict)
+        state_dict = self.accelerator.get_state_dict(self.model)  # the main process's; {} elsewhere
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

@@ -178,6 +178,8 @@ class GradStrategy:
         applies them, or None when the tensors are the model's own)."""
         return model.state_dict(), None
 
-    def model_state_dict(self, model) -> dict:
-        """The full state dict of `model` (as a single-process model's)."""
+    def model_state_dict(self, model, keep: bool | None = None) -> dict:
+        """The full state dict of `model` (as a single-process model's). `keep`: whether this
+        process needs it (None: the strategy's default); a strategy that gathers the weights
+        (full sharding) gives {} where it is False."""
         return model.state_dict()

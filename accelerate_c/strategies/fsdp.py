@@ -278,22 +278,33 @@ class FullShardStrategy(Zero2Strategy):
         finally:
             self._state_dict_ok -= 1
 
-    def full_params(self, model) -> dict:
-        """id(param) -> its full value in the shard's dtype, gathered unit by unit (a collective)."""
+    def full_params(self, model, keep: bool | None = None) -> dict:
+        """Where `keep` (default: on the main process only): id(param) -> its full value in the
+        shard's dtype; elsewhere {}.
+        Gathered unit group by unit group (a collective every process calls): the other
+        processes hold one group's full weights at a time and keep none, as FSDP2's full state
+        dict with cpu_offload, which accelerate asks for."""
         fsdp = self.models[id(model)]
+        keep = self.rank == 0 if keep is None else keep
         out = {}
         with torch.no_grad():
             for unit in fsdp.units:
                 for ug in unit.groups:
-                    for p, v in zip(ug.params, ug.gather_full(self.rank, self.world)):
-                        out[id(p)] = v
+                    values = ug.gather_full(self.rank, self.world)
+                    if keep:
+                        out.update((id(p), v) for p, v in zip(ug.params, values))
         return out
 
-    def model_state_dict(self, model) -> dict:
-        """The full state dict in the model's own names (a collective every process calls)."""
+    def model_state_dict(self, model, keep: bool | None = None) -> dict:
+        """The full state dict in the model's own names where `keep` (default: on the main
+        process, {} on the others: accelerate's get_state_dict under FSDP2); a collective every
+        process calls."""
         if id(model) not in self.models:
             return model.state_dict()
-        values = self.full_params(model)
+        keep = self.rank == 0 if keep is None else keep
+        values = self.full_params(model, keep)
+        if not keep:
+            return {}
         with self.allow_state_dict():
             sd = model.state_dict(keep_vars=True)
         return {k: (values[id(v)] if id(v) in values else v.detach()) for k, v in sd.items()}

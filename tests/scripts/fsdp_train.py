@@ -177,6 +177,10 @@ def subject(rank):
             opt.zero_grad()
         if acc.sync_gradients:
             sd = acc.get_state_dict(model)
+            assert bool(sd) == (rank == 0), "get_state_dict: the main process's weights, {} elsewhere (FSDP2's)"
+            box = [sd]
+            dist.broadcast_object_list(box, src=0)  # every process checks them
+            sd = box[0]
             trace.append(({n: sd[n] for n in names if n in sd}, float(norm), sched.get_last_lr()))
     runs = 1 if CKPT == "none" else 2  # the forward, and the recomputation of a checkpointed one
     assert calls[0] == runs * len(batches(rank)), (calls, CKPT)

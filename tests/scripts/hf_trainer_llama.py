@@ -85,8 +85,9 @@ def run(out, backend, mp, interrupt_at=None, resume=False, max_steps=8, save_mod
         torch.save({k: v.detach().clone() for k, v in state.items()}, os.path.join(out, "final.pt"))
     reloaded = None
     if save_model:  # trainer.save_model() writes what from_pretrained loads, equal to the trained weights
-        trainer.save_model(os.path.join(out, "saved"))
+        trainer.save_model(os.path.join(out, "saved"))  # every process (a collective under full sharding)
         trainer.accelerator.wait_for_everyone()
+    if save_model and trainer.accelerator.is_main_process:  # its state: the others get {} under FSDP
         back = LlamaForCausalLM.from_pretrained(os.path.join(out, "saved")).state_dict()
         reloaded = all(torch.equal(back[k].float(), v.float()) for k, v in state.items() if k in back) and \
             set(back) <= set(state)

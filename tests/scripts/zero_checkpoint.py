@@ -91,7 +91,11 @@ def train(acc, model, opt, first, rank, world):
 
 def values(acc, model):
     """The parameters in model order, whole (under full sharding each process holds a shard)."""
-    sd = acc.get_state_dict(model)
+    sd = acc.get_state_dict(model)  # under full sharding the main process's ({} elsewhere)
+    if dist.get_world_size() > 1:
+        box = [sd]
+        dist.broadcast_object_list(box, src=0)
+        sd = box[0]
     return [sd[n].float().clone() for n, _ in model.named_parameters()]
 
 
