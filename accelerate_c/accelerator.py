@@ -220,6 +220,12 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
             self.sharding = sharding_from_config(ds_plugin, mixed_precision=mixed_precision,
                                                  gradient_accumulation_steps=steps,
                                                  num_processes=self.state.num_processes)
+            zero = self.sharding.config.get("zero_optimization") or {}
+            offload_param = (zero.get("offload_param") or {}).get("device", "none")
+            if offload_param == "cpu" and self.state.device.type != "cpu":
+                raise NotImplementedError("DeepSpeed zero_optimization.offload_param.device='cpu' on "
+                                          f"{self.state.device}: parameter offload from a GPU is not built in "
+                                          "accelerate_c yet (on CPU processes the parameters are on the CPU already)")
             if self.sharding.offload_optimizer == "cpu" and self.state.device.type != "cpu":
                 raise NotImplementedError("DeepSpeed zero_optimization.offload_optimizer.device='cpu' on "
                                           f"{self.state.device}: optimizer offload from a GPU is not built in "
@@ -371,6 +377,8 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
                                              reshard_after_forward=f.reshard_after_forward,
                                              activation_checkpointing=f.activation_checkpointing,
                                              device=self.device)
+            elif self._zero_stage == 3:
+                strategy = self._zero3_strategy(h)
             elif self._zero_stage in (1, 2):
                 kind = Zero1Strategy if self._zero_stage == 1 else Zero2Strategy
                 zero_cfg = self.sharding.config.get("zero_optimization") or {}
@@ -602,6 +610,21 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         norm = self._clip_norm(params, None, 2.0)
         return norm / self.scaler.get_scale() if self.scaler is not None else norm
 
+    def _zero3_strategy(self, handler):
+        """DeepSpeed's ZeRO stage 3 as full sharding, with its settings: units of at least
+        stage3_prefetch_bucket_size elements (what DeepSpeed gathers ahead at once; a size-based
+        wrap), parameters under stage3_param_persistence_threshold elements kept gathered
+        through each forward and backward (in the root unit: DeepSpeed's persistent parameters,
+        gathered once per step), the 16-bit model's fp32 masters as the shards (DeepSpeed's
+        bf16 policy, as at stages 1 and 2), and between steps each parameter an empty tensor of
+        the model's dtype, as DeepSpeed leaves its partitioned parameters. Defaults are DeepSpeed's; "auto" was filled from the
+        model at prepare()."""
+        zero = self.sharding.config.get("zero_optimization") or {}
+        return FullShardStrategy(self._grads, handler, wrap_policy="SIZE_BASED_WRAP",
+                                 min_num_params=int(zero.get("stage3_prefetch_bucket_size", 50_000_000)),
+                                 persist_below=int(zero.get("stage3_param_persistence_threshold", 100_000)),
+                                 param_dtype=self._compute_dtype, device=self.device, empty_at_rest=True)
+
     def _clip_norm(self, params, max_norm, norm_type):
         """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
         self._grads.prepare_step()
@@ -640,7 +663,9 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         as DeepSpeed clips the fp32 copies the optimizer reads, the coefficient (computed in
         fp32 from the fp32 norm) goes to the strategy, which applies it while widening them."""
         clip = self.sharding.gradient_clipping
-        if self._compute_dtype is None:
+        if self._compute_dtype is None or not getattr(self._grads.strategy, "fp32_masters", False):
+            # the optimizer reads fp32 gradients in place (a 32-bit model, or stage 3's fp32
+            # gradient shards): clipped there
             return self._clip_norm(list(params), clip, 2.0)
         norm = self._deepspeed_norm(list(params))
         factor = 1.0 / self.scaler.get_scale() if self.scaler is not None else 1.0  # fp16: the unscale
@@ -742,6 +767,18 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         return strategy.full_optimizer_state_dict(opt, timeout_s)
 
     def get_state_dict(self, model, unwrap: bool = True):
+        if self._zero_stage == 3:
+            # DeepSpeed stage 3, as accelerate: the 16-bit weights, gathered to the main process
+            # ({} on the others), only when the configuration asks for them on save
+            zero = self.sharding.config.get("zero_optimization") or {}
+            if not zero.get("stage3_gather_16bit_weights_on_model_save", False):
+                raise ValueError("get_state_dict / save_model under DeepSpeed ZeRO stage 3 gather the 16-bit weights "
+                                 "only when zero_optimization.stage3_gather_16bit_weights_on_model_save is true "
+                                 "(DeepSpeedPlugin(zero3_save_16bit_model=True)); save_state saves everything "
+                                 "without it, and `accelerate-c merge-weights` turns that into full weights")
+            sd = checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap)
+            dtype = self._compute_dtype
+            return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in sd.items()}
         return checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap)
 
     def register_for_checkpointing(self, *objects):

@@ -103,7 +103,7 @@ class UnitGroup:
     shard (the parameters' dtype), each parameter's owned run of it, and the full-size flat
     buffer in the compute dtype whose memory exists only while the unit is gathered."""
 
-    def __init__(self, group, params, compute_dtype, label: str = "unit", values=None):
+    def __init__(self, group, params, compute_dtype, label: str = "unit", values=None, empty_at_rest: bool = False):
         self.label = label  # the unit's module, for errors: "unit 'layers.3' (LlamaDecoderLayer)"
         self.group = group
         self.params = params  # in plan parameter order
@@ -116,7 +116,13 @@ class UnitGroup:
         self.flat = torch.empty(group.plan.total, dtype=self.compute_dtype, device=group.device)
         self.full_views = group.param_views(self.flat)
         self.parts = group.owned_views(self.shard)  # per parameter: its OwnedPart of the shard, or None
-        self.runs = [part.view if part is not None else self.shard[:0] for part in self.parts]
+        if empty_at_rest:
+            # DeepSpeed stage 3's parameter between steps: an empty tensor of the model's
+            # (compute) dtype, as its partitioned parameters are (code that reads p.dtype in a
+            # parent's forward sees the 16-bit model); the values live in the shard
+            self.runs = [torch.empty(0, dtype=self.compute_dtype, device=group.device) for _ in params]
+        else:  # FSDP2's: the parameter's owned run of the shard
+            self.runs = [part.view if part is not None else self.shard[:0] for part in self.parts]
         self.nbytes = self.flat.untyped_storage().nbytes()
         self.gathered = True  # as made: the storage exists (released by the first reshard)
 
@@ -206,13 +212,20 @@ class Unit:
                 g.reshard()
 
 
-def build_units(model, modules, world: int, rank: int, compute_dtype=None, device=None, src=None) -> list[Unit]:
+def build_units(model, modules, world: int, rank: int, compute_dtype=None, device=None, src=None,
+                persist_below: int = 0, empty_at_rest: bool = False) -> list[Unit]:
     """The units of `model` (modules from unit_modules), each parameter moved into its shard on
     `device` (default: where it is). With `src`, every process takes rank src's values (a
     collective): one broadcast per unit group, so at most one unit's full weights are in flight
     and a process whose model is on the meta device (transformers' cpu_ram_efficient_loading)
-    never holds more than that; each unit is resharded as soon as it is built."""
+    never holds more than that; each unit is resharded as soon as it is built. Parameters of
+    fewer than `persist_below` elements go to the root unit, gathered through the whole forward
+    and backward (DeepSpeed's persistent parameters)."""
     held = assign_params(modules)
+    if persist_below > 0:
+        for k in range(len(held) - 1):
+            held[-1].extend(x for x in held[k] if x[1].numel() < persist_below)
+            held[k] = [x for x in held[k] if x[1].numel() >= persist_below]
     module_names = {id(m): n for n, m in model.named_modules()}
     units = []
     for k, (m, named) in enumerate(zip(modules, held)):
@@ -232,7 +245,7 @@ def build_units(model, modules, world: int, rank: int, compute_dtype=None, devic
                 members = [subset[j] for j in group.indices]
                 cd = compute_dtype if (compute_dtype is not None and group.dtype.is_floating_point) else None
                 values = None if src is None else _from_src(group, members, rank, src, label)
-                unit.groups.append(UnitGroup(group, members, cd, label, values))
+                unit.groups.append(UnitGroup(group, members, cd, label, values, empty_at_rest))
         unit.reshard()  # the parameters point at their runs: the unit's full storage goes
         units.append(unit)
     return units

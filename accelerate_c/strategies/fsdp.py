@@ -79,7 +79,8 @@ class FullShardStrategy(Zero2Strategy):
     stage = 3
 
     def __init__(self, manager, handler=None, *, wrap_policy="NO_WRAP", wrap_classes=(), min_num_params=0,
-                 reshard_after_forward=True, param_dtype=None, activation_checkpointing=False, device=None):
+                 reshard_after_forward=True, param_dtype=None, activation_checkpointing=False, device=None,
+                 persist_below=0, empty_at_rest=False):
         super().__init__(manager, handler, fp32_masters=False, ignore_unused=False)
         self.device = torch.device("cpu") if device is None else torch.device(device)  # where the shards live
         self.wrap_policy = wrap_policy
@@ -88,6 +89,8 @@ class FullShardStrategy(Zero2Strategy):
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype  # the gathers' and the compute's dtype (None: the parameters')
         self.activation_checkpointing = activation_checkpointing
+        self.persist_below = persist_below  # DeepSpeed's stage3_param_persistence_threshold (0: FSDP)
+        self.empty_at_rest = empty_at_rest  # DeepSpeed's empty 16-bit parameters between steps (FSDP2: the runs)
         self._final_queued = False
         self._in_flight: list = []  # GradShards whose reduce-scatters may still be running, oldest first
         self._state_dict_ok = 0  # > 0 while the strategy itself reads model.state_dict()
@@ -112,7 +115,8 @@ class FullShardStrategy(Zero2Strategy):
         for name, p in model.named_parameters():
             manager.names.setdefault(id(p), name)
         modules = unit_modules(model, self.wrap_policy, self.wrap_classes, self.min_num_params)
-        units = build_units(model, modules, self.world, self.rank, self.param_dtype, device=self.device, src=0)
+        units = build_units(model, modules, self.world, self.rank, self.param_dtype, device=self.device, src=0,
+                            persist_below=self.persist_below, empty_at_rest=self.empty_at_rest)
         self.models[id(model)] = fsdp = FsdpModel(units)
         for unit in units:
             m = unit.module

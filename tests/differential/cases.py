@@ -18,8 +18,12 @@ COMM_HOOKS = ("no", "fp16", "bf16")
 ZERO_GRADS = ("opt_none", "opt_zeros", "model", "manual_none")
 SYNC_STYLES = ("accumulate", "no_sync")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adamw")
-SHARDINGS = ("none", "zero1", "zero2", "fsdp")
+SHARDINGS = ("none", "zero1", "zero2", "fsdp", "zero3")
 FSDP_WRAPS = ("NO_WRAP", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP")
+# DeepSpeed stage 3's (stage3_prefetch_bucket_size, stage3_param_persistence_threshold): its
+# defaults (one unit, every parameter of these tiny models persistent), units of >= 50 elements
+# with none persistent, and with the small parameters (biases) persistent
+ZERO3_UNITS = ((50_000_000, 100_000), (50, 0), (50, 20))
 
 
 def draw(seed: int, world: int | None = None, sharding: str | None = None) -> dict:
@@ -129,21 +133,32 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None) -> di
         # before train())
         c["fsdp_ac"] = r.random() < 0.3
         c["eval_first"] = r.random() < 0.3
-    if c["sharding"] in ("zero1", "zero2") and c["mp"] != "no":
+    if c["sharding"] == "zero3":
+        # DeepSpeed's stage 3 (full sharding with DeepSpeed's settings: size-based units,
+        # small parameters persistent): fp32 or bf16 (fp16 at stage 3 is refused); as under
+        # FSDP, no full gradient exists between backward and the step
+        if c["mp"] == "fp16":
+            c["mp"] = "bf16"
+        c["assign_grad"] = False
+        c["overflow"] = None
+        if c["zero_grad"] == "manual_none":
+            c["zero_grad"] = "opt_none"
+        c["zero3_units"] = r.choice(ZERO3_UNITS)
+    if c["sharding"] in ("zero1", "zero2", "zero3") and c["mp"] != "no":
         # DeepSpeed has no DDP comm hooks; and a NaN gradient under bf16 is skipped by DeepSpeed
         # 0.19.3 on (bf16.check_grad_overflow) but stepped by older ones and by accelerate_c
         # (docs/sharding.md): not drawn until one version is the reference
         c["comm_hook"] = "no"
         if c["mp"] == "bf16":
             c["nan_grad_step"] = None
-    if c["sharding"] == "zero2":
+    if c["sharding"] in ("zero2", "zero3"):
         # no full gradient exists between backward and the step (p.grad is None, as with
         # DeepSpeed's stage 2): a loop cannot write one. DDP's comm hooks are not DeepSpeed's (stage
         # 2 reduce-scatters in the gradients' dtype)
         c["assign_grad"] = False
         c["comm_hook"] = "no"
         c["nan_grad_step"] = None
-    if c["sharding"] in ("zero1", "zero2"):
+    if c["sharding"] in ("zero1", "zero2", "zero3"):
         # under DeepSpeed the engine clips inside its step, at the configuration's
         # gradient_clipping: the 2-norm of the whole model, once (clip_grad_norm_ only reports
         # the norm, clip_grad_value_ is refused, as in accelerate); one engine, one optimizer
@@ -215,6 +230,8 @@ def describe(c: dict) -> str:
         parts.append(f"reentrant={c['reentrant']}")
     if c.get("sharding", "none") != "none":
         parts.append(f"sharding={c['sharding']}")
+    if c.get("sharding") == "zero3":
+        parts.append(f"units={c['zero3_units']}")
     if c.get("sharding") == "fsdp":
         parts.append(f"wrap={c['fsdp_wrap']} reshard={c['fsdp_reshard']} ac={c['fsdp_ac']} "
                      f"eval_first={c['eval_first']}")

@@ -174,7 +174,7 @@ def _step(case, params, opts, scaler, world, sched, trace, addends):
         scale = scaler.get_scale()
     terms = addends.take(params, across_ranks=not case["uneven"], divide_by=scale)
     norm, clipped = None, W.clipped(case, params)
-    sharded = case.get("sharding", "none") in ("zero1", "zero2")
+    sharded = case.get("sharding", "none") in ("zero1", "zero2", "zero3")
     if sharded:  # DeepSpeed clips inside its step: what the loop sees before it is unclipped
         grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
     if case["clip"] == "value":

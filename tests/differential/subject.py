@@ -36,7 +36,7 @@ def _clip(acc, case, params):
 def _values(acc, case, models, params) -> list:
     """The parameters' values (fp32 copies); under full sharding each process holds a shard of
     each, so the full values come from accelerator.get_state_dict (a collective)."""
-    if case.get("sharding") != "fsdp":
+    if case.get("sharding") not in ("fsdp", "zero3"):
         return [p.detach().float().clone() for p in params]
     full = {}
     for m in models:
@@ -53,10 +53,14 @@ def run(case: dict) -> dict:
                                               comm_hook=case["comm_hook"])]
     ga = case["ga"] if case["sync_style"] == "accumulate" else 1
     sharding = {}
-    if case.get("sharding", "none") in ("zero1", "zero2"):
+    if case.get("sharding", "none") in ("zero1", "zero2", "zero3"):
         clip = case["max_norm"] if case["clip"] == "norm2" else 0.0  # the engine clips inside its step
         plugin = DeepSpeedPlugin(zero_stage=int(case["sharding"][-1]), gradient_accumulation_steps=ga,
-                                 gradient_clipping=clip)
+                                 gradient_clipping=clip, zero3_save_16bit_model=case["sharding"] == "zero3")
+        if case["sharding"] == "zero3":
+            prefetch, persist = case["zero3_units"]
+            plugin.deepspeed_config["zero_optimization"].update(
+                stage3_prefetch_bucket_size=prefetch, stage3_param_persistence_threshold=persist)
         if case["mp"] == "fp16":  # DeepSpeed's fp16 section as a user writes it (workload.py says why)
             plugin.deepspeed_config["fp16"] = {"enabled": True, "auto_cast": True, **W.DEEPSPEED_FP16}
         sharding["deepspeed_plugin"] = plugin
@@ -116,7 +120,7 @@ def _train(case, acc, models, params, opts, dl, sched, trace):
                 if case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0:
                     loss = loss * float("inf")
                 acc.backward(loss)
-                if case["sharding"] in ("zero2", "fsdp"):  # no full gradient exists, as with DeepSpeed's stage 2
+                if case["sharding"] in ("zero2", "zero3", "fsdp"):  # no full gradient exists, as with DeepSpeed's stage 2
                     assert all(p.grad is None for p in params), "ZeRO-2 left a full gradient in p.grad"
                 # accumulate(): accelerate decides; no_sync: the loop does (its Accelerator has ga=1)
                 sync = acc.sync_gradients if case["sync_style"] == "accumulate" else window_end
