@@ -483,15 +483,16 @@ def test_keys_that_change_nothing_are_accepted():
 
 
 # ---------------------------------------------------------------- the Accelerator
-def test_accelerator_runs_stages_1_and_2_and_checks_the_rest(tmp_path):
-    for stage in (1, 2):
+def test_accelerator_runs_stages_1_2_and_3_and_checks_the_rest(tmp_path):
+    for stage in (1, 2, 3):
         for plugin in (DeepSpeedPlugin(zero_stage=stage), theirs.DeepSpeedPlugin(zero_stage=stage)):
             acc = Accelerator(cpu=True, deepspeed_plugin=plugin)
             assert acc.distributed_type == DistributedType.DEEPSPEED and acc.sharding.stage == stage
             assert acc.deepspeed_plugin is plugin
             assert acc.sharding.gradient_clipping == 1.0  # accelerate's "auto"
-    with pytest.raises(NotImplementedError, match="ZeRO stage 3"):
-        Accelerator(cpu=True, deepspeed_plugins={"a": DeepSpeedPlugin(zero_stage=3), "b": DeepSpeedPlugin()})
+    with pytest.raises(NotImplementedError, match="ZeRO stage 3 with fp16"):
+        Accelerator(cpu=True, mixed_precision="fp16",
+                    deepspeed_plugins={"a": DeepSpeedPlugin(zero_stage=3), "b": DeepSpeedPlugin()})
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(_zero(offload_optimizer={"device": "nvme"})))
     with pytest.raises(DeepSpeedFeatureError, match=_re(f"DeepSpeed config {path}: zero_optimization.offload_optimizer"
@@ -507,8 +508,7 @@ def test_accelerator_runs_stages_1_and_2_and_checks_the_rest(tmp_path):
 def test_accelerator_builds_the_plugin_from_the_launchers_variables(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
-    with pytest.raises(NotImplementedError, match="ZeRO stage 3"):
-        Accelerator(cpu=True)
+    assert Accelerator(cpu=True).sharding.stage == 3
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
     assert Accelerator(cpu=True).sharding.stage == 2
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
@@ -523,8 +523,9 @@ def test_accelerator_builds_the_plugin_from_the_launchers_variables(monkeypatch)
 def test_sharding_from_config_refuses_what_the_engine_does_not_run():
     assert sharding_from_config(DeepSpeedPlugin(zero_stage=1)).stage == 1
     assert sharding_from_config(DeepSpeedPlugin(zero_stage=2)).stage == 2
-    with pytest.raises(NotImplementedError, match="stage 3"):
-        sharding_from_config(DeepSpeedPlugin(zero_stage=3))
+    assert sharding_from_config(DeepSpeedPlugin(zero_stage=3)).stage == 3
+    with pytest.raises(NotImplementedError, match="stage 3 with fp16"):
+        sharding_from_config(DeepSpeedPlugin(zero_stage=3), mixed_precision="fp16")
     with pytest.raises(NotImplementedError, match="stage 0"):
         sharding_from_config(DeepSpeedPlugin(zero_stage=0))
 
