@@ -258,10 +258,12 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         if r == 0:
             held, staging = counted(c)
             result["mem"] = (held, staging, (_rss_kb("VmHWM") - rss0) * 1024)
-            if name == "zero3":  # each process holds shards: the whole weights gathered
-                sd = c["acc"].get_state_dict(c["model"])
-                final = [sd[n].clone() for n, _ in c["inner"].named_parameters()]
-                del sd
+            if name == "zero3":  # each process holds shards: the whole weights gathered to the main
+                # process ({} on the others, as accelerate's FSDP2 get_state_dict), then sent to all
+                box = [c["acc"].get_state_dict(c["model"])]
+                dist.broadcast_object_list(box, src=0)
+                final = [box[0][n].clone() for n, _ in c["inner"].named_parameters()]
+                del box
             elif c.get("fsdp2"):
                 final = [p.full_tensor().detach().clone() for p in c["inner"].parameters()]
                 result["fsdp2_grad_factor"] = fsdp2_grad_factor(c, batches[0])
