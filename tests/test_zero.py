@@ -50,8 +50,8 @@ def test_zero_edge_loops_match_torch_ddp(stage):
 
 
 def test_what_is_not_built_is_refused_by_name():
-    with pytest.raises(NotImplementedError, match="ZeRO stage 3"):
-        Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=3))
+    with pytest.raises(NotImplementedError, match="ZeRO stage 3 with fp16"):
+        Accelerator(cpu=True, mixed_precision="fp16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=3))
     acc = Accelerator(cpu=True, mixed_precision="fp16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=1))
     assert type(acc.scaler).__name__ == "DeepSpeedScaler" and acc.scaler.get_scale() == 2.0 ** 16
     # on CPU processes the optimizer state is on the CPU already: the offload is what runs
