@@ -389,7 +389,14 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
             self._grads.configure(strategy, h.bucket_cap_mb if h is not None else None)
         # the strategy's part (DDP: rank 0's weights to every replica, the per-forward
         # collectives), then flat gradient buffers for the trainable parameters
-        self._grads.prepare_model(model, trainable=not evaluation_mode)
+        try:
+            self._grads.prepare_model(model, trainable=not evaluation_mode)
+        except BaseException:
+            # refused (a meta model under DDP, a structure that differs across processes): not
+            # prepared, so preparing it again once fixed does the work instead of returning early
+            self._models.remove(model)
+            self._eval_only.discard(id(model))
+            raise
         if self.native_amp and not hasattr(model, "_original_forward"):
             model._original_forward = model.forward
             kw = self.autocast_handler.to_kwargs() if self.autocast_handler is not None else None
@@ -623,7 +630,8 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         return FullShardStrategy(self._grads, handler, wrap_policy="SIZE_BASED_WRAP",
                                  min_num_params=int(zero.get("stage3_prefetch_bucket_size", 50_000_000)),
                                  persist_below=int(zero.get("stage3_param_persistence_threshold", 100_000)),
-                                 param_dtype=self._compute_dtype, device=self.device, empty_at_rest=True)
+                                 param_dtype=self._compute_dtype, device=self.device, empty_at_rest=True,
+                                 ignore_unused=bool(zero.get("ignore_unused_parameters", True)))
 
     def _clip_norm(self, params, max_norm, norm_type):
         """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
@@ -766,7 +774,10 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
             return opt.state_dict()
         return strategy.full_optimizer_state_dict(opt, timeout_s)
 
-    def get_state_dict(self, model, unwrap: bool = True):
+    def get_state_dict(self, model, unwrap: bool = True, *, keep: bool | None = None):
+        """The model's full state dict (a collective under full sharding, which gathers it to the
+        main process and gives {} elsewhere, as accelerate; `keep`, an accelerate_c addition:
+        whether this process needs it, e.g. every node's writer under save_on_each_node)."""
         if self._zero_stage == 3:
             # DeepSpeed stage 3, as accelerate: the 16-bit weights, gathered to the main process
             # ({} on the others), only when the configuration asks for them on save
@@ -776,10 +787,10 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
                                  "only when zero_optimization.stage3_gather_16bit_weights_on_model_save is true "
                                  "(DeepSpeedPlugin(zero3_save_16bit_model=True)); save_state saves everything "
                                  "without it, and `accelerate-c merge-weights` turns that into full weights")
-            sd = checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap)
+            sd = checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap, keep=keep)
             dtype = self._compute_dtype
             return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in sd.items()}
-        return checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap)
+        return checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap, keep=keep)
 
     def register_for_checkpointing(self, *objects):
         """Objects with state_dict/load_state_dict that save_state/load_state also keep."""

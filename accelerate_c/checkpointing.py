@@ -196,7 +196,7 @@ def save_model(acc, model, save_directory, max_shard_size="10GB", safe_serializa
         raise ValueError(f"Provided path ({save_directory}) should be a directory, not a file")
     if any(p.device.type == "meta" for p in model.parameters()):
         raise RuntimeError("You can't save the model since some parameters are on the meta device.")
-    state_dict = acc.get_state_dict(model)
+    state_dict = acc.get_state_dict(model, keep=_is_writer(acc))  # where it is written (a collective)
     unwrapped = acc.unwrap_model(model)
 
     def write():

@@ -258,9 +258,11 @@ def _place(params, device, keep_values: bool) -> None:
     for p in params:
         if p.is_meta:
             # a meta tensor's data cannot be re-pointed at real memory; swapping the contents of
-            # the Parameter object keeps it the object the module and the optimizer hold
-            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty_like(p, device=device),
-                                                           requires_grad=p.requires_grad))
+            # the Parameter object keeps it the object the module and the optimizer hold (its
+            # attributes are carried over: swap_tensors swaps __dict__ too)
+            real = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, real)
+            p.__dict__.update(real.__dict__)
         elif p.device != device:
             with torch.no_grad():
                 p.data = p.data.to(device) if keep_values else torch.empty_like(p, device=device)

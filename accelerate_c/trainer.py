@@ -633,8 +633,12 @@ class Trainer(EvaluationLoop):
         acc = self.accelerator
         unwrapped = acc.unwrap_model(self.model, keep_fp32_wrapper=False) if self._prepared_model else self.model
         if hasattr(unwrapped, "save_pretrained"):
+            # the weights from the Accelerator (under full sharding a collective every process
+            # runs, gathered where they are written; model.state_dict() would refuse)
+            state_dict = acc.get_state_dict(self.model, keep=self._writes())
             if self._writes():
-                unwrapped.save_pretrained(output_dir, safe_serialization=self.args.save_safetensors)
+                unwrapped.save_pretrained(output_dir, state_dict=state_dict,
+                                          safe_serialization=self.args.save_safetensors)
         else:
             acc.save_model(self.model, output_dir, safe_serialization=self.args.save_safetensors)
         if self._writes():

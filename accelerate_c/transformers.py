@@ -140,7 +140,7 @@ class Trainer(transformers.Trainer):
         if not self._sharded():
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.accelerator.get_state_dict(self.model)  # the main process's; {} elsewhere
+        state_dict = self.accelerator.get_state_dict(self.model, keep=self.args.should_save)  # where it is written
         if self.args.should_save:
             self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:

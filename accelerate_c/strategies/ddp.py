@@ -443,7 +443,9 @@ def check_same_structure(model: torch.nn.Module, src: int = 0, allow_meta: bool 
     with allow_meta, by full sharding, which sends each process its shards from rank `src`."""
     tensors = [("parameter", n, t) for n, t in model.named_parameters()] + \
               [("buffer", n, t) for n, t in model.named_buffers()]
-    mine = [(kind, name, tuple(t.shape), str(t.dtype), t.is_meta) for kind, name, t in tensors]
+    # requires_grad too: full sharding broadcasts per (dtype, trainable) group
+    mine = [(kind, name, tuple(t.shape), f"{t.dtype}{'' if t.requires_grad or kind == 'buffer' else ' frozen'}",
+             t.is_meta) for kind, name, t in tensors]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     want = [e[:4] for e in everyone[src]]

@@ -80,8 +80,8 @@ class FullShardStrategy(Zero2Strategy):
 
     def __init__(self, manager, handler=None, *, wrap_policy="NO_WRAP", wrap_classes=(), min_num_params=0,
                  reshard_after_forward=True, param_dtype=None, activation_checkpointing=False, device=None,
-                 persist_below=0, empty_at_rest=False):
-        super().__init__(manager, handler, fp32_masters=False, ignore_unused=False)
+                 persist_below=0, empty_at_rest=False, ignore_unused=False):
+        super().__init__(manager, handler, fp32_masters=False, ignore_unused=ignore_unused)
         self.device = torch.device("cpu") if device is None else torch.device(device)  # where the shards live
         self.wrap_policy = wrap_policy
         self.wrap_classes = tuple(wrap_classes or ())
@@ -265,7 +265,10 @@ class FullShardStrategy(Zero2Strategy):
         self._release_all()
 
     def after_step(self, optimizer) -> None:
-        """Gradients stay until zero_grad, as torch's optimizers and FSDP2 keep them."""
+        """FSDP2: gradients stay until zero_grad, as torch's optimizers keep them. DeepSpeed's
+        stage 3 (empty_at_rest): its engine clears them after every step, as at stages 1 and 2."""
+        if self.empty_at_rest:
+            super().after_step(optimizer)
 
     # ---- state dicts -----------------------------------------------------------------------
     def _state_dict_guard(self, module, prefix, keep_vars):
@@ -384,11 +387,14 @@ def _take_buffers(model, device, src: int) -> None:
     """Every process takes rank `src`'s buffers on `device`, non-persistent ones included (a
     rotary embedding's inv_freq, which transformers leaves as a placeholder on the processes
     that load on the meta device); a buffer on the meta device is first made there."""
+    made: dict = {}  # id(old buffer) -> its replacement: a buffer registered twice stays one tensor
     for module in model.modules():
-        for name, b in list(module.named_buffers(recurse=False)):
+        for name, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
             if b.is_meta or b.device != device:
+                if id(b) not in made:
+                    made[id(b)] = torch.empty_like(b, device=device) if b.is_meta else b.to(device)
                 # setattr on a registered buffer replaces it and keeps its persistence
-                setattr(module, name, torch.empty_like(b, device=device) if b.is_meta else b.to(device))
+                setattr(module, name, made[id(b)])
     broadcast_buffers(model, src)
 
 
