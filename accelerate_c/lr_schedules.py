@@ -3,7 +3,7 @@ as LambdaLR factors written from their formulas (linear, cosine, cosine_with_res
 polynomial, constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr,
 cosine_warmup_with_min_lr, warmup_stable_decay), and the two that follow an evaluation metric
 (reduce_lr_on_plateau, greedy: metric_schedules.py). Checked step by step against transformers'
-get_scheduler in tests/test_trainer_vs_transformers.py and tests/test_lr_schedules.py."""
+get_scheduler in tests/test_trainer_vs_transformers.py."""
 from __future__ import annotations
 
 import functools
@@ -92,8 +92,13 @@ def _warmup_stable_decay(step, *, warmup, stable, decay, warmup_type="linear", d
     to min_lr_ratio (shape decay_type), then min_lr_ratio."""
     if step < warmup:
         p = step / max(1, warmup)
-        rise = {"linear": p, "cosine": 0.5 * (1.0 - math.cos(math.pi * p)), "1-sqrt": 1.0 - math.sqrt(1.0 - p)}
-        return max(0.0, rise[warmup_type] * (1.0 - min_lr_ratio) + min_lr_ratio)
+        if warmup_type == "linear":
+            rise = p
+        elif warmup_type == "cosine":
+            rise = 0.5 * (1.0 - math.cos(math.pi * p))
+        else:
+            rise = 1.0 - math.sqrt(1.0 - p)
+        return max(0.0, rise * (1.0 - min_lr_ratio) + min_lr_ratio)
     if step < warmup + stable:
         return 1.0
     if step < warmup + stable + decay:

@@ -195,6 +195,22 @@ def test_cross_field_checks():
     assert TrainingArguments(metric_for_best_model="accuracy").greater_is_better is True
     assert TrainingArguments(metric_for_best_model="loss").greater_is_better is False
     assert TrainingArguments(metric_for_best_model="eval_my_loss").greater_is_better is False  # "...loss"
+    # the metric-driven schedules: metric_for_best_model defaults to "loss"; their kwargs checked up front
+    a = TrainingArguments(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="epoch")
+    assert a.metric_for_best_model == "loss" and a.greater_is_better is False
+    with pytest.raises(ValueError, match=r"lr_scheduler_kwargs: 'greedy': .*factor must be < 1.0"):
+        TrainingArguments(lr_scheduler_type="greedy", eval_strategy="epoch", lr_scheduler_kwargs={"factor": 1.5})
+    with pytest.raises(ValueError, match=r"lr_scheduler_kwargs: 'reduce_lr_on_plateau': .*mode"):
+        TrainingArguments(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="epoch",
+                          lr_scheduler_kwargs={"mode": "lowest"})
+    with pytest.raises(ValueError, match="decay_type must be one of linear, cosine, 1-sqrt, got 'exp'"):
+        TrainingArguments(lr_scheduler_type="warmup_stable_decay",
+                          lr_scheduler_kwargs={"num_decay_steps": 3, "decay_type": "exp"})
+    with pytest.raises(ValueError, match="num_stable_steps must be a whole number"):
+        TrainingArguments(lr_scheduler_type="warmup_stable_decay",
+                          lr_scheduler_kwargs={"num_decay_steps": 3, "num_stable_steps": -1})
+    with pytest.raises(ValueError, match="exactly one of min_lr / min_lr_rate"):
+        TrainingArguments(lr_scheduler_type="cosine_warmup_with_min_lr")
     assert TrainingArguments(warmup_ratio=0.1).get_warmup_steps(95) == 10
     assert TrainingArguments(warmup_ratio=0.1, warmup_steps=3).get_warmup_steps(95) == 3
 
