@@ -9,9 +9,13 @@ m * b indices (m = min(n // (4 b), 50), at least 1), each sorted by decreasing l
 keep their permuted order); then the first index of the mega-batch holding the longest sample
 (the first such) trades places with the very first index, so an out-of-memory error shows in
 the first batch. On several processes transformers' Trainer uses this same global order and
-accelerate shards its batches (BatchSamplerShard), which the Accelerator's prepare does here."""
+accelerate shards its batches (BatchSamplerShard), which the Accelerator's prepare does here.
+DistributedLengthGroupedSampler, which transformers still ships but its Trainer no longer uses,
+is here for loops that build it themselves."""
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
 
 import torch
@@ -76,3 +80,63 @@ class LengthGroupedSampler(Sampler):
 
     def __iter__(self):
         return iter(length_grouped_indices(self.lengths, self.batch_size, generator=self.generator))
+
+
+class DistributedLengthGroupedSampler(Sampler):
+    """transformers' DistributedLengthGroupedSampler: every process computes the same
+    length-grouped order from a generator seeded with `seed` + the epoch (set_epoch), pads it by
+    repeating its start to a multiple of `num_replicas` (or, with drop_last, cuts the tail) and
+    takes every num_replicas-th index from `rank` on. num_replicas / rank default to the
+    initialised process group, else the launcher's WORLD_SIZE / RANK."""
+
+    def __init__(self, batch_size: int, dataset=None, num_replicas: int | None = None, rank: int | None = None,
+                 seed: int = 0, drop_last: bool = False, lengths=None, model_input_name: str | None = None):
+        if dataset is None and lengths is None:
+            raise ValueError("DistributedLengthGroupedSampler: give a dataset or its lengths")
+        if num_replicas is None or rank is None:
+            world, me = _world()
+            num_replicas = world if num_replicas is None else num_replicas
+            rank = me if rank is None else rank
+        if lengths is None:
+            lengths = lengths_of(dataset, model_input_name)
+        elif isinstance(lengths, torch.Tensor):
+            lengths = lengths.tolist()
+        self.batch_size, self.num_replicas, self.rank = batch_size, num_replicas, rank
+        self.seed, self.drop_last, self.epoch = seed, drop_last, 0
+        self.lengths = lengths
+        n = len(lengths)
+        # with drop_last, the largest multiple of num_replicas below n (as transformers counts it)
+        self.num_samples = math.ceil((n - num_replicas) / num_replicas) if drop_last and n % num_replicas \
+            else math.ceil(n / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.num_samples
+
+    def __iter__(self):
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        order = length_grouped_indices(self.lengths, self.batch_size, generator=g)
+        if self.drop_last:
+            order = order[:self.total_size]
+        else:
+            order += order[:self.total_size - len(order)]
+        if len(order) != self.total_size:
+            raise ValueError(f"DistributedLengthGroupedSampler: {len(self.lengths)} samples cannot be spread evenly "
+                             f"over {self.num_replicas} processes")
+        return iter(order[self.rank:self.total_size:self.num_replicas])
+
+
+def _world():
+    """(world size, rank) of the initialised torch process group, else of the launcher's variables."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    raise RuntimeError("DistributedLengthGroupedSampler: pass num_replicas and rank (no process group is "
+                       "initialised and WORLD_SIZE / RANK are not set)")

@@ -17,11 +17,12 @@ import torch
 import transformers
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler, DataLoader
+from transformers.trainer_pt_utils import DistributedLengthGroupedSampler as TheirDistributed
 from transformers.trainer_pt_utils import LengthGroupedSampler as TheirSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 import accelerate_c
-from accelerate_c.length_grouped import LengthGroupedSampler, length_grouped_indices
+from accelerate_c.length_grouped import DistributedLengthGroupedSampler, LengthGroupedSampler, length_grouped_indices
 from helpers import fresh_state  # noqa: F401  (autouse: fresh Accelerator states per test)
 from timeouts import wait_s
 
@@ -48,6 +49,20 @@ def test_index_order_is_transformers(n, batch, mult):
         assert got == want and sorted(got) == list(range(n))
     with pytest.raises(ValueError, match="'input_ids'"):
         LengthGroupedSampler(batch, dataset=[{"x": [1]}])
+
+
+@pytest.mark.parametrize("n,drop_last", [(29, False), (29, True), (32, False)])
+def test_distributed_variant_is_transformers(n, drop_last):
+    """DistributedLengthGroupedSampler (which transformers' Trainer no longer builds): the same
+    indices per rank and epoch as transformers' for the same seed."""
+    lengths = torch.randint(1, 9, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    for rank in range(3):
+        kw = dict(lengths=lengths, num_replicas=3, rank=rank, seed=7, drop_last=drop_last)
+        theirs, ours = TheirDistributed(4, **kw), DistributedLengthGroupedSampler(4, **kw)
+        for epoch in (0, 1):
+            theirs.set_epoch(epoch)
+            ours.set_epoch(epoch)
+            assert list(ours) == list(theirs) and len(ours) == len(theirs), (rank, epoch)
 
 
 def _trainers(tmp_path, train, evalset, **kw):
