@@ -138,7 +138,6 @@ def test_dispatch_batches_reaches_the_accelerator():
     ("max_steps", 0, "positive integer, or -1"),
     ("warmup_ratio", 1.5, "must be"),
     ("warmup_steps", -1, "whole number of steps >= 0"),
-    ("lr_scheduler_type", "warmup_stable_decay", "needs num_decay_steps"),
     ("lr_scheduler_type", "reduce_lr_on_plateau", "needs an eval_strategy other than 'no'"),
     ("lr_scheduler_type", "greedy", "needs an eval_strategy other than 'no'"),
     ("lr_scheduler_kwargs", {"factor": 2.0}, "takes no argument 'factor'"),
@@ -206,6 +205,8 @@ def test_cross_field_checks():
     with pytest.raises(ValueError, match="decay_type must be one of linear, cosine, 1-sqrt, got 'exp'"):
         TrainingArguments(lr_scheduler_type="warmup_stable_decay",
                           lr_scheduler_kwargs={"num_decay_steps": 3, "decay_type": "exp"})
+    with pytest.raises(ValueError, match="lr_scheduler_kwargs: 'warmup_stable_decay' needs num_decay_steps"):
+        TrainingArguments(lr_scheduler_type="warmup_stable_decay")
     with pytest.raises(ValueError, match="num_stable_steps must be a whole number"):
         TrainingArguments(lr_scheduler_type="warmup_stable_decay",
                           lr_scheduler_kwargs={"num_decay_steps": 3, "num_stable_steps": -1})
