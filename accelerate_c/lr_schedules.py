@@ -138,10 +138,15 @@ def check_kwargs(name: str, kwargs: dict) -> None:
     """A ValueError naming the lr_scheduler_kwargs entry that schedule `name` cannot take or
     lacks, before any training (transformers finds most of these only when the schedule is built)."""
     allowed = SCHEDULER_KWARGS.get(name, set())
-    unknown = sorted(set(kwargs) - allowed)
+    unknown = sorted(set(kwargs) - allowed, key=str)
     if unknown:
         raise ValueError(f"{name!r} takes no argument {unknown[0]!r}"
                          + (f" (it takes: {', '.join(sorted(allowed))})" if allowed else ""))
+    if name not in _METRIC_SCHEDULES:
+        for key, value in kwargs.items():
+            if key not in ("warmup_type", "decay_type") and value is not None and \
+                    (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
+                raise ValueError(f"{key} must be a finite number, got {value!r}")
     if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr") and \
             (kwargs.get("min_lr") is None) == (kwargs.get("min_lr_rate") is None):
         raise ValueError(f"{name!r} needs exactly one of min_lr / min_lr_rate")
