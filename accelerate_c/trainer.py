@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections import namedtuple
 
 import torch
@@ -17,6 +18,8 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 
 from .accelerator import Accelerator
 from .checkpointing import torch_save_durable
+from .length_grouped import LengthGroupedSampler, lengths_of
+from .metric_schedules import is_metric_driven
 from .trainer_eval import EvaluationLoop, PredictionOutput  # noqa: F401  (PredictionOutput: transformers' name)
 from .training_args import (  # noqa: F401  (re-exported: transformers has them in its trainer modules)
     EvalPrediction,
@@ -188,27 +191,67 @@ class Trainer(EvaluationLoop):
             kw["sampler"] = sampler
         return DataLoader(dataset, **kw)
 
+    def _lengths(self, dataset, what):
+        """The sample lengths for group_by_length, found as transformers' Trainer finds them. Its
+        datasets.Dataset loses the columns the model's forward does not name (remove_unused_columns)
+        before the lengths are read, so the length column counts only when it survives that."""
+        a = self.args
+        column = a.length_column_name
+        if a.remove_unused_columns:
+            forward = self.accelerator.unwrap_model(self.model).forward
+            kept = set(inspect.signature(forward).parameters) | {"label", "label_ids"} | set(a.label_names or [])
+            column = column if column in kept else None
+        names = getattr(self.processing_class, "model_input_names", None) if self.processing_class is not None \
+            else None
+        return lengths_of(dataset, names[0] if names else None, column, what)
+
+    def _train_sampler(self, ds):
+        """transformers' train_sampling_strategy: RandomSampler, SequentialSampler, or the
+        length-grouped order over batches of per_device_train_batch_size x accumulation (its
+        permutation from the global RNG, as transformers')."""
+        a = self.args
+        if isinstance(ds, IterableDataset):
+            if a.train_sampling_strategy == "group_by_length":
+                warnings.warn("train_sampling_strategy='group_by_length' is ignored: the training dataset is an "
+                              "IterableDataset, whose samples come in its own order", stacklevel=3)
+            return None
+        if a.train_sampling_strategy == "group_by_length":
+            return LengthGroupedSampler(a.per_device_train_batch_size * a.gradient_accumulation_steps,
+                                        lengths=self._lengths(ds, "training dataset"))
+        return SequentialSampler(ds) if a.train_sampling_strategy == "sequential" else RandomSampler(ds)
+
     def get_train_dataloader(self):
-        """The training DataLoader (shuffled; one per Trainer), prepared by the Accelerator."""
+        """The training DataLoader (one per Trainer; its order per train_sampling_strategy),
+        prepared by the Accelerator."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset")
         if self._train_dl is None:
             ds = self.train_dataset
-            sampler = None if isinstance(ds, IterableDataset) else RandomSampler(ds)
-            dl = self._loader(ds, self.args.per_device_train_batch_size, sampler, self.args.dataloader_drop_last)
+            dl = self._loader(ds, self.args.per_device_train_batch_size, self._train_sampler(ds),
+                              self.args.dataloader_drop_last)
             self._train_dl = self.accelerator.prepare(dl)
         return self._train_dl
 
     def get_eval_dataloader(self, eval_dataset=None):
-        """The evaluation DataLoader (in order), prepared by the Accelerator; one per dataset."""
+        """The evaluation DataLoader, prepared by the Accelerator; one per dataset. In order,
+        except under train_sampling_strategy="group_by_length", where transformers' Trainer
+        evaluates in length-grouped order too, drawn from a generator seeded with data_seed (else
+        seed) each time it builds the loader: the same order at every evaluation."""
         ds = eval_dataset if eval_dataset is not None else self.eval_dataset
         if ds is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset")
         key = id(ds)
+        a = self.args
         if key not in self._eval_dls:
             sampler = None if isinstance(ds, IterableDataset) else SequentialSampler(ds)
-            dl = self._loader(ds, self.args.per_device_eval_batch_size, sampler, self.args.dataloader_drop_last)
-            self._eval_dls[key] = (ds, self.accelerator.prepare(dl))
+            if sampler is not None and a.train_sampling_strategy == "group_by_length":
+                sampler = LengthGroupedSampler(a.per_device_eval_batch_size, lengths=self._lengths(ds, "eval dataset"),
+                                               generator=torch.Generator())
+            dl = self._loader(ds, a.per_device_eval_batch_size, sampler, a.dataloader_drop_last)
+            self._eval_dls[key] = (ds, self.accelerator.prepare(dl), sampler)
+        sampler = self._eval_dls[key][2]
+        if isinstance(sampler, LengthGroupedSampler):  # the loader is kept: its order starts over instead
+            sampler.generator.manual_seed(a.data_seed if a.data_seed is not None else a.seed)
         return self._eval_dls[key][1]
 
     # ------------------------------------------------------------------ optimizer and schedule
@@ -379,6 +422,9 @@ class Trainer(EvaluationLoop):
         model = self._prepare_model()
         self.create_optimizer()
         self.create_scheduler(max_steps)
+        if is_metric_driven(self.lr_scheduler) and args.metric_for_best_model is None:
+            raise ValueError(f"Trainer: the learning-rate schedule ({type(self.lr_scheduler).__name__}) is stepped with "
+                             "an evaluation metric: set TrainingArguments.metric_for_best_model (and an eval_strategy)")
         self.optimizer = acc.prepare(self.optimizer)
 
         self.state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs,
@@ -413,7 +459,7 @@ class Trainer(EvaluationLoop):
                               config=tracker_config(args))
         self._call("on_train_begin")
         if args.eval_on_start:
-            self._evaluate(ignore_keys_for_eval)
+            self._evaluate(ignore_keys_for_eval, skip_scheduler=True)
         try:
             self._loop(model, train_dl, epochs_trained, num_epochs, batches_to_skip, ignore_keys_for_eval)
         finally:
@@ -470,8 +516,9 @@ class Trainer(EvaluationLoop):
                         self._grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     self.optimizer.step()
                     # the rate this step used, logged as transformers logs it (before the schedule moves)
-                    self._learning_rate = self.lr_scheduler.get_last_lr()[0]
-                    if not acc.optimizer_step_was_skipped:
+                    self._learning_rate = self._current_learning_rate()
+                    # a metric-driven schedule moves after evaluations instead (_evaluate)
+                    if not acc.optimizer_step_was_skipped and not is_metric_driven(self.lr_scheduler):
                         self.lr_scheduler.step()
                     self.optimizer.zero_grad()
                     state.global_step += 1
@@ -528,7 +575,7 @@ class Trainer(EvaluationLoop):
             if self._grad_norm is not None:  # read here, not at every step: no device sync per step
                 logs["grad_norm"] = float(self._grad_norm)
             logs["learning_rate"] = self._learning_rate if self._learning_rate is not None else \
-                self.lr_scheduler.get_last_lr()[0]
+                self._current_learning_rate()
             self._tr_loss.zero_()
             self._last_logged_step = s.global_step
             self.log(logs)
@@ -553,8 +600,20 @@ class Trainer(EvaluationLoop):
         self._print(str(logs))
         self.control = self._call("on_log", logs=logs)
 
+    def _current_learning_rate(self) -> float:
+        """The first group's rate now: the schedule's last rate, or, for a metric-driven schedule
+        (which changes the optimizer's rates itself), the optimizer's (transformers' reading)."""
+        if is_metric_driven(self.lr_scheduler):
+            lr = self.optimizer.param_groups[0]["lr"]
+        else:
+            lr = self.lr_scheduler.get_last_lr()[0]
+        return lr.item() if torch.is_tensor(lr) else lr
+
     # ------------------------------------------------------------------ evaluation
-    def _evaluate(self, ignore_keys):
+    def _evaluate(self, ignore_keys, skip_scheduler=False):
+        """evaluate() during training; then a metric-driven schedule (reduce_lr_on_plateau,
+        greedy) steps with metric_for_best_model's value, except for eval_on_start (transformers'
+        rule)."""
         metrics = self.evaluate(ignore_keys=ignore_keys)
         name = self.args.metric_for_best_model
         if name is not None:
@@ -562,6 +621,8 @@ class Trainer(EvaluationLoop):
             if key not in metrics:
                 raise KeyError(f"metric_for_best_model={name!r}: no {key!r} among the evaluation metrics "
                                f"{sorted(metrics)}")
+            if is_metric_driven(self.lr_scheduler) and not skip_scheduler:
+                self.lr_scheduler.step(metrics[key])
             value, s = float(metrics[key]), self.state
             better = s.best_metric is None or (value > s.best_metric if self.args.greater_is_better
                                                else value < s.best_metric)

@@ -19,11 +19,13 @@ from typing import Any
 
 from torch import nn
 
-from .lr_schedules import SCHEDULER_KWARGS, SCHEDULERS, get_scheduler  # noqa: F401  (get_scheduler: re-exported)
+from .lr_schedules import SCHEDULERS, check_kwargs, get_scheduler  # noqa: F401  (get_scheduler: re-exported)
 from .training_args_fields import classify, is_transformers_args, transformers_defaults
 
-# transformers' other SchedulerType values: known, refused with "not supported yet"
-_OTHER_SCHEDULERS = ("reduce_lr_on_plateau", "cosine_warmup_with_min_lr", "warmup_stable_decay", "greedy")
+# stepped with the evaluation metric (metric_for_best_model) after each evaluation
+METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
+TRAIN_SAMPLING = ("random", "sequential", "group_by_length")
+_OTHER_TRAIN_SAMPLING = ("batch_rebalance",)
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad")
@@ -129,6 +131,8 @@ class TrainingArguments:
     disable_tqdm: bool | None = None
     remove_unused_columns: bool = True
     label_names: list | None = None
+    train_sampling_strategy: str = "random"
+    length_column_name: str = "length"
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None
@@ -181,13 +185,20 @@ class TrainingArguments:
             if self.eval_strategy == "steps" and self.save_strategy == "steps" and self.save_steps % self.eval_steps:
                 raise _err("load_best_model_at_end", f"save_steps ({self.save_steps}) must be a multiple of "
                            f"eval_steps ({self.eval_steps})")
+        if self.lr_scheduler_type in METRIC_SCHEDULERS:
+            if self.eval_strategy == "no":
+                raise _err("lr_scheduler_type", f"{self.lr_scheduler_type!r} is stepped with the evaluation metric "
+                                                "(metric_for_best_model) after each evaluation: it needs an "
+                                                "eval_strategy other than 'no'")
+            if self.metric_for_best_model is None:
+                self.metric_for_best_model = "loss"
         if self.save_strategy == "best" and self.metric_for_best_model is None:
             self.metric_for_best_model = "loss"
         if self.metric_for_best_model is not None:
             if not isinstance(self.metric_for_best_model, str):
                 raise _err("metric_for_best_model", f"expected a metric name, got {self.metric_for_best_model!r}")
-            if self.greater_is_better is None:
-                self.greater_is_better = self.metric_for_best_model not in ("loss", "eval_loss")
+            if self.greater_is_better is None:  # transformers' rule: a name ending in "loss" is minimised
+                self.greater_is_better = not self.metric_for_best_model.endswith("loss")
 
     def _check_ints(self):
         spec = {"per_device_train_batch_size": 1, "per_device_eval_batch_size": 1, "gradient_accumulation_steps": 1,
@@ -251,7 +262,10 @@ class TrainingArguments:
         choice("eval_strategy", INTERVALS)
         choice("logging_strategy", INTERVALS)
         choice("save_strategy", SAVE_STRATEGIES)
-        choice("lr_scheduler_type", SCHEDULERS, _OTHER_SCHEDULERS)
+        choice("lr_scheduler_type", SCHEDULERS)
+        choice("train_sampling_strategy", TRAIN_SAMPLING, _OTHER_TRAIN_SAMPLING)
+        if not isinstance(self.length_column_name, str):
+            raise _err("length_column_name", f"expected a column name, got {self.length_column_name!r}")
         choice("optim", OPTIMIZERS)
         if self.ddp_backend is not None:
             choice("ddp_backend", DDP_BACKENDS, _OTHER_DDP_BACKENDS)
@@ -259,11 +273,10 @@ class TrainingArguments:
             self.lr_scheduler_kwargs = {}
         if not isinstance(self.lr_scheduler_kwargs, dict):
             raise _err("lr_scheduler_kwargs", f"expected a mapping, got {self.lr_scheduler_kwargs!r}")
-        allowed = SCHEDULER_KWARGS.get(self.lr_scheduler_type, set())
-        for k in self.lr_scheduler_kwargs:
-            if k not in allowed:
-                raise _err("lr_scheduler_kwargs", f"{self.lr_scheduler_type!r} takes no argument {k!r}"
-                           + (f" (it takes: {', '.join(sorted(allowed))})" if allowed else ""))
+        try:
+            check_kwargs(self.lr_scheduler_type, self.lr_scheduler_kwargs)
+        except ValueError as e:
+            raise _err("lr_scheduler_kwargs", str(e)) from None
         if self.fp16 and self.bf16:
             raise _err("fp16", "fp16 and bf16 cannot both be true")
         if self.label_names is not None and (not isinstance(self.label_names, (list, tuple))

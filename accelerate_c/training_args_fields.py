@@ -31,7 +31,7 @@ MECHANICS_AT_DEFAULT = {
     "activation_checkpointing": (None, False), "activation_checkpointing_kwargs": (None,),
     "gradient_checkpointing_kwargs": (None,),
     "dataloader_multiprocessing_context": (None,), "dataloader_in_order": (True,),
-    "train_sampling_strategy": ("random",), "group_by_length": (False,), "length_column_name": ("length",),
+    "group_by_length": (False,),
     "ignore_data_skip": (False,), "auto_find_batch_size": (False,), "torch_empty_cache_steps": (None,),
     "average_tokens_across_devices": (True, False), "past_index": (-1,),
     "optim_args": (None,), "adafactor": (False,), "neftune_noise_alpha": (None,), "optim_target_modules": (None,),
@@ -41,6 +41,10 @@ MECHANICS_AT_DEFAULT = {
     "use_legacy_prediction_loop": (False,), "restore_callback_states_from_checkpoint": (False,),
     "enable_jit_checkpoint": (False,),
 }
+
+# fields of older transformers that 5.23 no longer has (its TrainingArguments refuses them): why
+REPLACED = {"group_by_length": "transformers 5 replaced it (5.23's TrainingArguments has no such field): use "
+                               "train_sampling_strategy='group_by_length'"}
 
 # not training mechanics: carried and ignored; listed in the warning when not at these values
 CARRIED_DEFAULTS = {
@@ -96,6 +100,8 @@ def classify(name: str, value, hf_defaults: dict):
         allowed = MECHANICS_AT_DEFAULT[name]
         if _at(value, allowed):
             return "carry", False
+        if name in REPLACED:
+            return "refuse", REPLACED[name]
         return "refuse", f"not supported yet by accelerate_c; leave it at {allowed[0]!r}"
     if name in CARRIED_DEFAULTS:
         return "carry", not _at(value, CARRIED_DEFAULTS[name])

@@ -79,6 +79,34 @@ def test_schedulers(tmp_path, kind, expect):
         assert lr == pytest.approx(want, rel=1e-6, abs=1e-12), (step, lr, want)
 
 
+def test_plateau_steps_after_evaluations_and_resumes(tmp_path):
+    """reduce_lr_on_plateau: the rate each step used is what torch's ReduceLROnPlateau, fed the
+    logged eval losses after each evaluation, gives (no warm-up); a run resumed from a
+    checkpoint continues with the same rates and ends with the same parameters, bit for bit."""
+    kw = dict(lr_scheduler_type="reduce_lr_on_plateau", lr_scheduler_kwargs={"patience": 0, "factor": 0.5},
+              eval_strategy="steps", eval_steps=2, max_steps=10, logging_steps=1, learning_rate=0.2,
+              save_strategy="steps", save_steps=4)
+    full = _trainer(tmp_path / "full", **kw)
+    full.train()
+    hist = full.state.log_history
+    evals = {e["step"]: e["eval_loss"] for e in hist if "eval_loss" in e}
+    assert sorted(evals) == [2, 4, 6, 8, 10]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.2)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    want = []
+    for step in range(1, 11):
+        want.append(opt.param_groups[0]["lr"])
+        if step in evals:
+            plateau.step(evals[step])
+    got = [e["learning_rate"] for e in hist if "loss" in e]
+    assert got == want and len(set(want)) >= 2
+    resumed = _trainer(tmp_path / "resumed", **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-4"))
+    assert [e["learning_rate"] for e in resumed.state.log_history if "loss" in e and e["step"] > 4] == got[4:]
+    a, b = (_params(t.accelerator.unwrap_model(t.model)) for t in (full, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_logging_steps_and_eval_steps(tmp_path):
     trainer = _trainer(tmp_path, max_steps=10, logging_steps=3, eval_strategy="steps", eval_steps=4)
     trainer.train()

@@ -4,6 +4,7 @@ keys_to_ignore_at_inference: its cache is not a prediction), predict, prediction
 the learning rate logged at each step, and the metric reports."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -104,7 +105,14 @@ def test_metric_reports_match_transformers(tmp_path, capsys):
     ("linear", {}), ("cosine", {"num_cycles": 0.7}), ("cosine_with_restarts", {"num_cycles": 3}),
     ("polynomial", {"lr_end": 1e-4, "power": 2.0}), ("constant", {}), ("constant_with_warmup", {}),
     ("inverse_sqrt", {}), ("inverse_sqrt", {"timescale": 5}), ("cosine_with_min_lr", {"min_lr": 1e-4}),
-    ("cosine_with_min_lr", {"min_lr_rate": 0.2})])
+    ("cosine_with_min_lr", {"min_lr_rate": 0.2}), ("cosine_warmup_with_min_lr", {"min_lr": 1e-3}),
+    ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1, "warmup_lr_rate": 0.3, "num_cycles": 0.6}),
+    ("warmup_stable_decay", {"num_decay_steps": 6}),
+    ("warmup_stable_decay", {"num_decay_steps": 5, "warmup_type": "cosine", "decay_type": "linear",
+                             "min_lr_ratio": 0.1}),
+    ("warmup_stable_decay", {"num_decay_steps": 4, "num_stable_steps": 3, "warmup_type": "1-sqrt",
+                             "decay_type": "1-sqrt", "min_lr_ratio": 0.05}),
+    ("warmup_stable_decay", {"num_decay_steps": 7, "decay_type": "cosine", "num_cycles": 0.3})])
 @pytest.mark.parametrize("warmup_steps", [3, 0.25])
 def test_lr_scheduler_types_and_fractional_warmup_match_transformers(tmp_path, kind, kwargs, warmup_steps):
     total = 17
@@ -120,7 +128,7 @@ def test_lr_scheduler_types_and_fractional_warmup_match_transformers(tmp_path, k
                     **({"scheduler_specific_kwargs": dict(kwargs)} if get is transformers.get_scheduler
                        else dict(kwargs)))
         seq = []
-        for _ in range(total + 2):
+        for _ in range(total + 4):  # past the end too
             seq.append(sched.get_last_lr()[0])
             opt.step()
             sched.step()
@@ -130,8 +138,9 @@ def test_lr_scheduler_types_and_fractional_warmup_match_transformers(tmp_path, k
 
 def _tiny_gpt2():
     torch.manual_seed(0)
+    # no dropout: two Trainers in one process draw from one global RNG
     cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
-                                  bos_token_id=0, eos_token_id=0)
+                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -166,3 +175,106 @@ def test_label_smoothing_matches_transformers(tmp_path):
     la = [h["loss"] for h in ref.state.log_history if "loss" in h]
     lb = [h["loss"] for h in ours.state.log_history if "loss" in h]
     assert len(lb) == len(la) == 3 and lb == pytest.approx(la, abs=5e-5)  # ours: 4 decimals
+
+
+def _metric_history(n=90, seed=0):
+    """Evaluation results with runs of improvement, plateau and worsening (15 each), noisy."""
+    g = torch.Generator().manual_seed(seed)
+    values, v = [], 2.0
+    for i in range(n):
+        v += (-0.05, 0.0, 0.02)[(i // 15) % 3] + 0.01 * float(torch.randn((), generator=g))
+        values.append(v)
+    return values
+
+
+@pytest.mark.parametrize("kind,kwargs", [
+    ("reduce_lr_on_plateau", {}),
+    ("reduce_lr_on_plateau", {"patience": 1, "factor": 0.5, "cooldown": 2, "threshold_mode": "abs",
+                              "threshold": 0.005, "min_lr": 1e-3}),
+    ("reduce_lr_on_plateau", {"mode": "max", "patience": 0}),
+    ("greedy", {}),
+    ("greedy", {"patience": 1, "factor": 0.7, "cooldown": 1, "warmup": 2, "min_lr": 2e-3, "max_lr": 5e-2}),
+    ("greedy", {"patience": 0, "smooth": True, "window_size": 4, "threshold_mode": "rel", "threshold": 1e-3,
+                "reset_start": 3, "min_lr": 5e-3}),
+    ("greedy", {"mode": "max", "patience": 2, "factor": 0.5})])
+def test_metric_driven_schedules_match_transformers(kind, kwargs):
+    """Fed the same evaluation results, ours and transformers' scheduler set the same rates after
+    every step; ours, saved halfway (torch.save, loaded with weights_only as a checkpoint is) with
+    its optimizer and restored onto new ones, goes on alike."""
+    rates = []
+    for get in (transformers.get_scheduler, accelerate_c.training_args.get_scheduler):
+        extra = {"scheduler_specific_kwargs": dict(kwargs)} if get is transformers.get_scheduler else dict(kwargs)
+
+        def build(state=None, get=get, extra=extra):
+            opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+            sched = get(kind, opt, num_warmup_steps=3, num_training_steps=90, **extra)
+            if state is not None:
+                opt.load_state_dict(state["opt"])
+                sched.load_state_dict(torch.load(io.BytesIO(state["sched"]), weights_only=True))
+            return opt, sched
+
+        opt, sched = build()
+        seq = []
+        for i, metric in enumerate(_metric_history()):
+            if i == 45 and get is not transformers.get_scheduler:
+                buf = io.BytesIO()
+                torch.save(sched.state_dict(), buf)
+                opt, sched = build({"opt": opt.state_dict(), "sched": buf.getvalue()})
+            sched.step(metric)
+            seq.append((opt.param_groups[0]["lr"], sched.get_last_lr()[0]))
+        rates.append(seq)
+    assert rates[1] == rates[0]
+    assert len({lr for lr, _ in rates[0]}) >= 3  # the metric moved the rate more than once
+
+
+@pytest.mark.parametrize("kind,kwargs", [("reduce_lr_on_plateau", {"patience": 0, "factor": 0.5, "threshold": 0.05}),
+                                         ("greedy", {"patience": 0, "factor": 0.5, "min_lr": 1e-4,
+                                                     "max_lr": 0.05})])
+def test_metric_driven_schedules_in_training_match_transformers(tmp_path, kind, kwargs):
+    """Stepped with eval_loss after each evaluation (not at eval_on_start, nor per step; no
+    warm-up): the learning rate logged at every step is transformers' Trainer's."""
+    ref, ours = _pair(tmp_path, lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs, max_steps=6, logging_steps=1,
+                      eval_strategy="steps", eval_steps=2, eval_on_start=True, learning_rate=2e-2, warmup_steps=2,
+                      save_strategy="no", compute_metrics=None)
+    assert ours.args.metric_for_best_model == ref.args.metric_for_best_model == "loss"
+    ref.train()
+    ours.train()
+    la = [h["learning_rate"] for h in ref.state.log_history if "loss" in h]
+    lb = [h["learning_rate"] for h in ours.state.log_history if "loss" in h]
+    ea = [h["eval_loss"] for h in ref.state.log_history if "eval_loss" in h]
+    eb = [h["eval_loss"] for h in ours.state.log_history if "eval_loss" in h]
+    assert len(ea) == len(eb) == 4 and eb == pytest.approx(ea, rel=1e-5)
+    assert len(la) == len(lb) == 6 and lb == pytest.approx(la, rel=1e-12)
+    assert la[0] == 2e-2 and len(set(la)) >= 2  # no warm-up; the evaluations moved the rate
+
+
+def test_eval_loss_of_gpt2_is_the_token_mean_transformers_reports_15_16_of_it(tmp_path):
+    """transformers 5.23's Trainer passes num_items_in_batch (the count of labels that are not
+    -100) to a model that takes loss kwargs. It counts the shifted labels only for a model whose
+    loss_type is a causal LM's; GPT2LMHeadModel's loss_type is None (its class name names no loss),
+    yet its loss function shifts: the 15 losses of each 16-token row are divided by 16. Ours
+    reports the model's own mean over the predicted tokens (what transformers reports for a
+    LlamaForCausalLM, test above). Both numbers, against plain torch on the same weights."""
+    ref, ours = _pair(tmp_path, make_model=_tiny_gpt2, compute_metrics=None, save_strategy="no", max_steps=1,
+                      logging_steps=1, learning_rate=1e-3)
+    assert ref.model.loss_type is None  # the reason (transformers' _loss_shifts_labels is False)
+    rows = [script.make_data(10, 2)[i]["input_ids"] for i in range(10)]
+    token_mean, per_label = [], []
+    ours.model.eval()
+    with torch.no_grad():
+        for b in range(0, 10, 4):  # the eval batches (per_device_eval_batch_size=4)
+            ids = torch.stack(rows[b:b + 4])
+            logits = ours.model(input_ids=ids).logits
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                    ids[:, 1:].reshape(-1), reduction="sum")
+            token_mean += [float(nll) / ids[:, 1:].numel()] * len(ids)
+            per_label += [float(nll) / ids.numel()] * len(ids)
+    a, b = ref.evaluate()["eval_loss"], ours.evaluate()["eval_loss"]
+    assert b == pytest.approx(np.mean(token_mean), rel=1e-6)
+    assert a == pytest.approx(np.mean(per_label), rel=1e-6) and a == pytest.approx(b * 15 / 16, rel=1e-6)
+    # training logs the same two numbers (the first step: the same weights and batch on both)
+    ref.train()
+    ours.train()
+    la = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    lb = [h["loss"] for h in ours.state.log_history if "loss" in h]
+    assert la[0] == pytest.approx(lb[0] * 15 / 16, abs=1e-4)  # ours: 4 decimals

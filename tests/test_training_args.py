@@ -25,6 +25,7 @@ TRANSFORMERS_DEFAULTS = dict(
     dataloader_pin_memory=True, dataloader_num_workers=0, dataloader_drop_last=False, resume_from_checkpoint=None,
     disable_tqdm=False, remove_unused_columns=True, logging_first_step=False, optim="adamw_torch",
     load_best_model_at_end=False, metric_for_best_model=None, save_safetensors=True, use_cpu=False,
+    train_sampling_strategy="random", length_column_name="length",
 )
 
 
@@ -137,7 +138,12 @@ def test_dispatch_batches_reaches_the_accelerator():
     ("max_steps", 0, "positive integer, or -1"),
     ("warmup_ratio", 1.5, "must be"),
     ("warmup_steps", -1, "whole number of steps >= 0"),
-    ("lr_scheduler_type", "warmup_stable_decay", "not supported yet"),
+    ("lr_scheduler_type", "reduce_lr_on_plateau", "needs an eval_strategy other than 'no'"),
+    ("lr_scheduler_type", "greedy", "needs an eval_strategy other than 'no'"),
+    ("lr_scheduler_kwargs", {"factor": 2.0}, "takes no argument 'factor'"),
+    ("train_sampling_strategy", "batch_rebalance", "not supported yet"),
+    ("train_sampling_strategy", "by_length", "choose from"),
+    ("length_column_name", None, "column name"),
     ("lr_scheduler_type", "linearr", "choose from"),
     ("eval_strategy", "sometimes", "choose from"),
     ("logging_strategy", "hourly", "choose from"),
@@ -187,6 +193,25 @@ def test_cross_field_checks():
     assert a.eval_steps == 7 and a.do_eval  # transformers: eval_steps defaults to logging_steps
     assert TrainingArguments(metric_for_best_model="accuracy").greater_is_better is True
     assert TrainingArguments(metric_for_best_model="loss").greater_is_better is False
+    assert TrainingArguments(metric_for_best_model="eval_my_loss").greater_is_better is False  # "...loss"
+    # the metric-driven schedules: metric_for_best_model defaults to "loss"; their kwargs checked up front
+    a = TrainingArguments(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="epoch")
+    assert a.metric_for_best_model == "loss" and a.greater_is_better is False
+    with pytest.raises(ValueError, match=r"lr_scheduler_kwargs: 'greedy': .*factor must be < 1.0"):
+        TrainingArguments(lr_scheduler_type="greedy", eval_strategy="epoch", lr_scheduler_kwargs={"factor": 1.5})
+    with pytest.raises(ValueError, match=r"lr_scheduler_kwargs: 'reduce_lr_on_plateau': .*mode"):
+        TrainingArguments(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="epoch",
+                          lr_scheduler_kwargs={"mode": "lowest"})
+    with pytest.raises(ValueError, match="decay_type must be one of linear, cosine, 1-sqrt, got 'exp'"):
+        TrainingArguments(lr_scheduler_type="warmup_stable_decay",
+                          lr_scheduler_kwargs={"num_decay_steps": 3, "decay_type": "exp"})
+    with pytest.raises(ValueError, match="lr_scheduler_kwargs: 'warmup_stable_decay' needs num_decay_steps"):
+        TrainingArguments(lr_scheduler_type="warmup_stable_decay")
+    with pytest.raises(ValueError, match="num_stable_steps must be a whole number"):
+        TrainingArguments(lr_scheduler_type="warmup_stable_decay",
+                          lr_scheduler_kwargs={"num_decay_steps": 3, "num_stable_steps": -1})
+    with pytest.raises(ValueError, match="exactly one of min_lr / min_lr_rate"):
+        TrainingArguments(lr_scheduler_type="cosine_warmup_with_min_lr")
     assert TrainingArguments(warmup_ratio=0.1).get_warmup_steps(95) == 10
     assert TrainingArguments(warmup_ratio=0.1, warmup_steps=3).get_warmup_steps(95) == 3
 
@@ -220,6 +245,10 @@ def test_from_dict_errors_and_transformers_keys(tmp_path):
     with pytest.warns(UserWarning, match="carried but ignored: push_to_hub=True$"):
         assert TrainingArguments.from_dict({"push_to_hub": True}).carried == {"push_to_hub": True}
     assert TrainingArguments.from_dict({"evaluation_strategy": "epoch"}).eval_strategy == "epoch"
+    # transformers 4's group_by_length: 5.23 has no such field; False (an old to_dict) is carried
+    TrainingArguments.from_dict({"group_by_length": False})
+    with pytest.raises(ValueError, match="group_by_length=True.*train_sampling_strategy='group_by_length'"):
+        TrainingArguments.from_dict({"group_by_length": True})
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot be parsed"):
         TrainingArguments.from_json_file(tmp_path / "bad.json")

@@ -95,7 +95,7 @@ def test_from_training_args_matches_what_transformers_builds_on_accelerate(tmp_p
 
 def test_mechanics_refused_by_name_the_rest_carried_with_one_warning(tmp_path):
     for kw, field in ((dict(torch_compile=True), "torch_compile"), (dict(ddp_static_graph=True), "ddp_static_graph"),
-                      (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy"),
+                      (dict(ignore_data_skip=True), "ignore_data_skip"),
                       (dict(auto_find_batch_size=True), "auto_find_batch_size")):
         with pytest.raises(ValueError, match=rf"TrainingArguments\.{field}=.*not supported yet"):
             accelerate_c.Accelerator.from_training_args(_hf_args(tmp_path, **kw))
