@@ -48,25 +48,34 @@ EXTRAS = ("zero_optimizer_rank2.safetensors", "zero_optimizer_rank2_state.json",
 FIXTURE_STEPS = 3  # tests/scripts/zero_fuzz_fixtures.py's STEPS (before the pristine save)
 
 
-class ZeroJob:
-    """The fuzzing process's job: the fixtures' model, AdamW and StepLR and a data loader like
-    theirs, prepared by a one-process Accelerator; and the directory the fixtures were written to."""
+@functools.lru_cache(maxsize=None)  # the fixtures are written once per process, at first use
+def fixtures() -> str:
+    """The directory tests/scripts/zero_fuzz_fixtures.py wrote on 2 launched processes."""
+    from test_launch import launch
+    from timeouts import wait_s
 
-    def __init__(self):
-        from test_launch import launch
-        from timeouts import wait_s
+    root = tempfile.mkdtemp(prefix="ac_fuzz_zero_")
+    atexit.register(shutil.rmtree, root, True)
+    res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "zero_fuzz_fixtures.py"), root], timeout=wait_s(300))
+    assert res.returncode == 0 and "zero fuzz fixtures written on 2 processes" in res.stdout, \
+        res.stdout[-3000:] + res.stderr[-3000:]
+    return root
+
+
+class ZeroJob:
+    """A one-process job like the fixtures' (their model, AdamW and StepLR and a data loader like
+    theirs, prepared by an Accelerator without a plugin: one process shards nothing); `root`: the
+    fixtures' directory. A new one resets the accelerator states."""
+
+    def __init__(self, root: str):
         from torch.utils.data import DataLoader, TensorDataset
         from zero_checkpoint import build
 
         from accelerate_c import Accelerator
         from helpers import reset_all_states
 
-        self.root = tempfile.mkdtemp(prefix="ac_fuzz_zero_")
-        atexit.register(shutil.rmtree, self.root, True)
-        res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
-                      os.path.join(SCRIPTS, "zero_fuzz_fixtures.py"), self.root], timeout=wait_s(300))
-        assert res.returncode == 0 and "zero fuzz fixtures written on 2 processes" in res.stdout, \
-            res.stdout[-3000:] + res.stderr[-3000:]
+        self.root = root
         reset_all_states()
         self.acc = Accelerator(cpu=True)
         model, opt = build()
@@ -75,9 +84,9 @@ class ZeroJob:
         self.model, self.opt, self.sched, self.loader = self.acc.prepare(model, opt, sched, loader)
 
 
-@functools.lru_cache(maxsize=None)  # the fixtures are written once per process, at first use
+@functools.lru_cache(maxsize=None)  # the fuzzing runs' job (one per process)
 def zero_job() -> ZeroJob:
-    return ZeroJob()
+    return ZeroJob(fixtures())
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -85,10 +94,12 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-6)
 
 
-def _check_against_torch(job: ZeroJob, kind: str) -> None:
-    """The pristine checkpoint of `kind`, loaded here, holds what plain torch computes: the model
-    and AdamW after the fixtures' steps on the whole global batches (2 processes x half a batch,
-    gradients averaged: the same mean loss), fp32 summation order apart."""
+def check_against_torch(model_here, opts_here, what: str) -> None:
+    """`model_here` and its optimizers `opts_here` (one, or the two of the fixtures' two_optimizers,
+    holding build()'s two parameter groups), as a pristine fixture loaded in this process left
+    them, hold what plain torch computes: build()'s model and AdamW after the fixtures' steps on
+    the whole global batches (2 processes x half a batch, gradients averaged: the same mean loss),
+    fp32 summation order apart."""
     from zero_checkpoint import build, global_batch
 
     model, opt = build()
@@ -99,17 +110,22 @@ def _check_against_torch(job: ZeroJob, kind: str) -> None:
         opt.step()
         sched.step()
         opt.zero_grad()
-    live = job.opt.optimizer if hasattr(job.opt, "optimizer") else job.opt
-    for (name, got), want in zip(job.model.named_parameters(), model.parameters()):
-        assert _close(got.detach(), want.detach()) <= 1e-5, f"{kind}: parameter {name} differs from plain torch"
-        mine, ref = live.state[got], opt.state[want]
-        assert sorted(mine) == sorted(ref), f"{kind}: {name}: optimizer state keys {sorted(mine)} != {sorted(ref)}"
-        assert float(mine["step"]) == float(ref["step"]) == FIXTURE_STEPS, f"{kind}: {name}: step {mine['step']}"
+    lives = [getattr(o, "optimizer", o) for o in opts_here]
+    state_of = {id(p): o.state.get(p) for o in lives for g in o.param_groups for p in g["params"]}
+    for (name, got), want in zip(model_here.named_parameters(), model.parameters()):
+        assert _close(got.detach(), want.detach()) <= 1e-5, f"{what}: parameter {name} differs from plain torch"
+        mine, ref = state_of[id(got)], opt.state[want]
+        assert mine is not None and sorted(mine) == sorted(ref), f"{what}: {name}: optimizer state {mine!r}"
+        assert float(mine["step"]) == float(ref["step"]) == FIXTURE_STEPS, f"{what}: {name}: step {mine['step']}"
         for key in ("exp_avg", "exp_avg_sq"):
             assert mine[key].shape == ref[key].shape and _close(mine[key], ref[key]) <= 1e-5, \
-                f"{kind}: {name}: {key} differs from plain torch"
-    for got, want in zip(live.param_groups, opt.param_groups):
-        assert {k: v for k, v in got.items() if k != "params"} == {k: v for k, v in want.items() if k != "params"}
+                f"{what}: {name}: {key} differs from plain torch"
+    groups = [g for o in lives for g in o.param_groups]
+    assert len(groups) == len(opt.param_groups), what
+    for got, want in zip(groups, opt.param_groups):
+        assert len(got["params"]) == len(want["params"]), what
+        for k in ("lr", "weight_decay", "betas", "eps"):
+            assert got[k] == want[k], f"{what}: param group setting {k}: {got[k]!r} != {want[k]!r}"
 
 
 class KindBench(pyfuzz.CheckpointBench):
@@ -117,9 +133,6 @@ class KindBench(pyfuzz.CheckpointBench):
     the shared one-process job (what pyfuzz.check_load needs)."""
 
     def __init__(self, job: ZeroJob, kind: str):
-        from accelerate_c.checkpoint_layout import loader_state
-
-        self._loader_state = loader_state
         self.acc, self.model, self.opt, self.sched, self.loader = job.acc, job.model, job.opt, job.sched, job.loader
         self.pristine = os.path.join(job.root, kind, "pristine")
         self.decoy = os.path.join(job.root, kind, "outside")
@@ -129,13 +142,21 @@ class KindBench(pyfuzz.CheckpointBench):
         self.extras, self.focus = EXTRAS, FOCUS
         self.sched_attrs = set(vars(self.sched.scheduler if hasattr(self.sched, "scheduler") else self.sched))
         self.acc.load_state(self.pristine)
-        _check_against_torch(job, kind)
+        check_against_torch(self.model, [self.opt], kind)
         self.reference = self.snapshot()
 
     def snapshot(self) -> dict:
-        out = super().snapshot()
-        out["loader"] = self._loader_state(self.loader)
-        return out
+        return job_snapshot(self)
+
+
+def job_snapshot(job) -> dict:
+    """Everything a load may change of a ZeroJob (or a KindBench): the load_state target's
+    snapshot (model, optimizer, scheduler, RNGs, step, save counter) and the loader's position."""
+    from accelerate_c.checkpoint_layout import loader_state
+
+    out = pyfuzz.CheckpointBench.snapshot(job)
+    out["loader"] = loader_state(job.loader)
+    return out
 
 
 @functools.lru_cache(maxsize=None)

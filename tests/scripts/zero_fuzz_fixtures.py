@@ -10,6 +10,9 @@ step size is never reached (the learning rate stays 1e-2 / 5e-3: the fuzz target
 reference needs no schedule), a prepared data loader one batch into its epoch, STEPS steps on
 each process's half of the global batches, then save_state to DIR/KIND/pristine; one more step
 and save_state to DIR/KIND/outside (the other checkpoint a mutation's symbolic links point to).
+Then DIR/two_optimizers: ZeRO-2 with the same two parameter groups as two AdamW optimizers (so
+each shard group holds parameters of both: the plan lists the other optimizer's as null), STEPS
+steps, save_state (tests/test_zero_checkpoint_checks.py loads it on one process).
 """
 from __future__ import annotations
 
@@ -68,12 +71,34 @@ def save(kind: str, directory: str) -> None:
         print(f"{kind}: {sorted(os.listdir(os.path.join(directory, kind, 'pristine')))}", flush=True)
 
 
+def two_optimizers():
+    """build()'s model, and its optimizer's two parameter groups as two AdamW optimizers."""
+    model, _ = build()
+    named = list(model.named_parameters())
+    return model, [torch.optim.AdamW([p for n, p in named if n.endswith("weight")], lr=1e-2, weight_decay=0.1),
+                   torch.optim.AdamW([p for n, p in named if not n.endswith("weight")], lr=5e-3, weight_decay=0.0)]
+
+
+def save_two_optimizers(directory: str) -> None:
+    acc = accelerator("zero2")
+    model, opts = two_optimizers()
+    model, *opts = acc.prepare(model, *opts)
+    for k in range(STEPS):
+        x, y = local(k, dist.get_rank(), dist.get_world_size())
+        acc.backward(torch.nn.functional.cross_entropy(model(x).float(), y))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    acc.save_state(os.path.join(directory, "two_optimizers"))
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     directory = sys.argv[1]
     for kind in KINDS:
         save(kind, directory)
+    save_two_optimizers(directory)
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"zero fuzz fixtures written on {dist.get_world_size()} processes", flush=True)
