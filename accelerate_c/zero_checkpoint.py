@@ -391,6 +391,8 @@ def plan_load(acc, strategy, files):
             # the keys saved for this group: from the old files' docs
             keys = {}
             for p in params:
+                if id(p) not in index:
+                    continue  # stepped by another optimizer
                 for _, sdoc, _ in shards:
                     e = sdoc["params"].get(str(index[id(p)]))
                     if e is not None:
