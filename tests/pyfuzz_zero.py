@@ -102,14 +102,15 @@ def check_against_torch(model_here, opts_here, what: str) -> None:
     fp32 summation order apart."""
     from zero_checkpoint import build, global_batch
 
-    model, opt = build()
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1000, gamma=0.5)  # as the fixtures: lr unchanged
-    for k in range(FIXTURE_STEPS):
-        x, y = global_batch(k)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+    with torch.random.fork_rng(devices=[]):  # build() seeds: the job's RNG state is not this check's
+        model, opt = build()
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1000, gamma=0.5)  # as the fixtures: lr unchanged
+        for k in range(FIXTURE_STEPS):
+            x, y = global_batch(k)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
     lives = [getattr(o, "optimizer", o) for o in opts_here]
     state_of = {id(p): o.state.get(p) for o in lives for g in o.param_groups for p in g["params"]}
     for (name, got), want in zip(model_here.named_parameters(), model.parameters()):

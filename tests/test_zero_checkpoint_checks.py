@@ -164,3 +164,48 @@ def test_a_checkpoint_two_optimizers_share_loads_on_one_process():
             p.zero_()
     acc.load_state(os.path.join(pyfuzz_zero.fixtures(), "two_optimizers"))
     pyfuzz_zero.check_against_torch(model, opts, "two optimizers")
+
+
+def _del(*path):
+    def edit(doc):
+        node = doc
+        for p in path[:-1]:
+            node = node[p] if not callable(p) else p(node)
+        del node[path[-1]]
+    return edit
+
+
+def _first_entry(params):
+    return params[sorted(params)[0]]
+
+
+@pytest.mark.parametrize("label,edit,says", [
+    ("an entry without keys", _del("state", "params", _first_entry, "keys"), "must be an object with 'keys'"),
+    ("an entry without other", _del("state", "params", _first_entry, "other"), "must be an object with 'keys'"),
+    ("params null", _set("state", "params", None), "'params' must be an object"),
+    ("no param_groups", _del("state", "param_groups"), "'param_groups' must be a list"),
+])
+def test_a_malformed_shard_state_is_refused_by_name(tmp_path, label, edit, says):
+    """Found by the fuzz target: the old load indexed these documents unchecked (KeyError,
+    TypeError, naming nothing)."""
+    d = _copy(tmp_path, "zero1")
+    _edit_json(d, "zero_optimizer_rank1_state.json", edit)
+    _refused(d, "zero_optimizer_rank1_state.json", says)
+
+
+def test_a_later_load_keeps_no_param_group_setting_of_an_earlier_one(tmp_path):
+    """Found by the fuzz target: the old one-process load merged the saved param_groups settings
+    into the live groups, so a key one checkpoint brought stayed through every later load (torch's
+    load_state_dict, which the load now runs, replaces the groups)."""
+    d = _copy(tmp_path, "fsdp")
+    _edit_json(d, "zero_optimizer_rank0_state.json",
+               lambda doc: doc["state"]["param_groups"][0].update(maximize_extra=True))
+    pristine = os.path.join(pyfuzz_zero.fixtures(), "fsdp", "pristine")
+    job = pyfuzz_zero.ZeroJob(pyfuzz_zero.fixtures())
+    job.acc.load_state(d)
+    assert job.opt.param_groups[0]["maximize_extra"] is True  # torch keeps what a state dict brings
+    job.acc.load_state(pristine)
+    got = pyfuzz_zero.job_snapshot(job)["optimizer"]  # before the next job resets the states
+    clean = pyfuzz_zero.ZeroJob(pyfuzz_zero.fixtures())
+    clean.acc.load_state(pristine)
+    assert_state_equal(got, pyfuzz_zero.job_snapshot(clean)["optimizer"], "the optimizer after the later load")
