@@ -1,7 +1,7 @@
 """The `zero_load_state` fuzz target (docs/security.md): `load_state` of SHARDED checkpoints, mutated.
 
 The pristine checkpoints are written once per run by a real job of 2 processes launched through
-the real launcher (tests/scripts/zero_fuzz_fixtures.py): ZeRO-1 and ZeRO-2 (accelerate's
+the real launcher (tests/scripts/zero_fuzz_fixtures.py): ZeRO-1, ZeRO-2 and ZeRO-3 (accelerate's
 DeepSpeedPlugin) and full sharding (its FullyShardedDataParallelPlugin), each with its shard plan
 `zero_plan.json` and per process `zero_optimizer_rank{r}.safetensors` + `_state.json`. The
 fuzzing process loads them into ONE process: there nothing is sharded, and load_state assembles
@@ -38,7 +38,7 @@ SCRIPTS = os.path.join(HERE, "scripts")
 if SCRIPTS not in sys.path:
     sys.path.insert(0, SCRIPTS)
 
-KINDS = ("zero1", "zero2", "fsdp")
+KINDS = ("zero1", "zero2", "zero3", "fsdp")
 ZERO_OPS = pyfuzz.MUTATION_OPS + ("json_edit_plan", "json_edit_shard_state")
 # the files the two extra JSON edits pick among
 FOCUS = {"json_edit_plan": r"zero_plan\.json", "json_edit_shard_state": r"zero_optimizer(_\d+)?_rank\d+_state\.json"}

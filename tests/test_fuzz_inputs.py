@@ -1,7 +1,7 @@
 """Short, derandomized runs of the Python fuzz targets (tests/pyfuzz.py; docs/security.md): config
 files, DeepSpeed JSON, TrainingArguments dicts, load_state on mutated checkpoint directories and
 the model index reader (load_model_weights); load_state in one process of sharded checkpoints
-(ZeRO-1, ZeRO-2, full sharding) that a launched 2-process job wrote (tests/pyfuzz_zero.py).
+(ZeRO-1, -2, -3, full sharding) that a launched 2-process job wrote (tests/pyfuzz_zero.py).
 Each case must be taken or refused with an error naming the file or key; a failed load must leave
 the job as it was. The long runs: python tests/fuzz/run_py.py (make fuzz-py)."""
 from __future__ import annotations

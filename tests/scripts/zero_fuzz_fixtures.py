@@ -3,8 +3,9 @@ written by a real job of 2 processes (launched once per fuzzing run):
 
     zero_fuzz_fixtures.py DIR
 
-For each KIND, zero1 and zero2 (accelerate's DeepSpeedPlugin, ZeRO stages 1 and 2) and fsdp
-(full sharding through accelerate's FullyShardedDataParallelPlugin, FSDP2): the model and AdamW of
+For each KIND, zero1, zero2 and zero3 (accelerate's DeepSpeedPlugin, ZeRO stages 1 to 3; stage 3
+runs on full sharding with DeepSpeed's settings) and fsdp (full sharding through accelerate's
+FullyShardedDataParallelPlugin, FSDP2): the model and AdamW of
 tests/scripts/zero_checkpoint.py (tied weights, two parameter groups), a StepLR scheduler whose
 step size is never reached (the learning rate stays 1e-2 / 5e-3: the fuzz target's plain-torch
 reference needs no schedule), a prepared data loader one batch into its epoch, STEPS steps on
@@ -31,7 +32,7 @@ from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin  # 
 from accelerate_c import Accelerator  # noqa: E402
 from accelerate_c.state import AcceleratorState, GradientState  # noqa: E402
 
-KINDS = ("zero1", "zero2", "fsdp")
+KINDS = ("zero1", "zero2", "zero3", "fsdp")
 STEPS = 3
 
 
