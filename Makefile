@@ -62,7 +62,7 @@ fuzz:
 
 # long runs of the Python fuzz targets (tests/fuzz/run_py.py), one after another, each for
 # FUZZ_PY_SECONDS; atheris (requirements-fuzz.txt) when FUZZ_PY_ENGINE=atheris
-FUZZ_PY_TARGETS ?= config config_bytes deepspeed training_args load_state model_index
+FUZZ_PY_TARGETS ?= config config_bytes deepspeed training_args load_state model_index zero_load_state
 fuzz-py: install
 	set -e; for t in $(FUZZ_PY_TARGETS); do \
 	  $(PY) tests/fuzz/run_py.py --target $$t --seconds $(or $(FUZZ_PY_SECONDS),60) --engine $(or $(FUZZ_PY_ENGINE),hypothesis); \

@@ -14,6 +14,7 @@ import torch
 from .checkpoint_layout import (AUTO_NAME_RE, MARKER, complete_checkpoints, has_our_files, read_marker,
                                 refuse_links_out, sampler_of, suffix)
 from . import zero_checkpoint
+from .dry_run import dry_run_optimizer, dry_run_scheduler
 from .model_io import find_aliases
 from .safetensors_io import DTYPES, list_tensors, load_into
 from .state_io import CheckpointError, StateFile, check_rng_state, decode, set_rng_state, torch_load
@@ -235,52 +236,6 @@ def _meta_state(sf):
     return decode(sf.doc["state"], metas, sf.json_path)
 
 
-def _dry_run_optimizer(opt, sd, where: str) -> None:
-    """Runs the optimizer's own load_state_dict on a stand-in that shares nothing with it
-    (parameters and state on the meta device, no hooks), so a state it would refuse (a corrupt
-    entry: torch's Adam takes float() of a "step" that is a dict) is refused now, before any
-    state of the job has changed, and not after the weights were read."""
-    import copy
-    from collections import defaultdict
-
-    inner = getattr(opt, "optimizer", opt)
-    if not isinstance(inner, torch.optim.Optimizer):
-        return
-    dry = copy.copy(inner)
-    dry.__dict__ = {k: v for k, v in inner.__dict__.items()}
-    dry.param_groups = [{**g, "params": [torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-                                         for p in g["params"]]} for g in inner.param_groups]
-    dry.state = defaultdict(dict)
-    for hooks in ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
-                  "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks"):
-        if hooks in dry.__dict__:
-            dry.__dict__[hooks] = type(inner.__dict__[hooks])()
-    try:
-        dry.load_state_dict(sd)
-    except Exception as e:  # noqa: BLE001 - whatever the optimizer refuses, named with the file
-        raise CheckpointError(f"{where}: {type(inner).__name__}.load_state_dict refuses this state "
-                              f"({type(e).__name__}: {e})") from None
-
-
-def _dry_run_scheduler(sched, sd: dict, where: str) -> None:
-    """The scheduler's load_state_dict on a copy (its optimizer shared, not copied: the load does
-    not touch it), for the same reason as _dry_run_optimizer."""
-    import copy
-
-    inner = getattr(sched, "scheduler", sched)
-    opt = getattr(inner, "optimizer", None)
-    try:
-        dry = copy.deepcopy(inner, {id(opt): opt} if opt is not None else {})
-        sd = copy.deepcopy(sd)
-    except Exception:  # noqa: BLE001 - a scheduler that cannot be copied gets no dry run
-        return
-    try:
-        dry.load_state_dict(sd)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{where}: {type(inner).__name__}.load_state_dict refuses this state "
-                              f"({type(e).__name__}: {e})") from None
-
-
 class _Reader:
     """Names and checks the files of one checkpoint directory, ours or accelerate's."""
 
@@ -371,12 +326,13 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             plan.applies.append(lambda m=model, sd=sd: m.load_state_dict(sd, strict=strict))
     strategy = acc._grads.strategy
     # written under ZeRO: this process's shards resharded from whatever wrote them, or (no ZeRO
-    # here, one process) each parameter's state assembled from every old process's runs
-    zero_saved = zero_checkpoint.is_sharded(d)
+    # here, one process) each parameter's state assembled from every old process's runs. Whether
+    # it was is the marker's word (its plan file listed, and then held to its recorded size like
+    # every file), not a plan file lying in the directory.
+    zero_saved = reader.has(zero_checkpoint.PLAN_FILE)
     if strategy.sharded_state or zero_saved:
-        load_plan = zero_checkpoint.plan_load if strategy.sharded_state else \
-            (lambda acc, _strategy, d: zero_checkpoint.plan_load_whole(acc, d))
-        reads, applies = load_plan(acc, strategy, d)
+        reads, applies = zero_checkpoint.plan_load(acc, strategy, reader) if strategy.sharded_state else \
+            zero_checkpoint.plan_load_whole(acc, reader)
         plan.reads += reads
         plan.applies += applies
     for i, opt in enumerate([] if (strategy.sharded_state or zero_saved) else acc._optimizers):
@@ -386,7 +342,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             skeleton = sf.skeleton()
             _check_optimizer(opt, skeleton, sf.json_path)
             _check_optimizer_shapes(opt, skeleton["param_groups"], _saved_state_entries(sf), sf.json_path)
-            _dry_run_optimizer(opt, _meta_state(sf), sf.json_path)
+            dry_run_optimizer(opt, _meta_state(sf), sf.json_path)
             # read straight into the optimizer's current state tensors where they fit; set
             # once every file has been read
             loaded = {}
@@ -400,13 +356,13 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
             _check_optimizer_shapes(opt, sd["param_groups"], [
                 (pid, k, tuple(v.shape)) for pid, e in state.items() if isinstance(e, dict)
                 for k, v in e.items() if isinstance(v, torch.Tensor)], where)
-            _dry_run_optimizer(opt, sd, where)
+            dry_run_optimizer(opt, sd, where)
             plan.applies.append(lambda o=opt, sd=sd: o.load_state_dict(sd))
     for i, sched in enumerate(acc._schedulers):
         sd, where = reader.either(f"scheduler{suffix(i)}", f"scheduler{suffix(i)}.bin", f"state of scheduler {i}")
         if not isinstance(sd, dict):
             raise CheckpointError(f"{where}: a scheduler state must be a dict, got {type(sd).__name__}")
-        _dry_run_scheduler(sched, sd, where)
+        dry_run_scheduler(sched, sd, where)
         plan.applies.append(lambda s=sched, sd=sd: s.load_state_dict(sd))
     saved_loaders = reader.marker.get("dataloaders") if reader.marker is not None else None
     resumed = {}  # data loader index -> (loader, its saved position): positions that record mid_epoch

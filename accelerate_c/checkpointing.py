@@ -505,7 +505,7 @@ def load_sharded_optimizers(acc, directory: str) -> None:
     """The optimizers' shards from `directory` (written by save_sharded_optimizers on any number
     of processes): every file checked before anything changes, then each process's ranges read."""
     strategy = acc._grads.strategy
-    reads, applies = zero_checkpoint.plan_load(acc, strategy, directory)
+    reads, applies = zero_checkpoint.plan_load(acc, strategy, zero_checkpoint.PlainFiles(directory))
     for read in reads:
         read()
     for apply in applies:

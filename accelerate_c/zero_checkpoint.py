@@ -11,27 +11,34 @@ saved once by the main process as always):
 - `zero_optimizer{i}_rank{r}.safetensors` (process r): per shard group g and per state key k that
   is one value per element (Adam's moments, a momentum buffer), `g{g}.{k}`: the group's state laid
   out as rank r's shard (plan.shard_numel elements); `g{g}.master` for the fp32 masters of a 16-bit
-  model.
+  model. Its header's metadata names the process (`rank`, `world`).
 - `zero_optimizer{i}_rank{r}_state.json` (+ `_state.safetensors` when it holds tensors) (process r): the
   optimizer's param_groups settings, and per parameter it owns part of (by its index in the
   optimizer's parameter list) the keys present in the shard file and its other state (Adam's step).
 
-Loading: the saved plans are rebuilt (_C.ShardPlan(**spec)) and checked against this run's (same
-parameters, same sizes, or an error naming the plan file); `ShardPlan.reshard_runs` gives, for
-this process, the runs (old rank, old offset, new offset, length) that fill its new shard; each
-run is read from the old rank's file with one positioned read into the new shard's memory.
-Everything is checked (every file present, every header's size) before anything is read, and the
-optimizer's state and the masters are replaced only once every read has succeeded.
+Loading: the plan file is checked whole (read_plan: every entry a load indexes with), the saved
+plans are rebuilt (_C.ShardPlan(**spec)) and checked against this run's (same parameters, same
+sizes, or an error naming the plan file); `ShardPlan.reshard_runs` gives, for this process, the
+runs (old rank, old offset, new offset, length) that fill its new shard; each run is read from the
+old rank's file with one positioned read into the new shard's memory. Everything is checked
+before anything is read (every file present, and under load_state of the size checkpoint.json
+recorded; every header; every process's state file; the optimizer's own load_state_dict tried on
+a stand-in), and the masters and the optimizer's state (its load_state_dict) are set only once
+every read has succeeded. A checkpoint comes from anywhere (docs/security.md): nothing in these
+files is trusted before it is checked.
 """
 from __future__ import annotations
 
+import math
 import os
+from typing import Optional
 
 import torch
 
-from ._C import ShardPlan
+from ._C import CoreError, ShardPlan
 from .checkpoint_layout import suffix
-from .safetensors_io import list_tensors, save_file, torch_dtype_of
+from .dry_run import dry_run_optimizer
+from .safetensors_io import list_tensors, read_metadata, save_file, torch_dtype_of
 from .shard_plan import plan_spec
 from .strategies.zero import elementwise_state
 from .state_io import CheckpointError, StateFile, read_json, write_json_durable, write_state
@@ -112,25 +119,158 @@ def save_jobs(acc, strategy, tmp: str, rank: int, is_main: bool) -> list:
         groups_doc = [{k: v for k, v in pg.items() if k != "params"} for pg in torch_opt.param_groups]
         doc = {"param_groups": groups_doc, "params": params_doc, "rank": rank, "world": strategy.world}
         stem = shard_stem(i, rank)
-        jobs.append((f"{stem}.safetensors", lambda t=tensors, s=stem: save_file(
-            t, os.path.join(tmp, f"{s}.safetensors"), metadata={"format": "accelerate_c.zero_shard"})))
+        # the process that wrote it, in its header: a load refuses another process's file in its place
+        meta = {"format": "accelerate_c.zero_shard", "rank": str(rank), "world": str(strategy.world)}
+        jobs.append((f"{stem}.safetensors", lambda t=tensors, s=stem, m=meta: save_file(
+            t, os.path.join(tmp, f"{s}.safetensors"), metadata=m)))
         jobs.append((f"{stem}_state.json", lambda d=doc, s=stem, i=i: write_state(tmp, f"{s}_state", d,
                                                                                f"ZeRO shard of optimizer {i}")))
     return jobs
 
 
-# ---- load ----------------------------------------------------------------------------------------------
+# ---- load: the files, checked ------------------------------------------------------------------------
+class PlainFiles:
+    """A directory's files as the loads below ask for them (`path`, `open`), when no completion
+    marker lists them (a Trainer's optimizer directory): present, nothing more. load_state passes
+    its own reader instead, which also holds each file to the size checkpoint.json recorded."""
+
+    def __init__(self, directory: str):
+        self.dir = directory
+
+    def path(self, name: str, what: str) -> str:
+        p = os.path.join(self.dir, name)
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{p}: missing from the checkpoint ({what})")
+        return p
+
+    def open(self, name: str, what: str) -> StateFile:
+        self.path(f"{name}.json", what)
+        return StateFile(self.dir, name, what)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_PLAN_KEYS = ("numel", "esize", "world", "order", "align", "first_cap_bytes", "cap_bytes")
+
+
+def read_plan(files, n_optimizers: Optional[int] = None):
+    """`zero_plan.json` checked whole, before anything uses it: (its path, the document, per
+    optimizer the ShardPlan of each shard group). Everything a load indexes with is checked here
+    (a CheckpointError naming the file and the entry): the plans rebuild, their world is the
+    checkpoint's, each group lists one name, shape and optimizer index per planned parameter,
+    with the element counts the plan has, and no parameter twice."""
+    path = files.path(PLAN_FILE, "the ZeRO shard plan")
+    doc = read_json(path, "ZeRO shard plan")
+
+    def bad(msg: str):
+        raise CheckpointError(f"{path}: {msg}")
+
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+        bad("not an accelerate_c ZeRO plan")
+    version = doc.get("version")
+    if not _is_int(version) or not 1 <= version <= PLAN_VERSION:
+        bad(f"plan format version {version!r} is not one this accelerate_c reads ({PLAN_VERSION})")
+    world = doc.get("world")
+    if not _is_int(world) or world < 1:
+        bad(f"world must be a positive integer, got {world!r}")
+    optimizers = doc.get("optimizers")
+    if not isinstance(optimizers, list):
+        bad(f"'optimizers' must be a list, got {type(optimizers).__name__}")
+    if n_optimizers is not None and len(optimizers) != n_optimizers:
+        bad(f"the checkpoint has {len(optimizers)} sharded optimizers, this Accelerator {n_optimizers}")
+    plans = []
+    for i, odoc in enumerate(optimizers):
+        if not isinstance(odoc, dict) or not isinstance(odoc.get("groups"), list) or \
+                not _is_int(odoc.get("num_params")) or odoc["num_params"] < 0:
+            bad(f"optimizer {i} must be an object with a 'groups' list and a 'num_params' count")
+        seen: set = set()
+        group_plans = []
+        for g, gdoc in enumerate(odoc["groups"]):
+            where = f"shard group {g} of optimizer {i}"
+            if not isinstance(gdoc, dict) or not isinstance(gdoc.get("plan"), dict) or \
+                    sorted(gdoc["plan"]) != sorted(_PLAN_KEYS):
+                bad(f"{where} must be an object with a 'plan' of {', '.join(_PLAN_KEYS)}")
+            try:
+                plan = ShardPlan(**gdoc["plan"])
+            except (TypeError, ValueError, OverflowError, IndexError, MemoryError, CoreError) as e:
+                bad(f"{where}: not a shard plan ({type(e).__name__}: {e})")
+            if plan.world != world:
+                bad(f"{where} is planned over {plan.world} processes, the checkpoint's world is {world}")
+            n = plan.nparams
+            params, names, shapes = gdoc.get("params"), gdoc.get("names"), gdoc.get("shapes")
+            if not all(isinstance(v, list) and len(v) == n for v in (params, names, shapes)):
+                bad(f"{where}: 'params', 'names' and 'shapes' must be lists of {n} entries (one per planned "
+                    "parameter)")
+            for j, (pid, name, shape) in enumerate(zip(params, names, shapes)):
+                # None: a parameter of the model's group that another optimizer steps
+                if pid is not None and (not _is_int(pid) or not 0 <= pid < odoc["num_params"] or pid in seen):
+                    bad(f"{where}: parameter {j}'s optimizer index {pid!r} is not null or one of "
+                        f"0..{odoc['num_params'] - 1} listed once")
+                seen.add(pid)
+                if not isinstance(name, str):
+                    bad(f"{where}: parameter {j}'s name must be a string, got {name!r}")
+                if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape) or \
+                        math.prod(shape) != plan.numel[j]:
+                    bad(f"{where}: parameter {j} ({name}) has shape {shape!r}, the plan {plan.numel[j]} elements")
+            dtype = getattr(torch, gdoc.get("dtype"), None) if isinstance(gdoc.get("dtype"), str) else None
+            if not isinstance(dtype, torch.dtype) or dtype.itemsize != plan.esize:
+                bad(f"{where}: dtype {gdoc.get('dtype')!r} is not a torch dtype of the plan's {plan.esize}-byte "
+                    "elements")
+            if not isinstance(gdoc.get("master", False), bool) or not (gdoc.get("model") is None or
+                                                                      _is_int(gdoc.get("model"))):
+                bad(f"{where}: 'master' must be true or false and 'model' an index")
+            group_plans.append(plan)
+        plans.append(group_plans)
+    return path, doc, plans
+
+
+def _check_shard_doc(doc, path: str, rank: int, world: int, num_params: int, n_groups: int) -> None:
+    """A process's `_state.json` (its decoded state): written by process `rank` of `world`, the
+    optimizer's param_groups settings, per parameter index the elementwise keys in the shard file
+    and the other values. CheckpointError naming the file otherwise."""
+    def bad(msg: str):
+        raise CheckpointError(f"{path}: {msg}")
+
+    if not isinstance(doc, dict):
+        bad("not a ZeRO shard state (an object)")
+    if doc.get("rank") != rank or doc.get("world") != world or not _is_int(doc.get("rank")) or \
+            not _is_int(doc.get("world")):
+        bad(f"written by process {doc.get('rank')!r} of {doc.get('world')!r}; the plan puts process {rank} of "
+            f"{world} here")
+    groups = doc.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != n_groups or \
+            not all(isinstance(pg, dict) and all(isinstance(k, str) for k in pg) for pg in groups):
+        bad(f"'param_groups' must be a list of {n_groups} objects (the optimizer's parameter groups)")
+    params = doc.get("params")
+    if not isinstance(params, dict):
+        bad("'params' must be an object")
+    for pid, entry in params.items():
+        if not isinstance(pid, str) or not (pid.isascii() and pid.isdigit()) or str(int(pid)) != pid or \
+                int(pid) >= num_params:
+            bad(f"parameter index {pid!r} is not one of 0..{num_params - 1}")
+        if not isinstance(entry, dict) or not isinstance(entry.get("keys"), list) or \
+                not all(isinstance(k, str) for k in entry["keys"]) or not isinstance(entry.get("other"), dict) or \
+                not all(isinstance(k, str) for k in entry["other"]):
+            bad(f"parameter {pid}: must be an object with 'keys' (a list of names) and 'other' (an object)")
+
+
 class _ShardFile:
     """One old process's shard file: its header checked, and positioned reads of element ranges."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, rank: int, world: int):
         self.path = path
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: missing from the checkpoint (a process's ZeRO shard)")
         try:
             self.tensors = list_tensors(path)
+            meta = read_metadata(path) or {}
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        # written since the shard files name their process (older ones do not): another
+        # process's file here, same size as this one's, would load its state in this one's place
+        if "rank" in meta and (meta.get("rank"), meta.get("world")) != (str(rank), str(world)):
+            raise CheckpointError(f"{path}: holds the shard of process {meta.get('rank')} of {meta.get('world')}, "
+                                  f"the plan puts process {rank} of {world} here")
         with open(path, "rb") as f:
             header_len = int.from_bytes(f.read(8), "little")
         self.data_start = 8 + header_len
@@ -167,46 +307,52 @@ class _ShardFile:
                 done += got
 
 
+def _read_shards(files, i: int, world: int, num_params: int, n_groups: int) -> list:
+    """Every old process's shard of optimizer i, checked: [(its _ShardFile, its state document,
+    the state file's path)] by old rank."""
+    out = []
+    for q in range(world):
+        stem, what = shard_stem(i, q), f"ZeRO shard {q} of optimizer {i}"
+        shard = _ShardFile(files.path(f"{stem}.safetensors", what), q, world)
+        sf = files.open(f"{stem}_state", what)
+        doc = sf.load()
+        _check_shard_doc(doc, sf.json_path, q, world, num_params, n_groups)
+        out.append((shard, doc, sf.json_path))
+    return out
+
+
+def _torch_state_dict(torch_opt, state_by_param: list, saved_groups: list) -> dict:
+    """The optimizer state in torch's layout (what `torch_opt.load_state_dict` takes): `state_by_param`
+    ((parameter of `torch_opt`'s groups, its state) pairs) numbered, the saved settings of each group with its
+    parameters numbered as torch numbers them."""
+    number = {}
+    for pg in torch_opt.param_groups:
+        for p in pg["params"]:
+            number[id(p)] = len(number)
+    return {"state": {number[id(p)]: st for p, st in state_by_param},
+            "param_groups": [dict(saved, params=[number[id(p)] for p in pg["params"]])
+                             for saved, pg in zip(saved_groups, torch_opt.param_groups)]}
+
+
+def _dry_run(torch_opt, sd: dict, shards: list) -> None:
+    paths = [path for _, _, path in shards]
+    dry_run_optimizer(torch_opt, sd, paths[0] + (f" (with {len(paths) - 1} more processes' shard states)"
+                                                 if len(paths) > 1 else ""))
+
+
 def _read_all(fills) -> None:
     """Every (shard file, tensor name, element offset, destination) read, in order."""
     for f, name, off, dest in fills:
         f.read_into(name, off, dest)
 
 
-def _install(torch_opt, new_state: dict, groups_doc: list) -> None:
-    """The loaded state and param_groups settings into `torch_opt` (its parameters' devices)."""
-    state = type(torch_opt.state)() if isinstance(torch_opt.state, dict) else {}
-    for key, st in new_state.items():
-        state[key] = {k: (v.to(key.device) if torch.is_tensor(v) and v.dim() else v) for k, v in st.items()}
-    torch_opt.state = state
-    for pg, saved in zip(torch_opt.param_groups, groups_doc):
-        pg.update(saved)
-
-
-def _check_plan(doc, path, acc, strategy):
-    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
-        raise CheckpointError(f"{path}: not an accelerate_c ZeRO plan")
-    if not isinstance(doc.get("version"), int) or doc["version"] > PLAN_VERSION:
-        raise CheckpointError(f"{path}: plan format version {doc.get('version')!r} is newer than this accelerate_c "
-                              f"reads ({PLAN_VERSION})")
-    if len(doc.get("optimizers", [])) != len(acc._optimizers):
-        raise CheckpointError(f"{path}: the checkpoint has {len(doc.get('optimizers', []))} sharded optimizers, this "
-                              f"Accelerator {len(acc._optimizers)}")
-    world = doc.get("world")
-    if not isinstance(world, int) or world < 1:
-        raise CheckpointError(f"{path}: world must be a positive integer, got {world!r}")
-
-
-def plan_load(acc, strategy, directory: str):
-    """(reads, applies) for the sharded optimizer states of a checkpoint written under ZeRO: every
-    file checked here (plan, shapes, every old rank's file and header); reads fill new tensors;
-    applies swap them into the optimizers and masters."""
-    path = os.path.join(directory, PLAN_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: missing from the checkpoint (the ZeRO shard plan: a checkpoint saved "
-                                "under ZeRO is needed to load the sharded optimizer state)")
-    doc = read_json(path, "ZeRO shard plan")
-    _check_plan(doc, path, acc, strategy)
+# ---- load ----------------------------------------------------------------------------------------------
+def plan_load(acc, strategy, files):
+    """(reads, applies) for the sharded optimizer states of a checkpoint written under ZeRO
+    (`files`: load_state's reader, or PlainFiles(directory)): every file checked here (plan,
+    shapes, every old rank's file and header, the state the optimizer would load); reads fill
+    new tensors; applies set the masters and load the optimizers (their own load_state_dict)."""
+    path, doc, plans = read_plan(files, len(acc._optimizers))
     old_world = doc["world"]
     rank = strategy.rank
     reads, applies = [], []
@@ -214,87 +360,88 @@ def plan_load(acc, strategy, directory: str):
         torch_opt = opt.optimizer
         book = strategy.optimizers[id(torch_opt)]
         groups = _groups(strategy, book)
-        if len(odoc["groups"]) != len(groups) or odoc.get("num_params") != len(book.originals):
-            raise CheckpointError(f"{path}: optimizer {i} was saved over {odoc.get('num_params')} parameters in "
+        if len(odoc["groups"]) != len(groups) or odoc["num_params"] != len(book.originals):
+            raise CheckpointError(f"{path}: optimizer {i} was saved over {odoc['num_params']} parameters in "
                                   f"{len(odoc['groups'])} shard groups, this one steps {len(book.originals)} in "
                                   f"{len(groups)}: a plan from another model")
-        files = [_ShardFile(os.path.join(directory, f"{shard_stem(i, q)}.safetensors")) for q in range(old_world)]
-        docs = []
-        for q in range(old_world):
-            sf = StateFile(directory, f"{shard_stem(i, q)}_state", f"ZeRO shard {q} of optimizer {i}")
-            docs.append(sf.load())
+        shards = _read_shards(files, i, old_world, odoc["num_params"], len(torch_opt.param_groups))
         index = {id(p): k for k, p in enumerate(book.originals)}
         by_param = {id(p): (view, o) for view, p, o in book.views}
-        new_state: dict = {}
+        new_state = []
         fills = []  # (file, name, old offset, destination)
         master_fills = []
-        for g, ((group, params, shards), gdoc) in enumerate(zip(groups, odoc["groups"])):
-            if gdoc.get("dtype") != str(group.dtype).replace("torch.", ""):
-                raise CheckpointError(f"{path}: shard group {g} of optimizer {i} was saved as {gdoc.get('dtype')}, this "
+        for g, ((group, params, model_shards), gdoc, old_plan) in enumerate(zip(groups, odoc["groups"], plans[i])):
+            if gdoc["dtype"] != str(group.dtype).replace("torch.", ""):
+                raise CheckpointError(f"{path}: shard group {g} of optimizer {i} was saved as {gdoc['dtype']}, this "
                                       f"model's is {group.dtype} (the checkpoint was saved under another precision)")
             names = [strategy.manager.name_of(p) for p in params]
             shapes = [list(shape) for shape in group.shapes]  # full sharding changes p.shape between steps
             if gdoc["names"] != names or gdoc["shapes"] != shapes:
                 diff = next((k for k in range(min(len(names), len(gdoc["names"])))
                              if (names[k], shapes[k]) != (gdoc["names"][k], gdoc["shapes"][k])), None)
-                what = (f"parameter {k} is {gdoc['names'][diff]} {gdoc['shapes'][diff]} there, "
+                what = (f"parameter {diff} is {gdoc['names'][diff]} {gdoc['shapes'][diff]} there, "
                         f"{names[diff]} {shapes[diff]} here" if diff is not None else
                         f"{len(gdoc['names'])} parameters there, {len(names)} here")
                 raise CheckpointError(f"{path}: shard group {g} of optimizer {i} is from another model ({what})")
-            old_plan = ShardPlan(**gdoc["plan"])
+            if [index.get(id(p)) for p in params] != gdoc["params"]:
+                raise CheckpointError(f"{path}: shard group {g} of optimizer {i} numbers its parameters "
+                                      f"{gdoc['params']}, this optimizer {[index.get(id(p)) for p in params]}")
             runs = group.plan.reshard_runs(old_plan, rank)
             n = group.plan.shard_numel
             # the keys saved for this group: from the old files' docs
             keys = {}
             for p in params:
-                for q in range(old_world):
-                    e = docs[q]["params"].get(str(index.get(id(p))))
+                if id(p) not in index:
+                    continue  # stepped by another optimizer
+                for _, sdoc, _ in shards:
+                    e = sdoc["params"].get(str(index[id(p)]))
                     if e is not None:
                         for k in e["keys"]:
                             keys.setdefault(k, None)
             flats = {}
             for k in keys:
                 name = f"g{g}.{k}"
-                dts = {files[q].check(name, old_plan.shard_numel) for q in range(old_world) if name in files[q].tensors}
+                dts = {f.check(name, old_plan.shard_numel) for f, _, _ in shards if name in f.tensors}
                 if len(dts) != 1:
-                    raise CheckpointError(f"{files[0].path}: state {k!r} of shard group {g} is not in every "
-                                          "process's file, or has different dtypes")
-                flats[k] = torch.zeros(n, dtype=dts.pop())
+                    raise CheckpointError(f"{shards[0][0].path}: state {k!r} of shard group {g} is in no process's "
+                                          "file, or has different dtypes in them")
+                dt = dts.pop()
+                flats[k] = torch.zeros(n, dtype=dt)
                 for q, o, nn, ln in runs:
-                    fills.append((files[q], name, o, flats[k][nn:nn + ln]))
+                    # a process that owned none of the group's elements may have no such tensor;
+                    # one that did must have it
+                    shards[q][0].check(name, old_plan.shard_numel, dt)
+                    fills.append((shards[q][0], name, o, flats[k][nn:nn + ln]))
             if gdoc.get("master"):
                 name = f"g{g}.master"
-                for q in range(old_world):
-                    files[q].check(name, old_plan.shard_numel, torch.float32)
+                for f, _, _ in shards:
+                    f.check(name, old_plan.shard_numel, torch.float32)
                 mflat = torch.zeros(n, dtype=torch.float32)
                 for q, o, nn, ln in runs:
-                    fills.append((files[q], name, o, mflat[nn:nn + ln]))
-                master_fills.append((shards, group, mflat))
+                    fills.append((shards[q][0], name, o, mflat[nn:nn + ln]))
+                master_fills.append((model_shards, group, mflat))
             for p in params:
                 hit = by_param.get(id(p))
                 if hit is None:
                     continue
                 view, o = hit
                 pid = str(index[id(p)])
-                saved = [docs[q]["params"].get(pid) for q in range(old_world)]
-                saved = [e for e in saved if e is not None]
+                saved = [sdoc["params"][pid] for _, sdoc, _ in shards if pid in sdoc["params"]]
                 st = {}
                 if saved:
                     for k in saved[0]["keys"]:
                         st[k] = flats[k][o.local_offset:o.local_offset + o.length]
                     st.update(saved[0]["other"])
                 if st:
-                    new_state[view] = st
-        groups_doc = docs[0]["param_groups"]
-        if len(groups_doc) != len(torch_opt.param_groups):
-            raise CheckpointError(f"{files[0].path}: {len(groups_doc)} param groups saved, the optimizer has "
-                                  f"{len(torch_opt.param_groups)}")
+                    new_state.append((view, st))
+        sd = _torch_state_dict(torch_opt, new_state, shards[0][1]["param_groups"])
+        _dry_run(torch_opt, sd, shards)
 
-        def apply(torch_opt=torch_opt, new_state=new_state, groups_doc=groups_doc, master_fills=master_fills):
+        def apply(torch_opt=torch_opt, sd=sd, master_fills=master_fills):
             with torch.no_grad():
-                for shards, group, mflat in master_fills:
-                    shards.master(group).copy_(mflat.to(shards.master(group).device))
-            _install(torch_opt, new_state, groups_doc)
+                for model_shards, group, mflat in master_fills:
+                    model_shards.master(group).copy_(mflat.to(model_shards.master(group).device))
+            torch_opt.load_state_dict(sd)
 
         reads.append(lambda fills=fills: _read_all(fills))
         applies.append(apply)
@@ -306,56 +453,50 @@ def is_sharded(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, PLAN_FILE))
 
 
-def plan_load_whole(acc, directory: str):
+def plan_load_whole(acc, files):
     """(reads, applies) that load a checkpoint written under ZeRO into unsharded optimizers (one
     process, where ZeRO has nothing to shard): each parameter's state assembled from the runs every
-    old process owned of it, in torch's per-parameter layout."""
-    path = os.path.join(directory, PLAN_FILE)
-    doc = read_json(path, "ZeRO shard plan")
-    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or not isinstance(doc.get("world"), int):
-        raise CheckpointError(f"{path}: not an accelerate_c ZeRO plan")
-    if len(doc.get("optimizers", [])) != len(acc._optimizers):
-        raise CheckpointError(f"{path}: the checkpoint has {len(doc.get('optimizers', []))} sharded optimizers, this "
-                              f"Accelerator {len(acc._optimizers)}")
+    old process owned of it, in torch's per-parameter layout, loaded by the optimizer's own
+    load_state_dict (tried on a stand-in first, with the other checks)."""
+    path, doc, plans = read_plan(files, len(acc._optimizers))
     old_world = doc["world"]
     reads, applies = [], []
     for i, (opt, odoc) in enumerate(zip(acc._optimizers, doc["optimizers"])):
         torch_opt = opt.optimizer
         params = [p for pg in torch_opt.param_groups for p in pg["params"] if p.requires_grad]
-        if odoc.get("num_params") != len(params):
-            raise CheckpointError(f"{path}: optimizer {i} was saved over {odoc.get('num_params')} trainable parameters, "
+        if odoc["num_params"] != len(params):
+            raise CheckpointError(f"{path}: optimizer {i} was saved over {odoc['num_params']} trainable parameters, "
                                   f"this one steps {len(params)}: a plan from another model")
-        files = [_ShardFile(os.path.join(directory, f"{shard_stem(i, q)}.safetensors")) for q in range(old_world)]
-        docs = [StateFile(directory, f"{shard_stem(i, q)}_state", f"ZeRO shard {q} of optimizer {i}").load()
-                for q in range(old_world)]
-        fills, new_state = [], {}
-        for g, gdoc in enumerate(odoc["groups"]):
-            old_plan = ShardPlan(**gdoc["plan"])
+        shards = _read_shards(files, i, old_world, len(params), len(torch_opt.param_groups))
+        fills, new_state = [], []
+        for g, (gdoc, old_plan) in enumerate(zip(odoc["groups"], plans[i])):
             for j, (pid, shape) in enumerate(zip(gdoc["params"], gdoc["shapes"])):
+                if pid is None:
+                    continue  # stepped by another optimizer
                 p = params[pid]
                 if list(p.shape) != shape:
                     raise CheckpointError(f"{path}: parameter {gdoc['names'][j]} was saved with shape {shape}, this "
                                           f"model's is {list(p.shape)}: a plan from another model")
-                saved = [(q, docs[q]["params"].get(str(pid))) for q in range(old_world)]
-                saved = [(q, e) for q, e in saved if e is not None]
+                saved = [(q, sdoc["params"][str(pid)]) for q, (_, sdoc, _) in enumerate(shards)
+                         if str(pid) in sdoc["params"]]
                 if not saved:
                     continue
                 st = dict(saved[0][1]["other"])
                 for k in saved[0][1]["keys"]:
                     name = f"g{g}.{k}"
-                    dt = files[saved[0][0]].check(name, old_plan.shard_numel)
+                    dt = shards[saved[0][0]][0].check(name, old_plan.shard_numel)
                     full = torch.zeros(p.numel(), dtype=dt)
                     for q in range(old_world):
                         local, poff, length = old_plan.param_shard(j, q)
                         if length:
-                            files[q].check(name, old_plan.shard_numel, dt)
-                            fills.append((files[q], name, local, full[poff:poff + length]))
+                            shards[q][0].check(name, old_plan.shard_numel, dt)
+                            fills.append((shards[q][0], name, local, full[poff:poff + length]))
                     st[k] = full.view(p.shape)
-                new_state[p] = st
-        groups_doc = docs[0]["param_groups"]
-
+                new_state.append((p, st))
+        sd = _torch_state_dict(torch_opt, new_state, shards[0][1]["param_groups"])
+        _dry_run(torch_opt, sd, shards)
         reads.append(lambda fills=fills: _read_all(fills))
-        applies.append(lambda o=torch_opt, st=new_state, g=groups_doc: _install(o, st, g))
+        applies.append(lambda o=torch_opt, sd=sd: o.load_state_dict(sd))
     return reads, applies
 
 
@@ -375,29 +516,26 @@ def merged_weights(directory: str, model_index: int = 0) -> dict:
     sd = load_file(weights)
     if not is_sharded(directory):
         return sd
-    path = os.path.join(directory, PLAN_FILE)
-    doc = read_json(path, "ZeRO shard plan")
-    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or not isinstance(doc.get("world"), int):
-        raise CheckpointError(f"{path}: not an accelerate_c ZeRO plan")
+    files = PlainFiles(directory)
+    path, doc, plans = read_plan(files)
     for i, odoc in enumerate(doc["optimizers"]):
-        files = None
-        for g, gdoc in enumerate(odoc["groups"]):
+        shards = None
+        for g, (gdoc, plan) in enumerate(zip(odoc["groups"], plans[i])):
             if not gdoc.get("master") or gdoc.get("model") != model_index:
                 continue
-            if files is None:
-                files = [_ShardFile(os.path.join(directory, f"{shard_stem(i, q)}.safetensors"))
-                         for q in range(doc["world"])]
-            plan = ShardPlan(**gdoc["plan"])
+            if shards is None:
+                shards = [_ShardFile(files.path(f"{shard_stem(i, q)}.safetensors", f"ZeRO shard {q} of optimizer {i}"),
+                                     q, doc["world"]) for q in range(doc["world"])]
             name = f"g{g}.master"
-            for q in range(doc["world"]):
-                files[q].check(name, plan.shard_numel, torch.float32)
+            for f in shards:
+                f.check(name, plan.shard_numel, torch.float32)
             for j, (pname, shape) in enumerate(zip(gdoc["names"], gdoc["shapes"])):
                 if pname not in sd or list(sd[pname].shape) != shape:
                     raise CheckpointError(f"{path}: parameter {pname} {shape} is not in {weights} with that shape")
                 full = torch.empty(plan.param(j)[2], dtype=torch.float32)
-                for q in range(doc["world"]):
+                for q, f in enumerate(shards):
                     local, poff, length = plan.param_shard(j, q)
                     if length:
-                        files[q].read_into(name, local, full[poff:poff + length])
+                        f.read_into(name, local, full[poff:poff + length])
                 sd[pname] = full.view(shape)
     return sd

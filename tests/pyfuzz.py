@@ -360,34 +360,49 @@ def bench() -> CheckpointBench:
     return CheckpointBench()
 
 
-_OPS = ("flip", "truncate", "swap", "delete", "extra", "symlink_out", "symlink_dir_out", "json_edit", "fix_marker")
+MUTATION_OPS = ("flip", "truncate", "swap", "delete", "extra", "symlink_out", "symlink_dir_out", "json_edit",
+                "fix_marker")
+# the extra files a mutation may add (a bench may name its own: `extras`)
+EXTRAS = ("pytorch_model.bin", "optimizer.bin", "random_states_0.pkl", "model_1.safetensors", "custom_checkpoint_0.json",
+          "zero_plan.json", "notes.txt", ".hidden")
 
 
 @st.composite
-def mutations(draw):
+def mutations(draw, ops=MUTATION_OPS):
+    """One to three mutations (op, file choice, position or second file, bit, payload), then
+    optionally the sizes in checkpoint.json made consistent. `ops`: the kinds drawn from (a
+    bench's `focus` names extra json_edit kinds that pick among some files only)."""
     n = draw(st.integers(1, 3))
-    ops = []
+    out = []
     for _ in range(n):
-        op = draw(st.sampled_from(_OPS))
-        ops.append((op, draw(st.integers(0, 1 << 30)), draw(st.integers(0, 1 << 30)), draw(st.integers(0, 255)),
-                    draw(values if op == "json_edit" else st.binary(max_size=64))))
+        op = draw(st.sampled_from(ops))
+        out.append((op, draw(st.integers(0, 1 << 30)), draw(st.integers(0, 1 << 30)), draw(st.integers(0, 255)),
+                    draw(values if op.startswith("json_edit") else st.binary(max_size=64))))
     if draw(st.booleans()):
-        ops.append(("fix_marker", 0, 0, 0, b""))  # sizes made consistent: the checks behind the gate run
-    return ops
+        out.append(("fix_marker", 0, 0, 0, b""))  # sizes made consistent: the checks behind the gate run
+    return out
 
 
-def _apply(b: CheckpointBench, ops) -> bool:
-    """Applies the mutations to a fresh copy; True when a file's content inside the directory
-    changed (then a successful load may legitimately load other values)."""
+def apply_mutations(b, ops) -> bool:
+    """Applies the mutations to a fresh copy of bench `b`'s pristine checkpoint (`b.fresh_copy()`;
+    `b.decoy` is the other checkpoint beside it that links point to); True when a file's content
+    inside the directory changed (then a successful load may legitimately load other values)."""
+    import re
+
     from accelerate_c.checkpoint_layout import MARKER
 
     d = b.fresh_copy()
+    extras = getattr(b, "extras", EXTRAS)
+    focus = getattr(b, "focus", {})
     content_changed = False
     for op, a, c, bit, payload in ops:
         files = sorted(f for f in os.listdir(d) if os.path.isfile(os.path.join(d, f)) and
                        not os.path.islink(os.path.join(d, f)))
+        if op in focus:  # a JSON edit of the files this kind aims at (a shard plan, say)
+            files = [f for f in files if re.fullmatch(focus[op], f)]
+            op = "json_edit"
         if not files:
-            break
+            continue
         name = files[a % len(files)]
         p = os.path.join(d, name)
         if op == "flip":
@@ -413,8 +428,7 @@ def _apply(b: CheckpointBench, ops) -> bool:
             os.unlink(p)
             content_changed = True
         elif op == "extra":
-            extra = ["pytorch_model.bin", "optimizer.bin", "random_states_0.pkl", "model_1.safetensors",
-                     "custom_checkpoint_0.json", "zero_plan.json", "notes.txt", ".hidden"][c % 8]
+            extra = extras[c % len(extras)]
             if not os.path.exists(os.path.join(d, extra)):
                 open(os.path.join(d, extra), "wb").write(bytes(payload))
         elif op == "symlink_out":
@@ -433,7 +447,7 @@ def _apply(b: CheckpointBench, ops) -> bool:
                 doc = json.loads(open(p, "rb").read())
             except ValueError:
                 continue
-            _edit(doc, c, payload)
+            edit_json(doc, c, payload)
             open(p, "w").write(json.dumps(doc, allow_nan=True))
             content_changed = True
         elif op == "fix_marker" and os.path.exists(os.path.join(d, MARKER)):
@@ -450,7 +464,7 @@ def _apply(b: CheckpointBench, ops) -> bool:
     return content_changed
 
 
-def _edit(doc, where: int, value) -> None:
+def edit_json(doc, where: int, value) -> None:
     """Replaces (or deletes, or adds) one node of a JSON document, chosen by `where`."""
     nodes = []
 
@@ -498,15 +512,22 @@ _AUDIT_INSTALLED = False
 
 def check_load_state(ops) -> None:
     """load_state on a mutated copy of the pristine checkpoint."""
+    count("load_state")
+    check_load(bench(), ops)
+
+
+def check_load(b, ops) -> None:
+    """load_state of bench `b`'s job (`b.acc`) on a copy of its pristine checkpoint mutated by
+    `ops`: a clear error naming a file of the checkpoint with the job bitwise as it was, or a
+    load (equal to the pristine one's when no byte inside the directory changed); never pickle,
+    an open() outside the directory or a hang."""
     global _AUDIT_INSTALLED
     from accelerate_c import CoreError
     from accelerate_c.state_io import CheckpointError
 
     from checkpoint_helpers import assert_state_equal
 
-    count("load_state")
-    b = bench()
-    content_changed = _apply(b, ops)
+    content_changed = apply_mutations(b, ops)
     if not _AUDIT_INSTALLED:
         sys.addaudithook(_audit)
         _AUDIT_INSTALLED = True
@@ -599,7 +620,7 @@ def check_model_index(mut) -> None:
     shard = os.path.join(b.work, shards[where % len(shards)])
     if kind == "json_edit":
         doc = json.loads(open(index, "rb").read())
-        _edit(doc, where, value)
+        edit_json(doc, where, value)
         open(index, "w").write(json.dumps(doc, allow_nan=True))
     elif kind == "raw":
         open(index, "wb").write(bytes(value))

@@ -1,6 +1,7 @@
 """Short, derandomized runs of the Python fuzz targets (tests/pyfuzz.py; docs/security.md): config
 files, DeepSpeed JSON, TrainingArguments dicts, load_state on mutated checkpoint directories and
-the model index reader (load_model_weights).
+the model index reader (load_model_weights); load_state in one process of sharded checkpoints
+(ZeRO-1, -2, -3, full sharding) that a launched 2-process job wrote (tests/pyfuzz_zero.py).
 Each case must be taken or refused with an error naming the file or key; a failed load must leave
 the job as it was. The long runs: python tests/fuzz/run_py.py (make fuzz-py)."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pyfuzz
+import pyfuzz_zero
 from helpers import fresh_state  # noqa: F401
 
 SHORT = settings(max_examples=300, derandomize=True, deadline=None, database=None,
@@ -49,3 +51,9 @@ def test_load_state_on_mutated_checkpoints(fresh_state, ops):  # noqa: F811
 @given(mut=pyfuzz.index_mutations())
 def test_model_index_and_shards(mut):
     pyfuzz.check_model_index(mut)
+
+
+@settings(SHORT, max_examples=100)
+@given(case=pyfuzz_zero.zero_mutations())
+def test_load_state_on_mutated_sharded_checkpoints(fresh_state, case):  # noqa: F811
+    pyfuzz_zero.check_zero_load_state(case)

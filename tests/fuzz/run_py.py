@@ -1,6 +1,7 @@
 """Long runs of the Python fuzz targets (tests/pyfuzz.py; docs/security.md), one target at a time.
 
     python tests/fuzz/run_py.py --target load_state --seconds 1200       # hypothesis, new seeds
+    python tests/fuzz/run_py.py --target zero_load_state --seconds 1200  # sharded checkpoints (ZeRO, FSDP)
     python tests/fuzz/run_py.py --target config_bytes --engine atheris --seconds 1200
     make fuzz-py FUZZ_PY_SECONDS=1200 FUZZ_PY_TARGETS="config deepspeed"
 
@@ -27,7 +28,8 @@ ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
 sys.path.insert(0, ROOT)
 
-HYPOTHESIS_TARGETS = ("config", "config_bytes", "deepspeed", "training_args", "load_state", "model_index")
+HYPOTHESIS_TARGETS = ("config", "config_bytes", "deepspeed", "training_args", "load_state", "model_index",
+                      "zero_load_state")
 ATHERIS_TARGETS = ("config_bytes", "deepspeed_bytes", "training_args_bytes")
 
 
@@ -63,9 +65,16 @@ def run_hypothesis(target: str, seconds: float) -> int:
         fn = given(ops=pyfuzz.mutations())(pyfuzz.check_load_state)
     elif target == "model_index":
         fn = given(mut=pyfuzz.index_mutations())(pyfuzz.check_model_index)
+    elif target == "zero_load_state":
+        import pyfuzz_zero
+
+        fn = given(case=pyfuzz_zero.zero_mutations())(pyfuzz_zero.check_zero_load_state)
     else:
         raise SystemExit(f"unknown hypothesis target {target!r} (have: {', '.join(HYPOTHESIS_TARGETS)})")
     fn = batch(fn)
+    if target == "zero_load_state":  # the fixtures (a launched 2-process save) before the clock starts
+        for kind in pyfuzz_zero.KINDS:
+            pyfuzz_zero.kind_bench(kind)
     t0 = time.time()
     rc = 0
     key = {"config_bytes": "config_bytes"}.get(target, target)
