@@ -355,7 +355,7 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         if evaluation_mode:
             self._eval_only.add(id(model))
         if device_placement and not getattr(model, "hf_device_map", None) and not (
-                self.use_distributed and _on_meta(model)):
+                _on_meta(model) and self.use_distributed):
             # (a model on the meta device, on processes other than the main one, is placed by the
             # strategy: full sharding loads the main process's weights into it, the others refuse)
             model.to(self.device)
