@@ -220,9 +220,7 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
             self.sharding = sharding_from_config(ds_plugin, mixed_precision=mixed_precision,
                                                  gradient_accumulation_steps=steps,
                                                  num_processes=self.state.num_processes)
-            zero = self.sharding.config.get("zero_optimization") or {}
-            offload_param = (zero.get("offload_param") or {}).get("device", "none")
-            if offload_param == "cpu" and self.state.device.type != "cpu":
+            if self.sharding.offload_param == "cpu" and self.state.device.type != "cpu":
                 raise NotImplementedError("DeepSpeed zero_optimization.offload_param.device='cpu' on "
                                           f"{self.state.device}: parameter offload from a GPU is not built in "
                                           "accelerate_c yet (on CPU processes the parameters are on the CPU already)")
@@ -381,9 +379,8 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
                 strategy = self._zero3_strategy(h)
             elif self._zero_stage in (1, 2):
                 kind = Zero1Strategy if self._zero_stage == 1 else Zero2Strategy
-                zero_cfg = self.sharding.config.get("zero_optimization") or {}
                 strategy = kind(self._grads, h, fp32_masters=self._compute_dtype is not None,
-                                ignore_unused=bool(zero_cfg.get("ignore_unused_parameters", True)))
+                                ignore_unused=self.sharding.ignore_unused_parameters)
             else:
                 strategy = DDPStrategy(self._grads, h)
             self._grads.configure(strategy, h.bucket_cap_mb if h is not None else None)
@@ -624,14 +621,18 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         through each forward and backward (in the root unit: DeepSpeed's persistent parameters,
         gathered once per step), the 16-bit model's fp32 masters as the shards (DeepSpeed's
         bf16 policy, as at stages 1 and 2), and between steps each parameter an empty tensor of
-        the model's dtype, as DeepSpeed leaves its partitioned parameters. Defaults are DeepSpeed's; "auto" was filled from the
-        model at prepare()."""
-        zero = self.sharding.config.get("zero_optimization") or {}
+        the model's dtype, as DeepSpeed leaves its partitioned parameters. Defaults are
+        DeepSpeed's; "auto" is filled from the model by prepare()."""
+        s = self.sharding
+        if s.stage3_prefetch_bucket_size is None or s.stage3_param_persistence_threshold is None:
+            raise ValueError("DeepSpeed ZeRO stage 3: stage3_prefetch_bucket_size / stage3_param_persistence_threshold "
+                             "are 'auto', which accelerator.prepare(model, ...) fills from the model's hidden size; "
+                             "prepare the model through prepare(), or set integer values")
         return FullShardStrategy(self._grads, handler, wrap_policy="SIZE_BASED_WRAP",
-                                 min_num_params=int(zero.get("stage3_prefetch_bucket_size", 50_000_000)),
-                                 persist_below=int(zero.get("stage3_param_persistence_threshold", 100_000)),
+                                 min_num_params=s.stage3_prefetch_bucket_size,
+                                 persist_below=s.stage3_param_persistence_threshold,
                                  param_dtype=self._compute_dtype, device=self.device, empty_at_rest=True,
-                                 ignore_unused=bool(zero.get("ignore_unused_parameters", True)))
+                                 ignore_unused=s.ignore_unused_parameters)
 
     def _clip_norm(self, params, max_norm, norm_type):
         """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
@@ -781,8 +782,7 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         if self._zero_stage == 3:
             # DeepSpeed stage 3, as accelerate: the 16-bit weights, gathered to the main process
             # ({} on the others), only when the configuration asks for them on save
-            zero = self.sharding.config.get("zero_optimization") or {}
-            if not zero.get("stage3_gather_16bit_weights_on_model_save", False):
+            if not self.sharding.stage3_gather_16bit_weights_on_model_save:
                 raise ValueError("get_state_dict / save_model under DeepSpeed ZeRO stage 3 gather the 16-bit weights "
                                  "only when zero_optimization.stage3_gather_16bit_weights_on_model_save is true "
                                  "(DeepSpeedPlugin(zero3_save_16bit_model=True)); save_state saves everything "

@@ -6,6 +6,9 @@ read; a refusal is a CheckpointError naming the file the state came from.
 """
 from __future__ import annotations
 
+import copy
+from collections import defaultdict
+
 import torch
 
 from .state_io import CheckpointError
@@ -16,9 +19,6 @@ def dry_run_optimizer(opt, sd, where: str) -> None:
     (parameters and state on the meta device, no hooks), so a state it would refuse (a corrupt
     entry: torch's Adam takes float() of a "step" that is a dict) is refused now, before any
     state of the job has changed, and not after the weights were read."""
-    import copy
-    from collections import defaultdict
-
     inner = getattr(opt, "optimizer", opt)
     if not isinstance(inner, torch.optim.Optimizer):
         return
@@ -41,8 +41,6 @@ def dry_run_optimizer(opt, sd, where: str) -> None:
 def dry_run_scheduler(sched, sd: dict, where: str) -> None:
     """The scheduler's load_state_dict on a copy (its optimizer shared, not copied: the load does
     not touch it), for the same reason as dry_run_optimizer."""
-    import copy
-
     inner = getattr(sched, "scheduler", sched)
     opt = getattr(inner, "optimizer", None)
     try:

@@ -216,9 +216,10 @@ def build_units(model, modules, world: int, rank: int, compute_dtype=None, devic
                 persist_below: int = 0, empty_at_rest: bool = False) -> list[Unit]:
     """The units of `model` (modules from unit_modules), each parameter moved into its shard on
     `device` (default: where it is). With `src`, every process takes rank src's values (a
-    collective): one broadcast per unit group, so at most one unit's full weights are in flight
-    and a process whose model is on the meta device (transformers' cpu_ram_efficient_loading)
-    never holds more than that; each unit is resharded as soon as it is built. Parameters of
+    collective): one broadcast per unit group, each unit resharded as soon as it is built, so a
+    process whose model is on the meta device (cpu_ram_efficient_loading) holds one unit's
+    weights at a time: while it is built, three buffers of its size (its parameters' storage,
+    the broadcast buffer, the gathered flat buffer; fewer is future work). Parameters of
     fewer than `persist_below` elements go to the root unit, gathered through the whole forward
     and backward (DeepSpeed's persistent parameters)."""
     held = assign_params(modules)

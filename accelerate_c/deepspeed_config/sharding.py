@@ -49,9 +49,15 @@ class ShardingConfig:
     world_size: int
     offload_optimizer: str  # 'none' | 'cpu'
     offload_optimizer_pin_memory: bool
+    offload_param: str  # 'none' | 'cpu' (stage 3)
     # element counts, DeepSpeed's unit (reduce_bucket_bytes() for a dtype's bytes)
     reduce_bucket_size: int | None
     allgather_bucket_size: int
+    ignore_unused_parameters: bool  # DeepSpeed's default True: a parameter without a gradient is fine
+    # stage 3 (element counts; None while "auto")
+    stage3_prefetch_bucket_size: int | None
+    stage3_param_persistence_threshold: int | None
+    stage3_gather_16bit_weights_on_model_save: bool
     # accepted, no effect on the numbers accelerate_c computes
     overlap_comm: bool | None
     contiguous_gradients: bool
@@ -190,13 +196,20 @@ def build_sharding(config: dict, *, world_size: int, source: str | None = None, 
     fp16 = config.get("fp16", {})
     offload = zero.get("offload_optimizer", {})
     reduce = zero.get("reduce_bucket_size", 500_000_000)  # DeepSpeed's defaults: 5e8 elements
+    prefetch = zero.get("stage3_prefetch_bucket_size", 50_000_000)  # 5e7
+    persist = zero.get("stage3_param_persistence_threshold", 100_000)  # 1e5
     return ShardingConfig(
         stage=stage, mixed_precision=mixed_precision_of(config, source),
         gradient_accumulation_steps=accum, gradient_clipping=float(clip) if clip not in (None, 0, AUTO) else None,
         micro_batch_size=micro, train_batch_size=train, world_size=world_size,
         offload_optimizer=offload.get("device", "none"), offload_optimizer_pin_memory=bool(offload.get("pin_memory")),
+        offload_param=zero.get("offload_param", {}).get("device", "none"),
         reduce_bucket_size=None if reduce == AUTO else int(reduce),
         allgather_bucket_size=int(zero.get("allgather_bucket_size", 500_000_000)),
+        ignore_unused_parameters=bool(zero.get("ignore_unused_parameters", True)),
+        stage3_prefetch_bucket_size=None if prefetch == AUTO else int(prefetch),
+        stage3_param_persistence_threshold=None if persist == AUTO else int(persist),
+        stage3_gather_16bit_weights_on_model_save=zero.get("stage3_gather_16bit_weights_on_model_save") is True,
         overlap_comm=zero.get("overlap_comm"), contiguous_gradients=zero.get("contiguous_gradients", True),
         reduce_scatter=zero.get("reduce_scatter", True),
         loss_scale=fp16.get("loss_scale", 0), initial_scale_power=fp16.get("initial_scale_power", 16),

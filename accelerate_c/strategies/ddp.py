@@ -443,27 +443,32 @@ def check_same_structure(model: torch.nn.Module, src: int = 0, allow_meta: bool 
     with allow_meta, by full sharding, which sends each process its shards from rank `src`."""
     tensors = [("parameter", n, t) for n, t in model.named_parameters()] + \
               [("buffer", n, t) for n, t in model.named_buffers()]
-    # requires_grad too: full sharding broadcasts per (dtype, trainable) group
-    mine = [(kind, name, tuple(t.shape), f"{t.dtype}{'' if t.requires_grad or kind == 'buffer' else ' frozen'}",
-             t.is_meta) for kind, name, t in tensors]
+    # (what must agree, whether it is on meta); trainable too: full sharding broadcasts per
+    # (dtype, trainable) group
+    mine = [((kind, name, tuple(t.shape), str(t.dtype), "trainable" if t.requires_grad else "frozen"), t.is_meta)
+            for kind, name, t in tensors]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    want = [e[:4] for e in everyone[src]]
+    want = [sig for sig, _ in everyone[src]]
     for rank, theirs in enumerate(everyone):
-        if [e[:4] for e in theirs] != want:
-            diff = next(((a, b) for a, b in zip(theirs, everyone[src]) if a[:4] != b[:4]), None)
-            detail = (f"rank {rank} has {diff[0][0]} {diff[0][1]!r} {diff[0][2]} {diff[0][3]}, rank {src} has "
-                      f"{diff[1][0]} {diff[1][1]!r} {diff[1][2]} {diff[1][3]}") if diff else \
-                f"rank {rank} has {len(theirs)} tensors, rank {src} has {len(everyone[src])}"
+        if [sig for sig, _ in theirs] != want:
+            diff = next(((a, b) for (a, _), b in zip(theirs, want) if a != b), None)
+            detail = (f"rank {rank} has {_sig_text(diff[0])}, rank {src} has {_sig_text(diff[1])}"
+                      if diff else f"rank {rank} has {len(theirs)} tensors, rank {src} has {len(want)}")
             raise ValueError(f"the model differs across processes: {detail}")
     for rank, theirs in enumerate(everyone):
-        meta = next((e for e in theirs if e[4]), None)
+        meta = next((sig for sig, on_meta in theirs if on_meta), None)
         if meta is not None and (rank == src or not allow_meta):
             why = ("every process takes its weights, so they must be real there" if rank == src else
                    "only full sharding (FSDP) loads a model the other processes hold on the meta device "
                    "(FSDP_CPU_RAM_EFFICIENT_LOADING); here every process needs real weights")
             raise ValueError(f"rank {rank} has {meta[0]} {meta[1]!r} on the meta device (no values): {why}")
     return tensors
+
+
+def _sig_text(sig) -> str:
+    kind, name, shape, dtype, trainable = sig
+    return f"{kind} {name!r} {shape} {dtype} {trainable}"
 
 
 def broadcast_model(model: torch.nn.Module, src: int = 0) -> None:

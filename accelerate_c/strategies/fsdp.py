@@ -285,14 +285,12 @@ class FullShardStrategy(Zero2Strategy):
         finally:
             self._state_dict_ok -= 1
 
-    def full_params(self, model, keep: bool | None = None) -> dict:
-        """Where `keep` (default: on the main process only): id(param) -> its full value in the
-        shard's dtype; elsewhere {}.
-        Gathered unit group by unit group (a collective every process calls): the other
-        processes hold one group's full weights at a time and keep none, as FSDP2's full state
-        dict with cpu_offload, which accelerate asks for."""
+    def full_params(self, model, keep: bool) -> dict:
+        """Where `keep`: id(param) -> its full value in the shard's dtype; elsewhere {}.
+        Gathered unit group by unit group (a collective every process calls): a process that
+        does not keep them holds one group's full weights at a time, as FSDP2's full state dict
+        with cpu_offload, which accelerate asks for."""
         fsdp = self.models[id(model)]
-        keep = self.rank == 0 if keep is None else keep
         out = {}
         with torch.no_grad():
             for unit in fsdp.units:

@@ -258,6 +258,11 @@ class Zero1Strategy(DDPStrategy):
         g = p.grad
         return None if g is None else g.detach().reshape(-1).narrow(0, o.param_offset, o.length)
 
+    def after_step(self, optimizer) -> None:
+        """DeepSpeed's engine clears the gradients after every step, skipped or not, at every
+        stage (a loop without zero_grad trains the same): what zero_grad would clear."""
+        self.after_zero_grad(optimizer, True)
+
     def after_zero_grad(self, optimizer, set_to_none: bool) -> None:
         """The rebuilt optimizer only knows the owned views: do to the model's gradients what its
         zero_grad would have done to them."""

@@ -181,10 +181,6 @@ class Zero2Strategy(Zero1Strategy):
         super().after_zero_grad(optimizer, set_to_none)
         self._clear(optimizer, set_to_none)
 
-    def after_step(self, optimizer) -> None:
-        """DeepSpeed's engine clears the gradients after every step, skipped or not."""
-        self._clear(optimizer, True)
-
     def abort_held(self) -> None:
         for gs in self.grad_shards:
             gs.abort()

@@ -32,29 +32,26 @@ static int intern_names(void) {
   return 0;
 }
 
+/* 1 when obj.name is true, 0 when false, -1 with an exception set */
+static int attr_is_true(PyObject *obj, PyObject *name) {
+  PyObject *v = PyObject_GetAttr(obj, name);
+  if (!v) return -1;
+  int t = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  return t;
+}
+
 static int grad_view_state(PyObject *p, PyObject *v, PyObject *ptr0, PyObject *dtype, long dev) {
   PyObject *dt = PyObject_GetAttr(p, s_dtype);
   if (!dt) return -1;
   int same_dtype = dt == dtype;
   Py_DECREF(dt);
   if (!same_dtype) return GV_BROKEN;
-  if (dev < 0) {
-    /* a CPU group: one attribute read (the walk runs right after backward, when every object
-     * it touches is out of cache, so each lookup it saves counts) */
-    PyObject *c = PyObject_GetAttr(p, s_is_cpu);
-    if (!c) return -1;
-    int is_cpu = PyObject_IsTrue(c);
-    Py_DECREF(c);
-    if (is_cpu < 0) return -1;
-    if (!is_cpu) return GV_BROKEN;
-  } else {
-    /* the device type first: get_device() gives 0 for device 0 of any accelerator */
-    PyObject *c = PyObject_GetAttr(p, s_is_cuda);
-    if (!c) return -1;
-    int is_cuda = PyObject_IsTrue(c);
-    Py_DECREF(c);
-    if (is_cuda < 0) return -1;
-    if (!is_cuda) return GV_BROKEN;
+  /* the device type first (is_cpu for a CPU group, which a meta or other device fails too;
+   * is_cuda for a CUDA one, since get_device() gives 0 for device 0 of any accelerator) */
+  int on_type = attr_is_true(p, dev < 0 ? s_is_cpu : s_is_cuda);
+  if (on_type <= 0) return on_type < 0 ? -1 : GV_BROKEN;
+  if (dev >= 0) {
     PyObject *d = PyObject_CallMethodNoArgs(p, s_get_device);
     if (!d) return -1;
     long pd = PyLong_AsLong(d);

@@ -165,6 +165,10 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None) -> di
         if c["clip"] != "none":
             c["clip"] = "norm2"
         c["clip_subset"] = c["clip_twice"] = c["two_optimizers"] = False
+        # DeepSpeed's engine clears the gradients after its step: a loop that never calls
+        # zero_grad trains the same (accelerate makes the wrapper's zero_grad a no-op there)
+        if r.random() < 0.25:
+            c["zero_grad"] = "never"
     return c
 
 

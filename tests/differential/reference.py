@@ -143,7 +143,7 @@ def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world,
                 continue
             norm = _step(case, params, opts, scaler, world, sched, trace, addends)
             trace["steps"][-1]["norm"] = norm
-            W.zero_grads(case, opts, models, params)
+            W.zero_grads(case, opts, models, params, engine=True)
 
 
 def evaluate(case, model, amp, cast=None):

@@ -114,7 +114,7 @@ def _zero_grads(case, models, params, masters):
     elif style == "model":
         for m in models:
             m.zero_grad()
-    else:  # opt_none, manual_none
+    else:  # opt_none, manual_none; never: DeepSpeed's engine clears them after its step
         for p in params:
             p.grad = None
 

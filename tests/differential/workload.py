@@ -142,10 +142,16 @@ def touch_grads(case, params, step: int):
         p.grad = p.grad.detach().clone() * 0.5
 
 
-def zero_grads(case, opts, models, params):
-    """The loop's zero_grad call, in the style the case asks for."""
+def zero_grads(case, opts, models, params, engine: bool = False):
+    """The loop's zero_grad call, in the style the case asks for. "never" (drawn under DeepSpeed
+    only): the loop calls none, and DeepSpeed's engine clears the gradients after its step, which
+    a reference (engine=True) does in its place."""
     style = case["zero_grad"]
-    if style == "opt_none":
+    if style == "never":
+        if engine:
+            for p in params:
+                p.grad = None
+    elif style == "opt_none":
         for opt in opts:
             opt.zero_grad()
     elif style == "opt_zeros":
