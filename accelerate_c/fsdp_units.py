@@ -125,6 +125,7 @@ class UnitGroup:
             self.runs = [part.view if part is not None else self.shard[:0] for part in self.parts]
         self.nbytes = self.flat.untyped_storage().nbytes()
         self.gathered = True  # as made: the storage exists (released by the first reshard)
+        self.pending = None  # a prefetched gather's works, until finish()
 
     def load_param(self, j: int, full: torch.Tensor) -> None:
         """This process's run of parameter j from a full-size tensor of it (a loaded weight)."""
@@ -137,11 +138,18 @@ class UnitGroup:
         for p, run in zip(self.params, self.runs):
             p.data = run
 
-    def gather(self, rank: int, world: int) -> None:
-        """Every process's chunk into the flat buffer; the parameters viewing it. A collective."""
+    def gather(self, rank: int, world: int, async_op: bool = False) -> None:
+        """Every process's chunk into the flat buffer; the parameters viewing it. A collective.
+        With `async_op` it is only launched (a prefetch): the parameters keep viewing their runs
+        until `finish()`, which the next plain gather (the unit's own hook) calls."""
+        if self.pending is not None:
+            if not async_op:
+                self.finish()
+            return
         storage = self.flat.untyped_storage()
         if storage.nbytes() != self.nbytes:
             storage.resize_(self.nbytes)
+        works = []
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat):
             for start, chunk, local, _, _ in self.group.buckets:
                 if chunk == 0:
@@ -149,10 +157,27 @@ class UnitGroup:
                 full = self.flat[start:start + chunk * world]
                 # the chunk as this rank owns it, cast once to the compute dtype (its padding is zeros)
                 full[rank * chunk:(rank + 1) * chunk].copy_(self.shard[local:local + chunk])
-                self._collective(full, rank, world, "gather of the parameters")
+                works.append(self._collective(full, rank, world, "gather of the parameters", async_op))
+        self.gathered = True
+        if async_op:
+            self.pending = [w for w in works if w is not None]
+        else:
+            self._point_at_full()
+
+    def finish(self) -> None:
+        """Waits for a prefetched gather; the parameters then view the full buffer."""
+        works, self.pending = self.pending, None
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as e:
+            raise RuntimeError(f"{self.label}: the prefetched gather of the parameters failed or timed out; every "
+                               f"process must run the same units' forwards ({e})") from e
+        self._point_at_full()
+
+    def _point_at_full(self):
         for p, v in zip(self.params, self.full_views):
             p.data = v
-        self.gathered = True
 
     def gather_full(self, rank: int, world: int) -> list:
         """Every parameter's full value in the shard's dtype, in fresh tensors (the state dict's
@@ -166,17 +191,26 @@ class UnitGroup:
                 self._collective(part, rank, world, "gather of the full weights (get_state_dict)")
         return self.group.param_views(full)
 
-    def _collective(self, full, rank, world, what):
+    def _collective(self, full, rank, world, what, async_op=False):
         """One in-place all-gather; a failure (a process that never joined it: a collective called
         on one process only, a forward skipped on one) names the unit."""
         try:
-            collectives.gather_chunks(full, rank, world)
+            return collectives.gather_chunks(full, rank, world, async_op=async_op)
         except RuntimeError as e:
             raise RuntimeError(f"rank {rank}: full sharding, {self.label}: the {what} failed or timed out; every "
                                f"process must run the same units' forwards and call get_state_dict / save_model "
                                f"together ({e})") from e
 
-    def reshard(self) -> None:
+    def reshard(self, quiet: bool = False) -> None:
+        """Back to the runs; the flat buffer's memory released. A prefetch still in flight is
+        waited for first (the collective writes into that memory); `quiet` (an abort) drops its
+        error, which the failing call already raised."""
+        if self.pending is not None:
+            try:
+                self.finish()
+            except RuntimeError:
+                if not quiet:
+                    raise
         self.point_at_runs()
         self.flat.untyped_storage().resize_(0)
         self.gathered = False
@@ -203,13 +237,19 @@ class Unit:
 
     def gather(self, rank, world):
         for g in self.groups:
-            if not g.gathered:
+            if not g.gathered or g.pending is not None:
                 g.gather(rank, world)
 
-    def reshard(self):
+    def prefetch(self, rank, world):
+        """Launches the gather of a unit that will run next; its own hook finishes it."""
+        for g in self.groups:
+            if not g.gathered:
+                g.gather(rank, world, async_op=True)
+
+    def reshard(self, quiet: bool = False):
         for g in self.groups:
             if g.gathered:
-                g.reshard()
+                g.reshard(quiet)
 
 
 def build_units(model, modules, world: int, rank: int, compute_dtype=None, device=None, src=None,

@@ -174,3 +174,11 @@ def test_meta_models_are_refused_by_name_where_they_cannot_be_loaded():
     parallelism on every process (naming the process and the parameter), accepted by full
     sharding (which the seed-config test loads that way); the main process on meta: refused."""
     _script_passes(2, "meta_models.py", says="meta models refused OK on 2 processes")
+
+
+def test_the_next_units_gather_is_launched_while_this_one_computes():
+    """Prefetch (forward order, reverse in backward): launched before the current unit computes,
+    at most one unit gathered ahead, a prefetched unit that a forward leaves out released; the
+    parameters bitwise equal to prefetch off and within 1e-5 of torch DDP
+    (tests/scripts/fsdp_prefetch.py)."""
+    _script_passes(3, "fsdp_prefetch.py", says="prefetch OK")

@@ -52,6 +52,11 @@ class FsdpModel:
                     self.owned[id(p)] = Owned(ug.group, *run)
         # id(param) -> (its UnitGroup, its index there), frozen parameters included
         self.where = {id(p): (ug, j) for unit in units for ug in unit.groups for j, p in enumerate(ug.params)}
+        # the units in the order the last whole forward of the root ran them (the root first),
+        # and the one being recorded: where prefetching looks for the unit that runs next
+        self.order: list = []
+        self.recording: list | None = None
+        self.before: dict = {}  # id(unit) -> the unit that ran before its last run in `order`
 
     def master(self, group):
         return self.masters[id(group)]
@@ -80,7 +85,7 @@ class FullShardStrategy(Zero2Strategy):
 
     def __init__(self, manager, handler=None, *, wrap_policy="NO_WRAP", wrap_classes=(), min_num_params=0,
                  reshard_after_forward=True, param_dtype=None, activation_checkpointing=False, device=None,
-                 persist_below=0, empty_at_rest=False, ignore_unused=False):
+                 persist_below=0, empty_at_rest=False, ignore_unused=False, prefetch=True):
         super().__init__(manager, handler, fp32_masters=False, ignore_unused=ignore_unused)
         self.device = torch.device("cpu") if device is None else torch.device(device)  # where the shards live
         self.wrap_policy = wrap_policy
@@ -91,6 +96,11 @@ class FullShardStrategy(Zero2Strategy):
         self.activation_checkpointing = activation_checkpointing
         self.persist_below = persist_below  # DeepSpeed's stage3_param_persistence_threshold (0: FSDP)
         self.empty_at_rest = empty_at_rest  # DeepSpeed's empty 16-bit parameters between steps (FSDP2: the runs)
+        # launch the gather of the unit that runs next (forward order; reverse in backward) while
+        # this one computes, as FSDP2 does: at most one unit gathered ahead. The order is the
+        # last forward's, the same on every process when the forwards are (which gathering needs
+        # anyway); a unit prefetched and then not run is released with the others
+        self.prefetch = prefetch
         self._final_queued = False
         self._in_flight: list = []  # GradShards whose reduce-scatters may still be running, oldest first
         self._state_dict_ok = 0  # > 0 while the strategy itself reads model.state_dict()
@@ -120,8 +130,8 @@ class FullShardStrategy(Zero2Strategy):
         self.models[id(model)] = fsdp = FsdpModel(units)
         for unit in units:
             m = unit.module
-            unit.hooks.append(m.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True))
-            unit.hooks.append(m.register_forward_hook(self._post_forward_hook(unit)))
+            unit.hooks.append(m.register_forward_pre_hook(self._pre_forward_hook(fsdp, unit), with_kwargs=True))
+            unit.hooks.append(m.register_forward_hook(self._post_forward_hook(fsdp, unit)))
         if self.activation_checkpointing:
             for unit in units[:-1]:
                 _checkpoint_forward(unit.module)
@@ -156,12 +166,13 @@ class FullShardStrategy(Zero2Strategy):
         return ug.shard.narrow(0, o.local_offset, o.length)
 
     # ---- the hooks ------------------------------------------------------------------------
-    def _pre_forward_hook(self, unit):
+    def _pre_forward_hook(self, fsdp, unit):
         def hook(module, args, kwargs):
             unit.gather(self.rank, self.world)
             if unit.state == "backward" or _in_backward():  # a checkpointed forward recomputed in backward:
                 return None  # its graph is not backpropagated through, and the unit's own hooks did the rest
             unit.state = "forward"
+            self._record_and_prefetch(fsdp, unit)
             if not torch.is_grad_enabled():
                 return None
             flat, spec = tree_flatten((args, kwargs))
@@ -175,16 +186,18 @@ class FullShardStrategy(Zero2Strategy):
             return tree_unflatten(flat, spec)
         return hook
 
-    def _post_forward_hook(self, unit):
+    def _post_forward_hook(self, fsdp, unit):
         def hook(module, args, output):
             if unit.state == "backward" or _in_backward():
                 return None
+            if unit.is_root and fsdp.recording is not None:
+                _end_recording(fsdp)
             needs_grad = False
             if torch.is_grad_enabled():
                 flat, _ = tree_flatten(output)
                 for x in flat:
                     if torch.is_tensor(x) and x.requires_grad:
-                        x.register_hook(self._pre_backward_hook(unit))
+                        x.register_hook(self._pre_backward_hook(fsdp, unit))
                         needs_grad = True
             unit.state = "idle"
             # the root stays gathered while grad is on, even when no output tensor is visible (a
@@ -194,7 +207,7 @@ class FullShardStrategy(Zero2Strategy):
             return None
         return hook
 
-    def _pre_backward_hook(self, unit):
+    def _pre_backward_hook(self, fsdp, unit):
         def hook(grad):
             if not self._final_queued:
                 self._final_queued = True
@@ -203,8 +216,29 @@ class FullShardStrategy(Zero2Strategy):
                 unit.gather(self.rank, self.world)
                 unit.state = "backward"
                 unit.grads_done = not any(ug.trainable for ug in unit.groups)
+                if self.prefetch:  # the unit whose backward comes next: the one that ran before it
+                    nxt = fsdp.order[-1] if unit.is_root and len(fsdp.order) > 1 else fsdp.before.get(id(unit))
+                    if nxt is not None and nxt.state == "idle" and not nxt.is_root:
+                        nxt.prefetch(self.rank, self.world)
             return None
         return hook
+
+    def _record_and_prefetch(self, fsdp, unit):
+        """Records the forward order (a forward of the root starts it; units run outside the
+        root's forward are not recorded) and launches the gather of the unit that ran after this
+        one in the last forward, when this forward has followed it so far."""
+        if unit.is_root:
+            fsdp.recording = [unit]
+        elif fsdp.recording is not None:
+            fsdp.recording.append(unit)
+        else:
+            return
+        at = len(fsdp.recording) - 1
+        order = fsdp.order
+        if self.prefetch and at + 1 < len(order) and order[at] is unit:
+            nxt = order[at + 1]
+            if nxt.state == "idle" and not nxt.is_root:
+                nxt.prefetch(self.rank, self.world)
 
     def _inputs_done(self, unit):
         unit.inputs_pending = max(0, unit.inputs_pending - 1)
@@ -246,17 +280,18 @@ class FullShardStrategy(Zero2Strategy):
                 elif unit.state == "idle":
                     unit.reshard()
 
-    def _release_all(self):
+    def _release_all(self, quiet: bool = False):
         self._final_queued = False
         for fsdp in self.models.values():
+            fsdp.recording = None
             for unit in fsdp.units:
                 unit.state = "idle"
                 unit.inputs_pending = 0
-                unit.reshard()
+                unit.reshard(quiet)
 
     def abort_held(self) -> None:
         super().abort_held()
-        self._release_all()
+        self._release_all(quiet=True)
 
     # ---- step -----------------------------------------------------------------------------
     def _gather_updated(self, book):
@@ -394,6 +429,16 @@ def _take_buffers(model, device, src: int) -> None:
                 # setattr on a registered buffer replaces it and keeps its persistence
                 setattr(module, name, made[id(b)])
     broadcast_buffers(model, src)
+
+
+def _end_recording(fsdp) -> None:
+    """The root's forward ended: its units' order is the one the next forward and this
+    backward prefetch by (the backward runs it in reverse: before[u] comes after u)."""
+    order, fsdp.recording = fsdp.recording, None
+    fsdp.order = order
+    fsdp.before = {}
+    for k in range(1, len(order)):
+        fsdp.before[id(order[k])] = order[k - 1] if k > 1 else None
 
 
 def _in_backward() -> bool:
