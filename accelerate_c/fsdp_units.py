@@ -253,7 +253,7 @@ class Unit:
 
 
 def build_units(model, modules, world: int, rank: int, compute_dtype=None, device=None, src=None,
-                persist_below: int = 0, empty_at_rest: bool = False) -> list[Unit]:
+                persist_below: int = 0, empty_at_rest: bool = False, upcast: bool = False) -> list[Unit]:
     """The units of `model` (modules from unit_modules), each parameter moved into its shard on
     `device` (default: where it is). With `src`, every process takes rank src's values (a
     collective): one broadcast per unit group, each unit resharded as soon as it is built, so a
@@ -261,7 +261,8 @@ def build_units(model, modules, world: int, rank: int, compute_dtype=None, devic
     weights at a time: while it is built, three buffers of its size (its parameters' storage,
     the broadcast buffer, the gathered flat buffer; fewer is future work). Parameters of
     fewer than `persist_below` elements go to the root unit, gathered through the whole forward
-    and backward (DeepSpeed's persistent parameters)."""
+    and backward (DeepSpeed's persistent parameters). With `upcast`, trainable 16-bit parameters
+    become fp32 masters unit by unit (the fp32 copy of one unit at a time, never the model's)."""
     held = assign_params(modules)
     if persist_below > 0:
         for k in range(len(held) - 1):
@@ -275,6 +276,10 @@ def build_units(model, modules, world: int, rank: int, compute_dtype=None, devic
         params = [p for _, p in named]
         if device is not None:
             _place(params, device, keep_values=src is None or rank == src)
+        if upcast:  # fp32 masters of 16-bit parameters, as accelerate's FSDP2 path
+            for p in params:
+                if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+                    p.data = p.data.float()
         for trainable in (True, False):
             subset = [p for p in params if p.requires_grad == trainable]
             if not subset:

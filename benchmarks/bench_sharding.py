@@ -1,11 +1,15 @@
 """ZeRO on CPU processes: memory per rank and training-step throughput of accelerate_c's DDP,
-ZeRO-1 and ZeRO-2 beside torch's ZeroRedundancyOptimizer + DDP, on a ~100M-parameter GPT
-(vocabulary 8192, so the embedding is a small part of it), AdamW (foreach=False: see adamw()),
-fp32, 2 and 4 processes (accelerate_c's contenders over shared memory, its default on one host;
---comm gloo puts them on gloo, where torch's contender is).
+ZeRO-1, ZeRO-2 and ZeRO-3 (full sharding) beside torch's ZeroRedundancyOptimizer + DDP and torch's
+FSDP2, AdamW (foreach=False: see adamw()), 2 and 4 processes (accelerate_c's contenders over shared
+memory, its default on one host; --comm gloo puts them on gloo, where torch's contenders are).
+Two configurations by default (--configs): Sharding I's ~100M-parameter GPT in fp32, and
+Sharding II's ~100M-parameter Llama-shaped model (transformers' LlamaForCausalLM: RMSNorm, rotary,
+SwiGLU, untied head) in bf16 as accelerate runs it (autocast for DDP and torch's contenders,
+DeepSpeed's bf16 model with fp32 masters at stages 1-2, FSDP2's bf16 policy for zero3 and
+torch_fsdp2); vocabulary 8192 for both, so the embedding is a small part of the model.
 
-    .venv/bin/python benchmarks/bench_sharding.py                  # 2 and 4 processes (~8 min here)
-    .venv/bin/python benchmarks/bench_sharding.py --worlds 2 --repeats 2 --steps 2
+    .venv/bin/python benchmarks/bench_sharding.py                  # both configs, 2 and 4 processes
+    .venv/bin/python benchmarks/bench_sharding.py --worlds 2 --repeats 2 --steps 2 --configs llama:bf16
 
 It launches itself once per world size and contender (`accelerate-c launch --num_processes N
 --cpu`, one OpenMP thread per process): each contender runs in processes of its own, so none
@@ -18,8 +22,9 @@ per-rank batches (rank r of step k: global batch k * N + r):
   zero2        the same with zero_stage=2
   torch_zero   torch DDP (gradient_as_bucket_view) + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
   zero3        Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, TRANSFORMER_BASED_WRAP of
-               Block)): full sharding, each Block a unit
-  torch_fsdp2  torch's fully_shard on each Block and the model (FSDP2, a CPU device mesh over gloo); whether
+               Block / LlamaDecoderLayer)): full sharding, each block a unit, the next unit's gather prefetched
+  zero3_noprefetch  the same with prefetch off (what the prefetch buys, reported without a target)
+  torch_fsdp2  torch's fully_shard on each block and the model (FSDP2, a CPU device mesh over gloo); whether
                its gradients come out averaged or summed across the processes (pytorch issue 162338) is
                checked in the same run against the processes' averaged gradients and printed beside it
 
@@ -27,7 +32,8 @@ Per contender and world size:
   counted bytes  from the tensors the rank holds: parameters, gradients (the flat buffers, the
                  ZeRO-2 gradient shard; torch's `.grad`), optimizer state (Adam's moments), against
                  the formula for Ψ elements and N processes: DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ +
-                 12Ψ/N, ZeRO-3 16Ψ/N (torch_zero's optimizer state is sharded by whole parameters: its
+                 12Ψ/N, ZeRO-3 16Ψ/N; in bf16 ZeRO-1 4Ψ + 12Ψ/N and ZeRO-2 2Ψ + 14Ψ/N (16-bit model
+                 and gradients), the others as in fp32 (ours: distinct storages counted) (torch_zero's optimizer state is sharded by whole parameters: its
                  formula is ZeRO-1's, reported only; torch_fsdp2's is ZeRO-3's). ZeRO-2's staging buffers (about two buckets) are printed apart.
   RSS            the rank's peak resident set while the contender ran (VmHWM, reset before it) above
                  its resident set just before it: what the process really took, torch's temporaries
@@ -38,7 +44,8 @@ The physical limit printed beside: one gloo all-reduce of the gradients' bytes, 
 communication a DDP step cannot avoid, at loopback speed on this machine).
 
 Correctness guard (the first repeat): after the same steps each contender's
-parameters against ddp's, over the whole model ||a - b|| / ||b||, must be <= 1e-4 (AdamW's first
+parameters against ddp's, over the whole model ||a - b|| / ||b||, must be <= 1e-4 in fp32, 1e-2
+in bf16 (PARAM_RTOL) (AdamW's first
 steps move an element by ~lr whatever its gradient's size, so summation-order noise in a
 near-zero gradient is amplified to lr: per tensor, a LayerNorm bias that started at 0 differs by
 7.3e-4 of itself between torch DDP and ours on 4 processes). A mismatch is an ERROR.
@@ -50,6 +57,7 @@ gathered unit and one unit's gradient staging printed apart); zero1 steps/s >= 0
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import shutil
@@ -67,9 +75,12 @@ import _targets  # noqa: E402
 from _common import print_table  # noqa: E402
 
 BENCH = "bench_sharding"
-NAMES = ["ddp", "zero1", "zero2", "torch_zero", "zero3", "torch_fsdp2"]
+NAMES = ["ddp", "zero1", "zero2", "torch_zero", "zero3", "zero3_noprefetch", "torch_fsdp2"]
 SEED, DATA_SEED = 1234, 4321
-PARAM_RTOL = 1e-4
+# the correctness guard (below), per precision: in bf16 the contenders' policies differ (autocast
+# over fp32 parameters for ddp, DeepSpeed's bf16 model with fp32 masters at stages 1-2, FSDP2's
+# bf16 gathers over fp32 shards), and a bf16 model's weights are rounded to 2**-9 of themselves
+PARAM_RTOL = {"fp32": 1e-4, "bf16": 1e-2}
 MEM_TOL = 0.05
 
 
@@ -115,6 +126,8 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=8192, block_size=args.seq, n_layer=args.layers, n_head=12, d_model=args.d_model)
+    bf16 = args.precision == "bf16"
+    block_class = "LlamaDecoderLayer" if args.model == "llama" else "Block"
     total_steps = args.warmup + args.steps
     tokens = make_tokens(total_steps * world, args.seq, cfg.vocab_size, seed=DATA_SEED)  # seq + 1 tokens each
     batches = [(tokens[k * world + rank][None, :-1], tokens[k * world + rank][None, 1:]) for k in range(total_steps)]
@@ -130,7 +143,24 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
 
     def fresh():
         torch.manual_seed(SEED)
-        return GPT(cfg)
+        if args.model == "gpt":
+            return GPT(cfg)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        # Llama-shaped: RMSNorm, rotary positions, SwiGLU MLP (8/3 of the width), untied head
+        lcfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=args.d_model, num_hidden_layers=args.layers,
+                           num_attention_heads=12, num_key_value_heads=12, intermediate_size=8 * args.d_model // 3,
+                           max_position_embeddings=args.seq, tie_word_embeddings=False)
+        return LlamaForCausalLM(lcfg)
+
+    def loss_of(model, x, y):
+        if args.model == "gpt":
+            return model(x, y)
+        logits = model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def autocast():  # what accelerate's bf16 gives the torch contenders' forward (and ours)
+        return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     # foreach=False for every contender: torch's multi-tensor AdamW makes whole-model temporaries
     # (~4 x the parameters' bytes at once), which on 4 processes of a ~100M model exceed this
@@ -144,13 +174,16 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         model = fresh()
         if name == "torch_fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mesh = init_device_mesh("cpu", (world,))
+            # accelerate's FSDP2 bf16: gathers, compute and reduce-scatter in bf16, fp32 shards
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
+                else MixedPrecisionPolicy()
             for m in model.modules():
-                if type(m).__name__ == "Block":
-                    fully_shard(m, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                if type(m).__name__ == block_class:
+                    fully_shard(m, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
             return {"model": model, "inner": model, "opt": adamw(model.parameters()),
                     "backward": lambda loss: loss.backward(), "acc": None, "fsdp2": True}
         if name == "torch_zero":
@@ -158,20 +191,27 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
                                           weight_decay=0.01, foreach=False)
             return {"model": ddp, "inner": model, "opt": opt, "backward": lambda loss: loss.backward(), "acc": None}
-        kw = {"kwargs_handlers": [CpuCommKwargs(comm=args.comm)]}
-        if name == "zero3":
+        kw = {"kwargs_handlers": [CpuCommKwargs(comm=args.comm)], "mixed_precision": args.precision.replace("fp32", "no")}
+        if name.startswith("zero3"):
             kw["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
-                                                               transformer_cls_names_to_wrap=["Block"])
+                                                               transformer_cls_names_to_wrap=[block_class])
         elif name != "ddp":
             plugin = DeepSpeedPlugin(zero_stage=int(name[-1]), gradient_clipping=0.0)
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
             kw["deepspeed_plugin"] = plugin
         acc = Accelerator(cpu=True, **kw)
         model, opt = acc.prepare(model, adamw(model.parameters()))
+        if name == "zero3_noprefetch":
+            acc._grads.strategy.prefetch = False
         return {"model": model, "inner": model, "opt": opt, "backward": acc.backward, "acc": acc}
 
     def step(c, x, y):
-        c["backward"](c["model"](x, y))
+        if c["acc"] is None:
+            with autocast():
+                loss = loss_of(c["model"], x, y)
+        else:  # the Accelerator applies its own precision policy
+            loss = loss_of(c["model"], x, y)
+        c["backward"](loss)
         c["opt"].step()
         c["opt"].zero_grad()
 
@@ -191,14 +231,23 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
             # its reducer whether .grad is set or not), the local optimizer's state
             gbytes = pbytes
             state = opt.optim.state
-        else:
+        else:  # ours: the distinct storages of the parameters, the gradient buffers, the optimizer's
+            # parameters (the fp32 masters where they are apart from the model's) and its state;
+            # under full sharding a parameter between steps is a view of its unit's shard
             strategy = acc._grads.strategy
-            gbytes = sum(g.flat.numel() * g.flat.element_size() for g in acc._grads.groups)
+            storages = {}
+            tensors = list(params.values()) + [g.flat for g in acc._grads.groups]
+            tensors += [p for g in opt.optimizer.param_groups for p in g["params"]]
+            tensors += [v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+            for t in tensors:
+                st = t.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+            held = sum(storages.values())
             if hasattr(strategy, "memory"):
                 mem = strategy.memory()
-                gbytes += mem["grad_shards"]
+                held += mem["grad_shards"]
                 staging = mem["grad_staging"]
-            state = opt.optimizer.state
+            return held, staging
         sbytes = sum(v.numel() * v.element_size() for s in state.values() for k, v in s.items()
                      if torch.is_tensor(v) and v.dim() > 0)
         return pbytes + gbytes + sbytes, staging
@@ -208,13 +257,17 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         average of every process's plain gradient (torch.autograd on an unsharded copy, summed by
         one all-reduce, / N): about 1.0 if it averages, N if it sums (pytorch issue 162338)."""
         c["opt"].zero_grad()
-        c["model"](*batch).backward()
+        with autocast():
+            loss = loss_of(c["model"], *batch)
+        loss.backward()
         got = torch.cat([p.grad.full_tensor().reshape(-1) for p in c["inner"].parameters()])
         c["opt"].zero_grad()
         plain = fresh()
         sd = {n: p.full_tensor() for n, p in c["inner"].named_parameters()}
         plain.load_state_dict(sd, strict=False)
-        plain(*batch).backward()
+        with autocast():
+            loss = loss_of(plain, *batch)
+        loss.backward()
         want = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])
         dist.all_reduce(want)
         want /= world
@@ -223,8 +276,14 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
     psi = sum(p.numel() for p in fresh().parameters())
     formula = {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi / world, "zero2": 4 * psi + 12 * psi / world,
                "torch_zero": 8 * psi + 8 * psi / world, "zero3": 16 * psi / world, "torch_fsdp2": 16 * psi / world}
-    say(f"bench_sharding on {world} processes: GPT {args.layers} x {args.d_model}, vocab {cfg.vocab_size}, "
-        f"{psi / 1e6:.1f}M parameters, {args.seq} tokens per rank and step, AdamW fp32, 1 thread per process")
+    if bf16:  # DeepSpeed's bf16 policy at stages 1 and 2: a bf16 model and gradients, fp32 masters of the
+        # owned runs (docs/sharding.md); DDP and torch's contenders under autocast keep fp32 parameters
+        # and gradients; FSDP2's bf16 keeps fp32 shards and fp32 gradient shards
+        formula.update(zero1=4 * psi + 12 * psi / world, zero2=2 * psi + 14 * psi / world)
+    formula["zero3_noprefetch"] = formula["zero3"]
+    say(f"bench_sharding on {world} processes: {args.model} {args.layers} x {args.d_model}, vocab {cfg.vocab_size}, "
+        f"{psi / 1e6:.1f}M parameters, {args.seq} tokens per rank and step, AdamW, {args.precision}, "
+        "1 thread per process")
 
     name = args.contender
     result = {"world": world, "psi": psi, "formula": formula}
@@ -258,7 +317,7 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
         if r == 0:
             held, staging = counted(c)
             result["mem"] = (held, staging, (_rss_kb("VmHWM") - rss0) * 1024)
-            if name == "zero3":  # each process holds shards: the whole weights gathered to the main
+            if name.startswith("zero3"):  # each process holds shards: the whole weights gathered to the main
                 # process ({} on the others, as accelerate's FSDP2 get_state_dict), then sent to all
                 box = [c["acc"].get_state_dict(c["model"])]
                 dist.broadcast_object_list(box, src=0)
@@ -292,8 +351,9 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
     return 0
 
 
-def report(out: str) -> int:
-    """The table and the targets of one world size, from the contenders' result files."""
+def report(out: str, config: str) -> int:
+    """The table and the targets of one world size and configuration (model:precision), from the
+    contenders' result files."""
     res = {}
     for n in NAMES:
         path = os.path.join(out, f"{n}.json")
@@ -303,6 +363,8 @@ def report(out: str) -> int:
         with open(path) as f:
             res[n] = json.load(f)
     world, psi, formula = res["ddp"]["world"], res["ddp"]["psi"], res["ddp"]["formula"]
+    rtol = PARAM_RTOL[config.split(":")[1]]
+    tag = f"{config}, N={world}"
     med = {n: statistics.median(r["rates"]) for n, r in res.items()}
     rows = []
     for n in NAMES:
@@ -314,7 +376,7 @@ def report(out: str) -> int:
         rows.append([n_label, f"{med[n]:.3f}", f"{held / 2**20:.0f}", f"{formula[n] / 2**20:.0f}",
                      f"{held / formula[n]:.3f}", f"{staging / 2**20:.0f}", f"{peak / 2**20:.0f}",
                      "-" if n == "ddp" else f"{res[n]['error']:.1e}"])
-    print(f"\nbench_sharding, N={world}:")
+    print(f"\nbench_sharding, {tag}:")
     print_table(["contender", "steps/s", "counted MiB", "formula MiB", "counted/formula", "staging MiB",
                  "peak RSS above start MiB", "params vs ddp"], rows)
     allreduce_s, ddp_s = res["ddp"]["allreduce_s"], 1 / med["ddp"]
@@ -323,26 +385,26 @@ def report(out: str) -> int:
     for n in NAMES:
         print(f"{n}: steps/s over the repeats {', '.join(f'{v:.3f}' for v in res[n]['rates'])}")
     # torch_fsdp2 summing its gradients (a known torch bug on gloo) would show here too: reported, not an error
-    bad = [n for n in NAMES if n not in ("ddp", "torch_fsdp2") and res[n]["error"] > PARAM_RTOL]
+    bad = [n for n in NAMES if n not in ("ddp", "torch_fsdp2") and res[n]["error"] > rtol]
     if bad:
-        print(f"ERROR: {', '.join(bad)}: parameters differ from ddp's by more than {PARAM_RTOL}: timings not recorded")
+        print(f"ERROR: {', '.join(bad)}: parameters differ from ddp's by more than {rtol}: timings not recorded")
         return 1
     limit = f"all-reduce of the gradients {allreduce_s:.2f} s vs ddp step {ddp_s:.2f} s"
     for n in ("ddp", "zero1", "zero2", "zero3"):
         held = res[n]["mem"][0]
         pad = 4 * 64 * world * 64  # each bucket's padding to N x 16 fp32 elements, a few dozen buckets
         within = abs(held - formula[n]) <= MEM_TOL * formula[n] + pad
-        _targets.target(BENCH, f"{n} counted bytes vs formula, |1 - ratio| <= 0.05 (N={world})",
+        _targets.target(BENCH, f"{n} counted bytes vs formula, |1 - ratio| <= 0.05 ({tag})",
                         1.0 - abs(1.0 - held / formula[n]), 1.0 - MEM_TOL,
                         note=f"{held} bytes held, formula {formula[n]:.0f}, {'within' if within else 'beyond'} 5% + padding")
-    _targets.target(BENCH, f"zero1 steps/s vs our ddp (N={world})", med["zero1"] / med["ddp"], 0.95, limit=limit)
-    _targets.target(BENCH, f"zero1 steps/s vs torch ZeroRedundancyOptimizer (N={world})",
+    _targets.target(BENCH, f"zero1 steps/s vs our ddp ({tag})", med["zero1"] / med["ddp"], 0.95, limit=limit)
+    _targets.target(BENCH, f"zero1 steps/s vs torch ZeroRedundancyOptimizer ({tag})",
                     med["zero1"] / med["torch_zero"], 1.0, limit=limit)
-    _targets.info(BENCH, f"zero2 steps/s vs our ddp (N={world})", med["zero2"] / med["ddp"], limit=limit)
-    _targets.target(BENCH, f"zero3 steps/s vs torch FSDP2 fully_shard (N={world})", med["zero3"] / med["torch_fsdp2"],
+    _targets.info(BENCH, f"zero2 steps/s vs our ddp ({tag})", med["zero2"] / med["ddp"], limit=limit)
+    _targets.target(BENCH, f"zero3 steps/s vs torch FSDP2 fully_shard ({tag})", med["zero3"] / med["torch_fsdp2"],
                     1.0, limit=limit, note=f"torch FSDP2's gradients came out x{res['torch_fsdp2']['fsdp2_grad_factor']:.2f} "
                     "of the processes' average (1: averaged, N: summed)")
-    _targets.info(BENCH, f"zero2 counted bytes / ddp's (N={world})", res["zero2"]["mem"][0] / res["ddp"]["mem"][0])
+    _targets.info(BENCH, f"zero2 counted bytes / ddp's ({tag})", res["zero2"]["mem"][0] / res["ddp"]["mem"][0])
     return 0
 
 
@@ -359,20 +421,32 @@ def main(argv=None) -> int:
     ap.add_argument("--comm", choices=("auto", "gloo", "shm"), default="auto",
                     help="how accelerate_c's contenders' CPU collectives travel (CpuCommKwargs; default: the "
                          "library's, shared memory on one host; torch_zero is on gloo, torch's only CPU backend)")
+    ap.add_argument("--configs", default="gpt:fp32,llama:bf16",
+                    help="model:precision pairs, comma-separated (models gpt, llama; precisions fp32, bf16; "
+                         "default: Sharding I's fp32 GPT and Sharding II's bf16 Llama)")
     ap.add_argument("--contender", choices=NAMES, help=argparse.SUPPRESS)
+    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt", help=argparse.SUPPRESS)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-    forward = ["--repeats", str(args.repeats), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--layers", str(args.layers), "--d-model", str(args.d_model), "--seq", str(args.seq),
-               "--comm", args.comm]
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in configs:
+        model, _, precision = c.partition(":")
+        if model not in ("gpt", "llama") or precision not in ("fp32", "bf16"):
+            ap.error(f"--configs: {c!r} is not model:precision with model gpt|llama and precision fp32|bf16")
     rc = 0
-    for w in (int(x) for x in args.worlds.split(",")):
-        with tempfile.TemporaryDirectory(prefix="bench_sharding_") as out:
-            for name in NAMES:  # each contender in processes of its own: none inherits another's heap
-                rc = max(rc, launch(w, forward + ["--contender", name, "--out", out]))
-            rc = max(rc, report(out))
+    for config in configs:
+        model, _, precision = config.partition(":")
+        forward = ["--repeats", str(args.repeats), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--layers", str(args.layers), "--d-model", str(args.d_model), "--seq", str(args.seq),
+                   "--comm", args.comm, "--model", model, "--precision", precision]
+        for w in (int(x) for x in args.worlds.split(",")):
+            with tempfile.TemporaryDirectory(prefix="bench_sharding_") as out:
+                for name in NAMES:  # each contender in processes of its own: none inherits another's heap
+                    rc = max(rc, launch(w, forward + ["--contender", name, "--out", out]))
+                rc = max(rc, report(out, config))
     return rc
 
 

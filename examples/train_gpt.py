@@ -102,10 +102,10 @@ def evaluate(accelerator, model, loader) -> float:
     return total / count
 
 
-def params_sha256(model) -> str:
-    """A hash of every parameter's bytes, in order: equal hashes, bitwise equal models."""
+def params_sha256(state_dict) -> str:
+    """A hash of every weight's bytes, in order: equal hashes, bitwise equal models."""
     h = hashlib.sha256()
-    for name, p in model.state_dict().items():
+    for name, p in state_dict.items():
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -221,10 +221,12 @@ def main(argv=None) -> int:
     bar.close()
     val = logs["eval_loss"] if step == args.steps and "eval_loss" in logs else evaluate(accelerator, model, val_dl)
     ok = val <= args.target_loss
+    # every process calls get_state_dict (under FSDP / ZeRO-3 it gathers the shards to the main process)
+    weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         os.makedirs(os.path.join(args.out, args.run_name), exist_ok=True)
         with open(os.path.join(args.out, args.run_name, "final.json"), "w") as f:
-            json.dump({"eval_loss": val, "steps": step, "params_sha256": params_sha256(model),
+            json.dump({"eval_loss": val, "steps": step, "params_sha256": params_sha256(weights),
                        "seconds": time.time() - start}, f)
     accelerator.print(f"held-out loss {val:.4f} nats/char (target <= {args.target_loss}): "
                       f"{'reached' if ok else 'NOT reached'}; {time.time() - start:.0f}s")

@@ -118,15 +118,12 @@ class FullShardStrategy(Zero2Strategy):
         # unit (build_units); the others may hold theirs on the meta device
         check_same_structure(model, src=0, allow_meta=True)
         _take_buffers(model, self.device, src=0)
-        if self.param_dtype is not None:  # fp32 masters of 16-bit parameters, as accelerate's FSDP2 path
-            for p in model.parameters():
-                if p.requires_grad and p.dtype != torch.float32 and p.is_floating_point():
-                    p.data = p.data.float()
         for name, p in model.named_parameters():
             manager.names.setdefault(id(p), name)
         modules = unit_modules(model, self.wrap_policy, self.wrap_classes, self.min_num_params)
         units = build_units(model, modules, self.world, self.rank, self.param_dtype, device=self.device, src=0,
-                            persist_below=self.persist_below, empty_at_rest=self.empty_at_rest)
+                            persist_below=self.persist_below, empty_at_rest=self.empty_at_rest,
+                            upcast=self.param_dtype is not None)
         self.models[id(model)] = fsdp = FsdpModel(units)
         for unit in units:
             m = unit.module
@@ -331,8 +328,8 @@ class FullShardStrategy(Zero2Strategy):
             for unit in fsdp.units:
                 for ug in unit.groups:
                     values = ug.gather_full(self.rank, self.world)
-                    if keep:
-                        out.update((id(p), v) for p, v in zip(ug.params, values))
+                    if keep:  # on the host, as accelerate's full state dict (cpu_offload): a GPU holds one group
+                        out.update((id(p), v if v.is_cpu else v.cpu()) for p, v in zip(ug.params, values))
         return out
 
     def model_state_dict(self, model, keep: bool | None = None) -> dict:
