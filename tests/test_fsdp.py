@@ -182,3 +182,10 @@ def test_the_next_units_gather_is_launched_while_this_one_computes():
     parameters bitwise equal to prefetch off and within 1e-5 of torch DDP
     (tests/scripts/fsdp_prefetch.py)."""
     _script_passes(3, "fsdp_prefetch.py", says="prefetch OK")
+
+
+def test_an_encoder_decoder_generates_as_the_unsharded_model():
+    """T5's generate() runs its encoder outside the model's forward (get_encoder()), on the shared
+    embedding of the root unit; tokens equal the unsharded model's before and after a step (the
+    step against torch DDP), each process its own length (tests/scripts/fsdp_seq2seq_generate.py)."""
+    _script_passes(2, "fsdp_seq2seq_generate.py", says="seq2seq generate OK on 2 processes")

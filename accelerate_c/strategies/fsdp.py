@@ -57,6 +57,7 @@ class FsdpModel:
         self.order: list = []
         self.recording: list | None = None
         self.before: dict = {}  # id(unit) -> the unit that ran before its last run in `order`
+        self.ahead: list = []  # units this forward prefetched that have not run yet
 
     def master(self, group):
         return self.masters[id(group)]
@@ -132,6 +133,14 @@ class FullShardStrategy(Zero2Strategy):
         if self.activation_checkpointing:
             for unit in units[:-1]:
                 _checkpoint_forward(unit.module)
+        # a module holding root parameters run outside the model's own forward (T5's generate()
+        # runs the encoder through get_encoder(), whose embedding is the shared one) gathers the
+        # root first; it stays gathered until the root's next forward ends, a backward ends or a step
+        root = units[-1]
+        held_by_root = {id(p) for ug in root.groups for p in ug.params}
+        for m in model.modules():
+            if m is not model and any(p is not None and id(p) in held_by_root for p in m._parameters.values()):
+                root.hooks.append(m.register_forward_pre_hook(self._root_on_demand(root)))
         # transformers' mark of a model FSDP manages (its is_fsdp_managed_module): generate()
         # then keeps a process whose sequences are done stepping until every process is
         # (synced_gpus), since each forward gathers units with all of them
@@ -189,6 +198,10 @@ class FullShardStrategy(Zero2Strategy):
                 return None
             if unit.is_root and fsdp.recording is not None:
                 _end_recording(fsdp)
+                for left in fsdp.ahead:  # prefetched, then left out by this forward's path
+                    if left.state == "idle":
+                        left.reshard()
+                fsdp.ahead.clear()
             needs_grad = False
             if torch.is_grad_enabled():
                 flat, _ = tree_flatten(output)
@@ -220,22 +233,33 @@ class FullShardStrategy(Zero2Strategy):
             return None
         return hook
 
+    def _root_on_demand(self, root):
+        def hook(module, args):
+            if root.state == "idle" and (not root.gathered or any(g.pending is not None for g in root.groups)):
+                root.gather(self.rank, self.world)
+            return None
+        return hook
+
     def _record_and_prefetch(self, fsdp, unit):
         """Records the forward order (a forward of the root starts it; units run outside the
         root's forward are not recorded) and launches the gather of the unit that ran after this
         one in the last forward, when this forward has followed it so far."""
         if unit.is_root:
             fsdp.recording = [unit]
+            fsdp.ahead.clear()
         elif fsdp.recording is not None:
             fsdp.recording.append(unit)
+            if unit in fsdp.ahead:
+                fsdp.ahead.remove(unit)
         else:
             return
         at = len(fsdp.recording) - 1
         order = fsdp.order
         if self.prefetch and at + 1 < len(order) and order[at] is unit:
             nxt = order[at + 1]
-            if nxt.state == "idle" and not nxt.is_root:
+            if nxt.state == "idle" and not nxt.is_root and not nxt.gathered:
                 nxt.prefetch(self.rank, self.world)
+                fsdp.ahead.append(nxt)
 
     def _inputs_done(self, unit):
         unit.inputs_pending = max(0, unit.inputs_pending - 1)

@@ -7,7 +7,7 @@ one unit is gathered ahead: the non-root units holding full storage at each unit
 counted; (3) the parameters after the steps are bitwise those of the same loop with prefetch
 off, and within 1e-5 of torch's DistributedDataParallel over gloo (the independent reference);
 (4) a forward whose path leaves out a unit the last forward ran (the prefetched unit is then
-not run) still trains correctly and leaves nothing gathered after the step.
+not run) still trains correctly, and that unit is released when the forward ends.
 """
 from __future__ import annotations
 
@@ -97,6 +97,9 @@ def run_ours(prefetch: bool, events: list | None):
     rank, world = acc.process_index, acc.num_processes
     for step, (x, y) in enumerate(batches(rank, world)):
         loss = torch.nn.functional.mse_loss(model(x, skip=skip_at(step)), y)
+        if prefetch and skip_at(step) is not None:  # prefetched, left out, released when the forward ended
+            out = by_module[id(model.blocks[skip_at(step)])]
+            assert not out.gathered, "a prefetched unit the forward left out is still gathered after it"
         acc.backward(loss)
         opt.step()
         opt.zero_grad()
