@@ -137,6 +137,9 @@ class EpochResume:
     def _set_state(self, state):
         """A stateful loader's state_dict() from now on is `state` (stateful_loader.py)."""
 
+    def _catch_up(self, it) -> None:
+        """A stateful loader's replay of a loaded state (stateful_loader.py); others have none."""
+
     def _open_epoch(self, first_fetch):
         """Starts an epoch on every process and fetches its first item with first_fetch(iterator):
         returns (iterator, first item), or None when the epoch has nothing (the epoch closed)."""
@@ -170,6 +173,7 @@ class EpochResume:
             else:
                 self._epoch_start = epoch_rng_states(self)
             it = super().__iter__()
+            self._catch_up(it)  # (under dispatch only the main process has a state, so a replay)
             # the first batch too: a sampler draws its order when first asked for an index
             # (with workers already while the iterator is created)
             first = first_fetch(it)
