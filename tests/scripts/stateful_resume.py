@@ -1,12 +1,13 @@
-"""Run by tests/test_stateful_resume.py on 2 processes through `accelerate-c launch`, twice:
+"""Stateful loaders resumed in a fresh process, on 2 processes, in two launches:
 
-    stateful_resume.py save DIR     the uninterrupted run: per case, epoch 0 whole, epoch 1 with a
-                                    save_state after SAVE_AT steps, then epoch 2; writes what each
+    run("save", DIR)                the uninterrupted run (tests/scripts/data_path.py calls it, to
+                                    save a launch): per case, epoch 0 whole, epoch 1 with a
+                                    save_state after SAVE_AT steps, then epoch 2; records what each
                                     rank saw after the save (rest of epoch 1, epoch 2)
     stateful_resume.py resume DIR   a fresh process: per case, a new Accelerator and DataLoader,
                                     load_state, then the rest of the epoch and the next one
 
-into DIR/{mode}_rank{r}.json; the test compares them. Cases (use_stateful_dataloader=True):
+into DIR/{mode}_rank{r}.json; tests/test_data_path.py compares them. Cases (use_stateful_dataloader=True):
 a streaming datasets.IterableDataset with a shuffle buffer of 8 (datasets' own state would
 refill it with other samples), dispatched and sharded by its shard(), without and with a data
 loader worker; a shuffled map-style dataset with a worker. The save run also checks its
@@ -24,7 +25,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from accelerate_c import Accelerator
 from accelerate_c.utils import DataLoaderConfiguration
 
-MODE, OUT = sys.argv[1], sys.argv[2]
 SAVE_AT = 2
 BATCH = 4
 ROWS = datasets.Dataset.from_dict({"x": list(range(60))})
@@ -78,29 +78,35 @@ def check_against_datasets(acc, name, dispatch, workers, epoch_rows):
     assert ok, f"{name} rank {acc.process_index}: epoch 1 {got}, datasets' own order {want}"
 
 
-record = {}
-for name, (make, dispatch, workers) in CASES.items():
-    ckpt = os.path.join(OUT, name)
-    acc, dl = setup(make, dispatch, workers)
-    if MODE == "save":
-        for _ in dl:
-            pass
-        epoch1, after = [], []
-        for i, b in enumerate(dl):
-            epoch1.append(rows(b))
-            if i == SAVE_AT - 1:
-                acc.save_state(ckpt)
-            elif i >= SAVE_AT:
-                after.append(rows(b))
-        if make is streaming:
-            check_against_datasets(acc, name, dispatch, workers, epoch1)
-        record[name] = {"rest_of_epoch": after, "next_epoch": [rows(b) for b in dl]}
-    else:
-        torch.rand(3)  # the process-wide RNGs are not where the saving run had them
-        acc.load_state(ckpt)
-        record[name] = {"rest_of_epoch": [rows(b) for b in dl], "next_epoch": [rows(b) for b in dl]}
-    acc.wait_for_everyone()
+def run(mode, out):
+    os.makedirs(out, exist_ok=True)
+    record = {}
+    for name, (make, dispatch, workers) in CASES.items():
+        ckpt = os.path.join(out, name)
+        acc, dl = setup(make, dispatch, workers)
+        if mode == "save":
+            for _ in dl:
+                pass
+            epoch1, after = [], []
+            for i, b in enumerate(dl):
+                epoch1.append(rows(b))
+                if i == SAVE_AT - 1:
+                    acc.save_state(ckpt)
+                elif i >= SAVE_AT:
+                    after.append(rows(b))
+            if make is streaming:
+                check_against_datasets(acc, name, dispatch, workers, epoch1)
+            record[name] = {"rest_of_epoch": after, "next_epoch": [rows(b) for b in dl]}
+        else:
+            torch.rand(3)  # the process-wide RNGs are not where the saving run had them
+            acc.load_state(ckpt)
+            record[name] = {"rest_of_epoch": [rows(b) for b in dl], "next_epoch": [rows(b) for b in dl]}
+        acc.wait_for_everyone()
 
-with open(os.path.join(OUT, f"{MODE}_rank{acc.process_index}.json"), "w") as f:
-    json.dump(record, f)
-print(f"stateful resume {MODE} OK", flush=True)
+    with open(os.path.join(out, f"{mode}_rank{acc.process_index}.json"), "w") as f:
+        json.dump(record, f)
+    print(f"stateful resume {mode} OK", flush=True)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2])
