@@ -140,3 +140,33 @@ def test_a_converted_checkpoint_resumes_a_stateful_loader_in_accelerate(tmp_path
     ref_dl = ref.prepare(DataLoader(data, batch_size=3))
     ref.load_state(str(tmp_path / "theirs"))
     assert [b.tolist() for b in ref_dl] == rest
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+@pytest.mark.parametrize("iterable", [False, True])
+def test_prepared_loaders_are_data_loader_adapters_as_in_accelerate(iterable, stateful):
+    """What users can ask of accelerate's DataLoaderAdapter on a prepared loader: the isinstance
+    checks and base_dataloader's kind, side by side with accelerate 1.15's prepared loader."""
+    accelerate = pytest.importorskip("accelerate")
+    if stateful:
+        pytest.importorskip("torchdata")
+    from accelerate.data_loader import DataLoaderAdapter as TheirAdapter
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from accelerate_c.data_loader import DataLoaderAdapter
+
+    def facts(acc, adapter):
+        dl = acc.prepare(DataLoader(Stream(6) if iterable else list(range(6)), batch_size=2))
+        return {"adapter": isinstance(dl, adapter), "dataloader": isinstance(dl, DataLoader),
+                "stateful": isinstance(dl, StatefulDataLoader), "use_stateful": dl.use_stateful_dataloader,
+                "base_is_dataloader": isinstance(dl.base_dataloader, DataLoader),
+                "base_is_stateful": isinstance(dl.base_dataloader, StatefulDataLoader),
+                "kind": type(dl).__name__.replace("Stateful", "")}
+
+    theirs = facts(accelerate.Accelerator(cpu=True, dataloader_config=accelerate.DataLoaderConfiguration(
+        use_stateful_dataloader=stateful)), TheirAdapter)
+    ours = facts(Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful)),
+                 DataLoaderAdapter)
+    assert ours == theirs and ours["adapter"] and ours["base_is_stateful"] == stateful
+    with pytest.raises(TypeError, match="prepare"):
+        DataLoaderAdapter(list(range(4)), batch_size=2)
