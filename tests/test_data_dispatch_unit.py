@@ -170,3 +170,29 @@ def test_prepared_loaders_are_data_loader_adapters_as_in_accelerate(iterable, st
     assert ours == theirs and ours["adapter"] and ours["base_is_stateful"] == stateful
     with pytest.raises(TypeError, match="prepare"):
         DataLoaderAdapter(list(range(4)), batch_size=2)
+
+
+def test_stateful_streaming_shuffle_buffer_resumes_exactly_and_names_a_shorter_stream():
+    """A streaming datasets.IterableDataset with a shuffle buffer of 8, one process: a state taken
+    mid-epoch and loaded with load_state_dict after the epoch ended gives exactly the rest of the
+    epoch a plain torch DataLoader reads from the same dataset; a dataset shorter than the state
+    had read is named."""
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("torchdata")
+
+    def stream(n):
+        rows = datasets.Dataset.from_dict({"x": list(range(n))})
+        return rows.to_iterable_dataset(num_shards=4).shuffle(seed=3, buffer_size=8).with_format("torch")
+
+    plain = [b["x"].tolist() for b in DataLoader(stream(40), batch_size=4)]
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    dl = acc.prepare(DataLoader(stream(40), batch_size=4))
+    for i, b in enumerate(dl):
+        if i == 2:
+            state = dl.state_dict()
+    dl.load_state_dict(state)
+    assert [b["x"].tolist() for b in dl] == plain[3:]
+    short = acc.prepare(DataLoader(stream(8), batch_size=4))
+    short.load_state_dict(state)
+    with pytest.raises(ValueError, match="IterableDataset gives only 2"):
+        list(short)

@@ -195,8 +195,8 @@ base_ds = datasets.Dataset.from_dict({"x": list(range(60)), "name": [f"s{i}" for
 
 
 def streaming(buffer_size=1):
-    # datasets restores a shuffle buffer's position but not its content (it warns): a
-    # buffer of one shuffles the shard order only, which resumes exactly
+    # a buffer of one shuffles the shard order only: datasets' own restore resumes it exactly
+    # (a larger buffer is replayed instead: tests/scripts/stateful_resume.py resumes that)
     return base_ds.to_iterable_dataset(num_shards=4).shuffle(seed=11, buffer_size=buffer_size).with_format("torch")
 
 
