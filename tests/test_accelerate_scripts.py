@@ -1,6 +1,6 @@
 """accelerate's own multi-process test scripts, from the pinned accelerate wheel
 (requirements-dev.txt: accelerate==1.15.0), run against accelerate_c on 2 CPU (gloo) ranks
-through `accelerate-c launch`, and the data-loading ones on 3 ranks (see THREE_RANKS).
+through `accelerate-c launch`, and on 3 ranks (THREE_RANKS).
 
 tests/scripts/accelerate_wheel/ rewrites each script's imports to accelerate_c at test time
 (nothing is copied into the repository) and calls its test functions one by one with the
@@ -69,20 +69,14 @@ KNOWN_FAILURES: dict = {}  # every function that tests public behaviour passes
 
 SCRIPTS = list(PASS)
 
-# On 3 ranks. In the suite: the two scripts about data loaders, test_sync.py (gradient
-# accumulation over dispatched and sharded loaders) and test_distributed_data_loop.py (loaders,
-# stateful loaders). Every function PASS lists runs there except those no implementation can
-# pass with 3 processes, each named with its reason (accelerate fails them the same way:
-# test_three_rank_exclusions checks the reasons against accelerate 1.15's own objects).
-# Left out of the suite for its time (a launch is ~20 s on this machine; this issue's tests may
-# add ~90 s): test_script.py (its loader checks, dl_preparation_check and
-# central_dl_preparation_check, are split_batches with 8 and cannot run on 3; the rest passes:
-# `run.py --nproc 3 test_script.py`, with the 3 exclusions below failing as they do for
-# accelerate, `--reference`) and test_ops.py, the collectives (10 of 10 pass on 3 ranks; they are
-# tested on 3 processes by test_shm/test_ddp).
+# On 3 ranks: every function PASS lists except those no implementation can pass with 3
+# processes, each named with its reason (accelerate fails them the same way:
+# test_three_rank_exclusions checks the reasons against accelerate 1.15's own objects; the
+# test_script.py ones were also run against accelerate itself, `run.py --nproc 3 --reference`).
 _SPLIT = "split_batches with a batch size of {} on 3 processes: ValueError, not a multiple (as accelerate)"
 _TWO = "builds its accelerator with create_accelerator(), which asserts exactly two processes"
 THREE_RANK_EXCLUDED = {
+    "test_ops.py": {},
     "test_script.py": {
         "test_split_between_processes_tensor": "splits a 2-row tensor and expects a row on every process: "
                                                "the third gets none (as with accelerate)",
@@ -95,8 +89,8 @@ THREE_RANK_EXCLUDED = {
         "test_join_can_override_even_batches", "test_join_can_override_for_mixed_type_dataloaders",
         "test_join_raises_warning_for_iterable_when_overriding_even_batches", "test_pickle_accelerator")},
 }
-THREE_RANKS = {script: [n for n in PASS[script] if n not in excluded] for script, excluded in THREE_RANK_EXCLUDED.items()}
-THREE_RANKS_IN_SUITE = ["test_sync.py", "test_distributed_data_loop.py"]
+THREE_RANKS = {script: [n for n in PASS[script] if n not in excluded]
+               for script, excluded in THREE_RANK_EXCLUDED.items()}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -119,7 +113,7 @@ def test_wheel_script_passes_on_two_ranks(script):
                                 collective_timeout=wait_s(60)))
 
 
-@pytest.mark.parametrize("script", THREE_RANKS_IN_SUITE)
+@pytest.mark.parametrize("script", list(THREE_RANKS))
 def test_wheel_script_passes_on_three_ranks(script):
     assert set(THREE_RANK_EXCLUDED[script]) <= set(PASS[script])
     _assert_all_pass(run_script(script, nproc=3, only=THREE_RANKS[script], timeout=wait_s(240),

@@ -56,7 +56,8 @@ def setup(make, dispatch, workers):
     acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True,
                                                                           dispatch_batches=dispatch))
     ds = make()
-    dl = DataLoader(ds, batch_size=BATCH, num_workers=workers, shuffle=not isinstance(ds, torch.utils.data.IterableDataset))
+    shuffle = not isinstance(ds, torch.utils.data.IterableDataset)  # the map-style case is shuffled
+    dl = DataLoader(ds, batch_size=BATCH, num_workers=workers, shuffle=shuffle)
     return acc, acc.prepare(dl)
 
 
