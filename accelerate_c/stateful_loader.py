@@ -103,8 +103,17 @@ def replay_count(state: dict) -> int:
     if not state or state.get("_iterator_finished"):
         return 0
     if "_snapshot" in state:  # workers: the last snapshot's step plus the steps since
-        return int(state["_snapshot"]["_snapshot_step"]) + int(state.get("_steps_since_snapshot", 0))
-    return int(state.get("_num_yielded", 0))
+        snap = state["_snapshot"]
+        counts = (snap.get("_snapshot_step") if isinstance(snap, dict) else None, state.get("_steps_since_snapshot", 0))
+        keys = "_snapshot._snapshot_step and _steps_since_snapshot"
+    else:
+        counts, keys = (state.get("_num_yielded"), 0), "_num_yielded"
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        raise ValueError(f"load_state_dict: a StatefulDataLoader state's {keys} must be non-negative integers, "
+                         f"got {counts[0]!r} and {counts[1]!r}" if "_snapshot" in state else
+                         f"load_state_dict: a StatefulDataLoader state's {keys} must be a non-negative integer, "
+                         f"got {counts[0]!r}")
+    return counts[0] + counts[1]
 
 
 class _StatefulParts:

@@ -196,3 +196,14 @@ def test_stateful_streaming_shuffle_buffer_resumes_exactly_and_names_a_shorter_s
     short.load_state_dict(state)
     with pytest.raises(ValueError, match="IterableDataset gives only 2"):
         list(short)
+
+
+def test_a_malformed_stateful_state_is_named():
+    from accelerate_c.stateful_loader import replay_count
+
+    assert replay_count({"_num_yielded": 3}) == 3 and replay_count({"_num_yielded": 3, "_iterator_finished": True}) == 0
+    assert replay_count({"_snapshot": {"_snapshot_step": 2}, "_steps_since_snapshot": 1}) == 3
+    with pytest.raises(ValueError, match="_num_yielded must be a non-negative integer, got 'x'"):
+        replay_count({"_num_yielded": "x"})
+    with pytest.raises(ValueError, match="_snapshot._snapshot_step"):
+        replay_count({"_snapshot": {}, "_steps_since_snapshot": 1})
