@@ -81,6 +81,26 @@ class SkipBatchSampler(BatchSampler):
         return max(0, len(self.batch_sampler) - self.skip_batches)
 
 
+class DataLoaderAdapter:
+    """What the prepared loaders (DataLoaderShard, DataLoaderDispatcher, their stateful variants)
+    share under accelerate's name, so `isinstance(loader, DataLoaderAdapter)` tells a prepared
+    loader as in accelerate. accelerate's adapter wraps a DataLoader (or StatefulDataLoader) as
+    `base_dataloader` and passes attributes through; accelerate_c's prepared loaders are that
+    DataLoader themselves (subclasses of it), so `base_dataloader` is the loader. prepare() makes
+    them; a bare DataLoaderAdapter is refused (it would be no loader here)."""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is DataLoaderAdapter:
+            raise TypeError("DataLoaderAdapter is the base of the loaders Accelerator.prepare() returns; prepare a "
+                            "torch DataLoader (or use DataLoaderShard / DataLoaderDispatcher) instead")
+        return super().__new__(cls)
+
+    @property
+    def base_dataloader(self):
+        """The DataLoader (StatefulDataLoader with use_stateful_dataloader) that iterates: this one."""
+        return self
+
+
 class DataLoaderStateMixin:
     """end_of_dataloader / remainder bookkeeping shared with GradientState."""
 
@@ -137,6 +157,9 @@ class EpochResume:
     def _set_state(self, state):
         """A stateful loader's state_dict() from now on is `state` (stateful_loader.py)."""
 
+    def _catch_up(self, it) -> None:
+        """A stateful loader's replay of a loaded state (stateful_loader.py); others have none."""
+
     def _open_epoch(self, first_fetch):
         """Starts an epoch on every process and fetches its first item with first_fetch(iterator):
         returns (iterator, first item), or None when the epoch has nothing (the epoch closed)."""
@@ -170,6 +193,7 @@ class EpochResume:
             else:
                 self._epoch_start = epoch_rng_states(self)
             it = super().__iter__()
+            self._catch_up(it)  # (under dispatch only the main process has a state, so a replay)
             # the first batch too: a sampler draws its order when first asked for an index
             # (with workers already while the iterator is created)
             first = first_fetch(it)
@@ -220,7 +244,7 @@ class EpochResume:
                                      "epoch_start": epoch_start}}
 
 
-class DataLoaderShard(DataLoaderStateMixin, EpochResume, DataLoader):
+class DataLoaderShard(DataLoaderAdapter, DataLoaderStateMixin, EpochResume, DataLoader):
     """A DataLoader that places batches on a device and tells GradientState when the last
     batch is being yielded (it reads one batch ahead to know)."""
 
@@ -304,7 +328,7 @@ class DataLoaderShard(DataLoaderStateMixin, EpochResume, DataLoader):
         return get_sampler(self)
 
 
-class DataLoaderDispatcher(DataLoaderStateMixin, EpochResume, DataLoader):
+class DataLoaderDispatcher(DataLoaderAdapter, DataLoaderStateMixin, EpochResume, DataLoader):
     """A DataLoader that only the main process iterates: each step it takes one loader batch
     (split_batches) or one per process, concatenated, sends that global batch to every process
     (batch_dispatch.BatchChannel: over shared memory on one host) and each process keeps its

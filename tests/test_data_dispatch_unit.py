@@ -140,3 +140,70 @@ def test_a_converted_checkpoint_resumes_a_stateful_loader_in_accelerate(tmp_path
     ref_dl = ref.prepare(DataLoader(data, batch_size=3))
     ref.load_state(str(tmp_path / "theirs"))
     assert [b.tolist() for b in ref_dl] == rest
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+@pytest.mark.parametrize("iterable", [False, True])
+def test_prepared_loaders_are_data_loader_adapters_as_in_accelerate(iterable, stateful):
+    """What users can ask of accelerate's DataLoaderAdapter on a prepared loader: the isinstance
+    checks and base_dataloader's kind, side by side with accelerate 1.15's prepared loader."""
+    accelerate = pytest.importorskip("accelerate")
+    if stateful:
+        pytest.importorskip("torchdata")
+    from accelerate.data_loader import DataLoaderAdapter as TheirAdapter
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from accelerate_c.data_loader import DataLoaderAdapter
+
+    def facts(acc, adapter):
+        dl = acc.prepare(DataLoader(Stream(6) if iterable else list(range(6)), batch_size=2))
+        return {"adapter": isinstance(dl, adapter), "dataloader": isinstance(dl, DataLoader),
+                "stateful": isinstance(dl, StatefulDataLoader), "use_stateful": dl.use_stateful_dataloader,
+                "base_is_dataloader": isinstance(dl.base_dataloader, DataLoader),
+                "base_is_stateful": isinstance(dl.base_dataloader, StatefulDataLoader),
+                "kind": type(dl).__name__.replace("Stateful", "")}
+
+    theirs = facts(accelerate.Accelerator(cpu=True, dataloader_config=accelerate.DataLoaderConfiguration(
+        use_stateful_dataloader=stateful)), TheirAdapter)
+    ours = facts(Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful)),
+                 DataLoaderAdapter)
+    assert ours == theirs and ours["adapter"] and ours["base_is_stateful"] == stateful
+    with pytest.raises(TypeError, match="prepare"):
+        DataLoaderAdapter(list(range(4)), batch_size=2)
+
+
+def test_stateful_streaming_shuffle_buffer_resumes_exactly_and_names_a_shorter_stream():
+    """A streaming datasets.IterableDataset with a shuffle buffer of 8, one process: a state taken
+    mid-epoch and loaded with load_state_dict after the epoch ended gives exactly the rest of the
+    epoch a plain torch DataLoader reads from the same dataset; a dataset shorter than the state
+    had read is named."""
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("torchdata")
+
+    def stream(n):
+        rows = datasets.Dataset.from_dict({"x": list(range(n))})
+        return rows.to_iterable_dataset(num_shards=4).shuffle(seed=3, buffer_size=8).with_format("torch")
+
+    plain = [b["x"].tolist() for b in DataLoader(stream(40), batch_size=4)]
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    dl = acc.prepare(DataLoader(stream(40), batch_size=4))
+    for i, b in enumerate(dl):
+        if i == 2:
+            state = dl.state_dict()
+    dl.load_state_dict(state)
+    assert [b["x"].tolist() for b in dl] == plain[3:]
+    short = acc.prepare(DataLoader(stream(8), batch_size=4))
+    short.load_state_dict(state)
+    with pytest.raises(ValueError, match="IterableDataset gives only 2"):
+        list(short)
+
+
+def test_a_malformed_stateful_state_is_named():
+    from accelerate_c.stateful_loader import replay_count
+
+    assert replay_count({"_num_yielded": 3}) == 3 and replay_count({"_num_yielded": 3, "_iterator_finished": True}) == 0
+    assert replay_count({"_snapshot": {"_snapshot_step": 2}, "_steps_since_snapshot": 1}) == 3
+    with pytest.raises(ValueError, match="_num_yielded must be a non-negative integer, got 'x'"):
+        replay_count({"_num_yielded": "x"})
+    with pytest.raises(ValueError, match="_snapshot._snapshot_step"):
+        replay_count({"_snapshot": {}, "_steps_since_snapshot": 1})

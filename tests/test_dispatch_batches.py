@@ -22,7 +22,8 @@ def _records(out_dir, n):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-# 3 ranks pass too (187 loaders); left out of the suite for its time
+# 3 ranks pass too (187 loaders, even_batches both ways; ~53 s on the shared machine, 2026-12-04); left out
+# of the suite for its time
 @pytest.mark.parametrize("n", [2])
 def test_dispatch_matches_accelerate_step_by_step(n, tmp_path):
     pytest.importorskip("accelerate")
@@ -41,7 +42,7 @@ def test_dispatch_matches_accelerate_step_by_step(n, tmp_path):
     theirs, ours = _records(ref_dir, n), _records(our_dir, n)
     for rank in range(n):
         assert ours[rank].keys() == theirs[rank].keys()
-        assert len(theirs[rank]) > 200  # the configurations were all run
+        assert len(theirs[rank]) > 150  # the configurations were all run (257 on 2 ranks, 187 on 3)
         for key, ref in theirs[rank].items():
             for part, want in ref.items():
                 got = ours[rank][key][part]

@@ -16,6 +16,8 @@ script prints "data path OK" at the end.
    datasets' own shard()), and set_epoch reaching its shuffle (each epoch's samples =
    datasets' own iteration after set_epoch).
 6. save_state with a different directory on each process is refused, naming them.
+7. the first half of tests/scripts/stateful_resume.py (the uninterrupted run, saving mid-epoch):
+   its second half, in a fresh launch, resumes (tests/test_data_path.py).
 """
 import copy
 import itertools
@@ -193,8 +195,8 @@ base_ds = datasets.Dataset.from_dict({"x": list(range(60)), "name": [f"s{i}" for
 
 
 def streaming(buffer_size=1):
-    # datasets restores a shuffle buffer's position but not its content (it warns): a
-    # buffer of one shuffles the shard order only, which resumes exactly
+    # a buffer of one shuffles the shard order only: datasets' own restore resumes it exactly
+    # (a larger buffer is replayed instead: tests/scripts/stateful_resume.py resumes that)
     return base_ds.to_iterable_dataset(num_shards=4).shuffle(seed=11, buffer_size=buffer_size).with_format("torch")
 
 
@@ -227,6 +229,11 @@ try:
     raise AssertionError(f"rank {RANK}: save_state took a different directory on each process")
 except ValueError as e:
     check("own_dir_0" in str(e) and "own_dir_1" in str(e), f"the error names both directories: {e}")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stateful_resume import run as stateful_resume_run  # noqa: E402
+
+stateful_resume_run("save", os.path.join(OUT, "fresh_process"))
 
 base.wait_for_everyone()
 if RANK == 0:
