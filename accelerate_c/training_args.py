@@ -75,6 +75,28 @@ def _read_mapping_file(path: str, what: str) -> dict:
     return data
 
 
+# the dict fields a JSON string (starting with "{") may give, as transformers' _VALID_DICT_FIELDS;
+# another string stays what it was (a path, read below where the field takes one)
+_JSON_DICT_FIELDS = ("accelerator_config", "fsdp_config", "deepspeed", "activation_checkpointing_kwargs",
+                     "gradient_checkpointing_kwargs", "lr_scheduler_kwargs")
+
+
+def _typed_strings(d):
+    """A parsed JSON dict's string values "true"/"false", digits and decimals as bool, int and
+    float (nested dicts too), as transformers converts them."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            d[k] = _typed_strings(v)
+        elif isinstance(v, str):
+            if v.lower() in ("true", "false"):
+                d[k] = v.lower() == "true"
+            elif v.isdigit():
+                d[k] = int(v)
+            elif v.replace(".", "", 1).isdigit():
+                d[k] = float(v)
+    return d
+
+
 @dataclass
 class TrainingArguments:
     """transformers' TrainingArguments, for the fields accelerate_c's Trainer supports (see
@@ -163,6 +185,13 @@ class TrainingArguments:
             raise _err("output_dir", f"expected a path, got {self.output_dir!r}") from None
         if self.logging_dir is None:
             self.logging_dir = os.path.join(self.output_dir, "runs")
+        for name in _JSON_DICT_FIELDS:  # '{...}' from a command line, as transformers reads it
+            v = getattr(self, name, None)
+            if isinstance(v, str) and v.startswith("{"):
+                try:
+                    setattr(self, name, _typed_strings(json.loads(v)))
+                except json.JSONDecodeError as e:
+                    raise _err(name, f"not valid JSON ({e}): {v!r}") from None
         for f in fields(self):
             if f.type in ("bool",) or f.name in ("disable_tqdm", "ddp_find_unused_parameters",
                                                  "ddp_broadcast_buffers", "greater_is_better"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import warnings
 
 import pytest
@@ -114,3 +115,23 @@ def test_mechanics_refused_by_name_the_rest_carried_with_one_warning(tmp_path):
     assert args.carried["hub_model_id"] == "me/model" and args.carried["push_to_hub"] is False
     with pytest.raises(ValueError, match="unknown field 'hub_modle_id'; did you mean 'hub_model_id'"):
         accelerate_c.TrainingArguments.from_dict({"hub_modle_id": "x"})
+
+
+@pytest.mark.parametrize("field,kind,value", [
+    ("lr_scheduler_kwargs", "cosine_with_restarts", '{"num_cycles": "3"}'),
+    ("lr_scheduler_kwargs", "cosine_with_min_lr", '{"min_lr": "0.001"}'),
+    ("lr_scheduler_kwargs", "polynomial", '{"power": 2.0, "lr_end": "0.0000001"}'),
+    ("accelerator_config", "linear", '{"split_batches": "true", "even_batches": false}'),
+])
+def test_dict_fields_read_json_strings_as_transformers(tmp_path, field, kind, value):
+    """A '{...}' string (a command line's) in a dict field becomes the dict transformers makes of it,
+    its "true"/digit strings typed as transformers types them."""
+    ours = accelerate_c.TrainingArguments(output_dir=str(tmp_path), lr_scheduler_type=kind, **{field: value})
+    theirs = transformers.TrainingArguments(output_dir=str(tmp_path), lr_scheduler_type=kind, **{field: value})
+    want = getattr(theirs, field)
+    want = want.to_dict() if hasattr(want, "to_dict") else want
+    got = getattr(ours, field)
+    assert {k: got[k] for k in want if k in got} == {k: want[k] for k in want if k in got}
+    assert json.loads(value).keys() <= got.keys()
+    with pytest.raises(ValueError, match=field):
+        accelerate_c.TrainingArguments(output_dir=str(tmp_path), lr_scheduler_type=kind, **{field: "{not json"})
