@@ -226,3 +226,28 @@ def test_wandb_log_images_and_log_table_as_accelerate_offline(tmp_path, monkeypa
     assert history[1]["samples/_type"] == "images/separated" and history[1]["samples/count"] == 2
     assert history[2]["predictions/_type"] == "table-file" and history[2]["predictions/nrows"] == 2
     assert len([f for f in files if f.endswith(".png")]) == 2 and any(f.endswith(".table.json") for f in files)
+
+
+def test_every_tracker_has_accelerates_methods_with_its_parameters():
+    """Each of accelerate's trackers (its LOGGER_TYPE_TO_CLASS) has a tracker of the same name
+    here with every public method accelerate's has (log_images, log_table, log_figure, ...), each
+    taking the same parameters in the same order, so code written against accelerate's tracker
+    objects (get_tracker(name).log_table(...)) runs on ours."""
+    import inspect
+
+    import accelerate.tracking as acc_tracking
+
+    from accelerate_c.tracking import LOGGER_TYPE_TO_CLASS
+
+    checked = 0
+    for name, theirs in acc_tracking.LOGGER_TYPE_TO_CLASS.items():
+        ours = LOGGER_TYPE_TO_CLASS[name]
+        for attr in [a for a in dir(theirs) if not a.startswith("_") or a == "__init__"]:
+            member = getattr(theirs, attr)
+            if not inspect.isfunction(member):
+                continue
+            assert inspect.isfunction(getattr(ours, attr, None)), f"{ours.__name__} lacks {attr}"
+            want = list(inspect.signature(member).parameters)
+            assert list(inspect.signature(getattr(ours, attr)).parameters) == want, (name, attr)
+            checked += 1
+    assert checked >= 9 * 6  # every tracker's __init__, start, store_init_configuration, log, finish, ...
