@@ -34,7 +34,8 @@ def main(argv=None) -> dict:
         per_device_eval_batch_size=args.batch_size, learning_rate=1e-2, warmup_steps=2, max_steps=args.max_steps,
         max_grad_norm=1.0, logging_steps=1, eval_strategy="steps", eval_steps=args.eval_steps,
         save_strategy="steps", save_steps=args.save_steps, save_total_limit=1, use_cpu=args.cpu,
-        report_to=args.report_to, seed=args.seed, disable_tqdm=True)
+        report_to=args.report_to, seed=args.seed, disable_tqdm=True,
+        dataloader_pin_memory=not args.cpu)  # pinned memory is for copies to a GPU
     trainer = Trainer(model=llama_task.make_model(args.seed), args=training_args,
                       train_dataset=llama_task.make_samples(args.train_size, seed=1),
                       eval_dataset=llama_task.make_samples(args.eval_size, seed=2))
