@@ -12,7 +12,6 @@ import glob
 import io
 import json
 import os
-import time
 
 import accelerate
 import numpy as np
@@ -20,7 +19,6 @@ import pytest
 
 import accelerate_c
 from helpers import fresh_state  # noqa: F401  (autouse: fresh singletons per test)
-from timeouts import wait_s
 
 CONFIG = {"learning_rate": 0.003, "batch_size": 16, "optimizer": "adamw"}
 # numbers at steps, a string (not a metric for either package), eval_/train_ prefixes (ClearML
@@ -173,26 +171,12 @@ def test_tensorboard_log_images_as_accelerate_and_no_log_table(tmp_path):
     assert not hasattr(accelerate_c.tracking.GeneralTracker, "log_images")
 
 
-def _wait_for_wandb_exit(root):
-    """wandb's service may still be writing the offline run's file when finish() returns: wait
-    for its exit record (a hang past the limit fails the test)."""
-    from test_tracking import _wandb_records
-
-    deadline = time.monotonic() + wait_s(20)
-    while True:
-        logs = glob.glob(os.path.join(root, "wandb", "offline-run-*", "run-*.wandb"))
-        if logs and any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(logs[0])):
-            return
-        assert time.monotonic() < deadline, f"no exit record in wandb's offline run under {root}"
-        time.sleep(0.2)
-
-
 def test_wandb_log_images_and_log_table_as_accelerate_offline(tmp_path, monkeypatch):
     """wandb's log_images (a list of images per key, each a wandb.Image) and log_table (a
     wandb.Table from columns + data) give the same history rows and the same files, by content
     hash, as accelerate's."""
     pytest.importorskip("wandb")
-    from test_tracking import _wandb_run
+    from test_tracking import _wait_for_wandb_exit, _wandb_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -26,3 +26,6 @@ rank = int(os.environ["RANK"])
 with open(os.path.join(shared, f"llama_examples_{rank}.json"), "w") as f:
     json.dump(results, f)
 print(f"llama examples ran on rank {rank}")
+import torch.distributed as dist  # noqa: E402
+
+dist.destroy_process_group()  # the Trainer leaves it open, as transformers' does
