@@ -26,7 +26,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--max_steps", type=int, default=60)
     parser.add_argument("--eval_steps", type=int, default=20)
     parser.add_argument("--save_steps", type=int, default=20)
-    parser.add_argument("--report_to", nargs="+", default=["none"], help="transformers' own integrations (tensorboard, wandb, ...; not accelerate_c's jsonl: transformers' Trainer reports through its callbacks)")
+    # transformers' Trainer reports through its own integration callbacks: their names, not
+    # accelerate_c's (no jsonl here)
+    parser.add_argument("--report_to", nargs="+", default=["none"], help="transformers integrations: tensorboard, ...")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     training_args = TrainingArguments(
