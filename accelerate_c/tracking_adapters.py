@@ -441,6 +441,13 @@ class SwanLabTracker(GeneralTracker):
         self.run.log(values, step=step, **kwargs)
 
     @on_main_process
+    def log_images(self, values: dict, step: int | None = None, **kwargs):
+        import swanlab
+
+        for key, images in values.items():
+            self.log({key: [swanlab.Image(image) for image in images]}, step=step, **kwargs)
+
+    @on_main_process
     def finish(self):
         if self.run is not None:
             self.run.finish()

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+import time
 
 import accelerate
 import accelerate.tracking as acc_tracking
@@ -21,6 +22,7 @@ import yaml
 import accelerate_c
 from accelerate_c.tracking import GeneralTracker, JSONLTracker, register_tracker_class
 from helpers import fresh_state  # noqa: F401  (autouse: fresh singletons per test)
+from timeouts import wait_s
 
 CONFIG = {"learning_rate": 0.003, "batch_size": 16, "optimizer": "adamw", "bf16": True}
 LOGS = [  # (values, step): numbers, a string, a dict of numbers, 0-dim tensors
@@ -162,6 +164,19 @@ def _wandb_records(path):
     return records
 
 
+def _wait_for_wandb_exit(root):
+    """wandb's service may still be writing the offline run's file when finish() returns (seen
+    on a loaded machine: the file read back before its records were in): wait for its exit
+    record, a hang past the limit failing the test."""
+    deadline = time.monotonic() + wait_s(20)
+    while True:
+        logs = glob.glob(os.path.join(root, "wandb", "offline-run-*", "run-*.wandb"))
+        if len(logs) == 1 and any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(logs[0])):
+            return
+        assert time.monotonic() < deadline, f"no exit record in wandb's offline run under {root}: {logs}"
+        time.sleep(0.2)
+
+
 def _wandb_run(root):
     """(history rows {key: value} by step, config {key: value}) of the one offline run under root."""
     (log,) = glob.glob(os.path.join(root, "wandb", "offline-run-*", "run-*.wandb"))
@@ -190,6 +205,7 @@ def test_wandb_tracker_writes_what_accelerate_writes_offline(tmp_path, monkeypat
         (tmp_path / who).mkdir()
         # wandb keeps its settings for the process: the directory goes to each run's init
         _run(make(tmp_path, "wandb"), logs=logs, init_kwargs={"wandb": {"dir": str(tmp_path / who)}})
+        _wait_for_wandb_exit(tmp_path / who)
     ours, theirs = _wandb_run(tmp_path / "ours"), _wandb_run(tmp_path / "theirs")
     assert ours == theirs
     history, config = ours
