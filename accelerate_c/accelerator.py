@@ -777,19 +777,27 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
 
     def get_state_dict(self, model, unwrap: bool = True, *, keep: bool | None = None):
         """The model's full state dict (a collective under full sharding, which gathers it to the
-        main process and gives {} elsewhere, as accelerate; `keep`, an accelerate_c addition:
+        main process and gives {} elsewhere, as accelerate's FSDP2 path; None under DeepSpeed
+        stage 3, as DeepSpeed's consolidated 16-bit state dict; `keep`, an accelerate_c addition:
         whether this process needs it, e.g. every node's writer under save_on_each_node)."""
         if self._zero_stage == 3:
             # DeepSpeed stage 3, as accelerate: the 16-bit weights, gathered to the main process
-            # ({} on the others), only when the configuration asks for them on save
+            # (None on the others), only when the configuration asks for them on save
             if not self.sharding.stage3_gather_16bit_weights_on_model_save:
                 raise ValueError("get_state_dict / save_model under DeepSpeed ZeRO stage 3 gather the 16-bit weights "
                                  "only when zero_optimization.stage3_gather_16bit_weights_on_model_save is true "
                                  "(DeepSpeedPlugin(zero3_save_16bit_model=True)); save_state saves everything "
                                  "without it, and `accelerate-c merge-weights` turns that into full weights")
             sd = checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap, keep=keep)
-            dtype = self._compute_dtype
-            return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in sd.items()}
+            if not (self.is_main_process if keep is None else keep):
+                return None  # DeepSpeed's consolidated 16-bit state dict is None off the main process
+            dtype, cast = self._compute_dtype, {}
+            for k, v in sd.items():
+                if dtype is not None and v.is_floating_point():
+                    if id(v) not in cast:  # a tied weight stays one tensor under its names, as DeepSpeed keeps it
+                        cast[id(v)] = v.to(dtype)
+                    sd[k] = cast[id(v)]
+            return sd
         return checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap, keep=keep)
 
     def register_for_checkpointing(self, *objects):

@@ -152,3 +152,10 @@ def test_evaluation_models_keep_their_dtype():
     acc = Accelerator(cpu=True, deepspeed_plugin=_ds({"bf16": {"enabled": True}}))
     teacher = acc.prepare_model(torch.nn.Linear(2, 2), evaluation_mode=True)
     assert all(p.dtype == torch.float32 for p in teacher.parameters())
+
+
+def test_stage3_state_dict_is_deepspeeds_consolidated_16bit_one():
+    """The main process gets the bf16 weights (a tied weight one tensor), the others None, as
+    DeepSpeed's consolidated state dict; without stage3_gather_16bit_weights_on_model_save an
+    error naming it (tests/scripts/zero3_state_dict.py)."""
+    _script_passes(2, "zero3_state_dict.py", says="zero3 state dict OK")

@@ -40,7 +40,7 @@ def _values(acc, case, models, params) -> list:
         return [p.detach().float().clone() for p in params]
     full = {}
     for m in models:
-        sd = [acc.get_state_dict(m)]  # the main process's ({} elsewhere, as accelerate's)
+        sd = [acc.get_state_dict(m)]  # the main process's ({} or, at DeepSpeed stage 3, None elsewhere)
         torch.distributed.broadcast_object_list(sd, src=0)
         sd = sd[0]
         for name, p in m.named_parameters():
