@@ -81,20 +81,23 @@ _JSON_DICT_FIELDS = ("accelerator_config", "fsdp_config", "deepspeed", "activati
                      "gradient_checkpointing_kwargs", "lr_scheduler_kwargs")
 
 
-def _typed_strings(d):
-    """A parsed JSON dict's string values "true"/"false", digits and decimals as bool, int and
-    float (nested dicts too), as transformers converts them."""
-    for k, v in d.items():
-        if isinstance(v, dict):
-            d[k] = _typed_strings(v)
-        elif isinstance(v, str):
-            if v.lower() in ("true", "false"):
-                d[k] = v.lower() == "true"
-            elif v.isdigit():
-                d[k] = int(v)
-            elif v.replace(".", "", 1).isdigit():
-                d[k] = float(v)
-    return d
+def _typed_strings(value):
+    """A parsed JSON value with its command-line strings typed as transformers types them:
+    "true"/"false" (any case) a bool, a run of digits an int, digits with one "." a float; dicts
+    walked through, everything else kept."""
+    if isinstance(value, dict):
+        return {k: _typed_strings(v) for k, v in value.items()}
+    if not isinstance(value, str):
+        return value
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if value.isdigit():
+        return int(value)
+    whole, dot, frac = value.partition(".")
+    if dot and (whole + frac).isdigit():
+        return float(value)
+    return value
 
 
 @dataclass

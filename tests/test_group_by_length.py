@@ -138,3 +138,34 @@ def test_two_processes_shard_transformers_order(tmp_path):
             assert g["seen"][g["marks"][epoch]:end] == want, (epoch, rank)
             held += sum(want, [])
         assert set(held) == set(range(len(rows)))
+
+
+def test_resume_mid_epoch_sees_the_rows_and_reaches_the_weights_of_the_uninterrupted_run(tmp_path):
+    """group_by_length, 1 process: a run saved every 5 steps; a new process resumes from
+    checkpoint-15 (the second epoch, mid-way) and must feed the model exactly the batches the
+    uninterrupted run fed it from there and end with bitwise the same parameters."""
+    exe = shutil.which("accelerate-c", path=os.path.dirname(sys.executable))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+
+    def run(out, res, mode):
+        r = subprocess.run([exe, "launch", "--num_processes", "1", "--cpu", os.path.join(SCRIPTS, "trainer_group_by_length.py"),
+                            str(out), str(res), mode], capture_output=True, text=True, timeout=wait_s(180), env=env)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return torch.load(f"{res}.0", weights_only=False)
+
+    full = run(tmp_path / "full", tmp_path / "full", "save")
+    steps = full["global_step"]
+    assert steps > 15 and (tmp_path / "full" / "checkpoint-15").is_dir()
+    os.makedirs(tmp_path / "part")
+    shutil.copytree(tmp_path / "full" / "checkpoint-15", tmp_path / "part" / "checkpoint-15")
+    part = run(tmp_path / "part", tmp_path / "part", "resume")
+    assert part["global_step"] == steps
+    # 45 rows in micro-batches of 2: 23 per epoch, 12 optimizer steps per epoch (accumulation 2,
+    # the last step of an epoch one micro-batch); step 15 is the third step of the second epoch
+    per_epoch = full["marks"][1]
+    assert per_epoch == 23 and steps == 24
+    start = per_epoch + (15 - 12) * 2
+    assert part["seen"] == full["seen"][start:], "the resumed run fed other rows"
+    for k, v in full["params"].items():
+        assert torch.equal(part["params"][k], v), k

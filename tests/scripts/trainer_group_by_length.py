@@ -2,7 +2,10 @@
 each micro-batch held and the global torch RNG state as each epoch began (its length-grouped
 order is drawn from that RNG, as transformers' is), for tests/test_group_by_length.py.
 
-    trainer_group_by_length.py OUT RESULT    (writes RESULT.<rank> on every process)
+    trainer_group_by_length.py OUT RESULT [save|resume]   (writes RESULT.<rank> on every process)
+
+`save` checkpoints every 5 optimizer steps; `resume` resumes from the newest checkpoint in OUT
+(the rows seen and the parameters then cover the resumed part only).
 
 Also imported by the test for its rows, collator and model."""
 from __future__ import annotations
@@ -61,7 +64,7 @@ class Recorder(nn.Module):
         return {"loss": loss, "logits": logits}
 
 
-def main(out, result):
+def main(out, result, mode=None):
     from accelerate_c import Trainer, TrainerCallback, TrainingArguments
 
     model = Recorder()
@@ -75,14 +78,17 @@ def main(out, result):
 
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              num_train_epochs=2, train_sampling_strategy="group_by_length", learning_rate=1e-3,
-                             use_cpu=True, save_strategy="no", logging_steps=100, disable_tqdm=True, seed=5)
+                             use_cpu=True, save_strategy="steps" if mode else "no", save_steps=5, logging_steps=100,
+                             disable_tqdm=True, seed=5)
     trainer = Trainer(model, args, data_collator=pad, train_dataset=make_rows(), callbacks=[EpochStart()])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
     acc = trainer.accelerator
     torch.save({"seen": model.seen, "marks": EpochStart.marks, "rng": EpochStart.rng,
-                "num_processes": acc.num_processes}, f"{result}.{acc.process_index}")
+                "num_processes": acc.num_processes, "global_step": trainer.state.global_step,
+                "params": {k: v.detach().clone() for k, v in model.state_dict().items()}},
+               f"{result}.{acc.process_index}")
     acc.wait_for_everyone()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
