@@ -141,6 +141,7 @@ class FullShardStrategy(Zero2Strategy):
         for m in model.modules():
             if m is not model and any(p is not None and id(p) in held_by_root for p in m._parameters.values()):
                 root.hooks.append(m.register_forward_pre_hook(self._root_on_demand(root)))
+                root.hooks.append(m.register_forward_hook(self._root_on_demand_backward(root)))
         # transformers' mark of a model FSDP manages (its is_fsdp_managed_module): generate()
         # then keeps a process whose sequences are done stepping until every process is
         # (synced_gpus), since each forward gathers units with all of them
@@ -198,10 +199,7 @@ class FullShardStrategy(Zero2Strategy):
                 return None
             if unit.is_root and fsdp.recording is not None:
                 _end_recording(fsdp)
-                for left in fsdp.ahead:  # prefetched, then left out by this forward's path
-                    if left.state == "idle":
-                        left.reshard()
-                fsdp.ahead.clear()
+                _release_ahead(fsdp)  # prefetched, then left out by this forward's path
             needs_grad = False
             if torch.is_grad_enabled():
                 flat, _ = tree_flatten(output)
@@ -240,13 +238,35 @@ class FullShardStrategy(Zero2Strategy):
             return None
         return hook
 
+    def _root_on_demand_backward(self, root):
+        """Outside the model's forward, with grad on: the root has no pre-backward hook there,
+        and another backward's end (or a no_grad forward of the model) may release it before
+        this graph's backward, so the outputs' gradients gather it again first."""
+        def regather(grad):
+            if not self._final_queued:
+                self._final_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward_all)
+            if root.state == "idle":
+                root.gather(self.rank, self.world)
+            return None
+
+        def hook(module, args, output):
+            if root.state != "idle" or not torch.is_grad_enabled() or _in_backward():
+                return None
+            flat, _ = tree_flatten(output)
+            for x in flat:
+                if torch.is_tensor(x) and x.requires_grad:
+                    x.register_hook(regather)
+            return None
+        return hook
+
     def _record_and_prefetch(self, fsdp, unit):
         """Records the forward order (a forward of the root starts it; units run outside the
         root's forward are not recorded) and launches the gather of the unit that ran after this
         one in the last forward, when this forward has followed it so far."""
         if unit.is_root:
             fsdp.recording = [unit]
-            fsdp.ahead.clear()
+            _release_ahead(fsdp)  # left by a forward that raised before its end
         elif fsdp.recording is not None:
             fsdp.recording.append(unit)
             if unit in fsdp.ahead:
@@ -368,7 +388,8 @@ class FullShardStrategy(Zero2Strategy):
             return {}
         with self.allow_state_dict():
             sd = model.state_dict(keep_vars=True)
-        return {k: (values[id(v)] if id(v) in values else v.detach()) for k, v in sd.items()}
+        # on the host, as accelerate's full state dict with cpu_offload (buffers too)
+        return {k: (values[id(v)] if id(v) in values else v.detach().cpu()) for k, v in sd.items()}
 
     def _hook_full_loads(self, model, fsdp):
         """`model.load_state_dict(full_weights)` works on the prepared model (as FSDP's full
@@ -450,6 +471,13 @@ def _take_buffers(model, device, src: int) -> None:
                 # setattr on a registered buffer replaces it and keeps its persistence
                 setattr(module, name, made[id(b)])
     broadcast_buffers(model, src)
+
+
+def _release_ahead(fsdp) -> None:
+    for left in fsdp.ahead:
+        if left.state == "idle":
+            left.reshard()
+    fsdp.ahead.clear()
 
 
 def _end_recording(fsdp) -> None:
