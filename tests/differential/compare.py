@@ -247,7 +247,14 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
     for k, (s, r) in enumerate(zip(sub["steps"], ref["steps"])):
         if s["skipped"] != r["skipped"]:
             errors.append(f"step {k}: skipped={s['skipped']}, the reference skipped={r['skipped']}")
-        ntol = INF_NORM_LATER_FACTOR * rtol if k > 0 and case["clip"] == "norminf" else rtol
+        # (FSDP under bf16 once the sides have rounded apart, chaotic(): the 2-norm sums gradients
+        # up to 8% apart, measured 0.9% apart at a third step, cases 11 and 38 of --sharding fsdp)
+        later = case["clip"] == "norminf" or (fsdp_bf16(case) and chaotic(case))
+        ntol = INF_NORM_LATER_FACTOR * rtol if k > 0 and later else rtol
+        if fsdp_bf16(case):
+            # the norm of gradients each within _fsdp_bound of its terms: the inf-norm is one of
+            # them (case 2024: 0.70703 against 0.70313 at the first step, one bf16 ulp, ga 3)
+            ntol += sum_16bit_bound(case)
         if not _num_close(s["norm"], r["norm"], ntol):
             errors.append(f"step {k}: clip returned {s['norm']}, torch returned {r['norm']}")
         if not _num_close(s["lr"], r["lr"], 1e-9):
