@@ -28,8 +28,9 @@ def fsdp_exact(case: dict) -> bool:
     FSDP2 accumulates a window's micro-batches in bf16 before one reduce-scatter, accelerate_c
     reduce-scatters each and accumulates in fp32, docs/sharding.md). The same bf16 forward from the
     same masters, the same gradients, fp32 arithmetic after: the runs agree to fp32 roundings
-    (measured on 16 such cases, 119 steps: bit for bit, norms within 1.1e-7), so a rounding more or less anywhere (a reduce in
-    fp32, a compute in fp32, a clip in bf16) shows at FSDP_EXACT_RTOL."""
+    (measured on 16 such cases, 119 steps: bit for bit, norms within 1.1e-7), so a rounding more
+    or less anywhere (a reduce in fp32, a compute in fp32, a clip in bf16) shows at
+    FSDP_EXACT_RTOL."""
     return fsdp_bf16(case) and case["world"] == 2 and case["ga"] == 1
 
 
