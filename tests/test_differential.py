@@ -143,3 +143,32 @@ def test_chaotic_gradients_against_their_largest_magnitude(world):
     assert compare.chaotic(case) == (world == 3)
     assert bool(compare.compare(case, noisy, ref)) == (world == 2)
     assert any("gradient 0" in e for e in compare.compare(case, doubled, ref))
+
+
+def _fsdp_trace(grad, micro=1, terms=None):
+    step = {"params": [torch.ones(12)], "grads": [grad], "norm": None, "lr": 0.1, "skipped": False, "scale": None,
+            "micro_batches": micro, "addends": [torch.ones(12) if terms is None else terms]}
+    return {"steps": [step], "final": [torch.ones(12)]}
+
+
+def test_fsdp_bf16_is_held_to_fp32_roundings_where_both_sides_round_alike():
+    """FSDP under bf16 (compare.fsdp_exact): on two processes with one micro-batch per step the
+    subject and FSDP2's policy round identically, so a gradient a tenth of a bf16 ulp off fails
+    (what computing or reducing in fp32 leaves), and a gradient that is not a bf16 value widened,
+    where the reference's is, fails as not reduced in bf16 even within the tolerance."""
+    exact = _case(1, world=2, mp="bf16", sharding="fsdp", ga=1)
+    assert compare.fsdp_exact(exact) and not compare.chaotic(exact)
+    g = torch.linspace(-1, 1, 12).to(torch.bfloat16).float()
+    assert not compare.compare(exact, _fsdp_trace(g.clone()), _fsdp_trace(g))
+    off = g + 2.0 ** -11  # a tenth of a bf16 ulp at 1
+    assert any("gradient 0" in e for e in compare.compare(exact, _fsdp_trace(off), _fsdp_trace(g)))
+    # accumulation (ga 2): the sides round apart by up to ga bf16 ulps of the terms, no more
+    acc = _case(1, world=2, mp="bf16", sharding="fsdp", ga=2)
+    assert not compare.fsdp_exact(acc) and compare.chaotic(acc)
+    ref = _fsdp_trace(g, micro=2)
+    assert not compare.compare(acc, _fsdp_trace(g + 1.5 * 2.0 ** -7, micro=2), ref)
+    assert compare.compare(acc, _fsdp_trace(g + 3 * 2.0 ** -7, micro=2), ref)
+    # one micro-batch in the window: the shard must be a bf16 value widened where torch's is
+    near = g + 2.0 ** -20
+    errors = compare.compare(acc, _fsdp_trace(near, micro=1), _fsdp_trace(g, micro=1))
+    assert any("not reduced in bf16" in e for e in errors), errors

@@ -112,10 +112,9 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None) -> di
         c["sharding"] = "none"
     if c["sharding"] == "fsdp":
         # full sharding (FSDP2's semantics, through accelerate's FullyShardedDataParallelPlugin):
-        # fp32 here (its bf16 policy has its own torch reference in tests/scripts/fsdp_train.py);
-        # no full gradient between backward and the step, so no loop writes or NaNs one, and
-        # `p.grad = None` has nothing to drop (zero_grad clears the shards); no comm hooks
-        # (FSDP has none)
+        # fp32 or bf16 (drawn below; fp16 is refused under FSDP); no full gradient between
+        # backward and the step, so no loop writes or NaNs one, and `p.grad = None` has nothing to
+        # drop (zero_grad clears the shards); no comm hooks (FSDP has none)
         c["mp"] = "no"
         c["comm_hook"] = "no"
         c["assign_grad"] = False
@@ -133,6 +132,22 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None) -> di
         # before train())
         c["fsdp_ac"] = r.random() < 0.3
         c["eval_first"] = r.random() < 0.3
+        # FSDP2's bf16 policy (reference_fsdp.py), in half the cases; Adam is drawn with fp32 end
+        # to end only (above: a 16-bit rounding decides the sign of a near-zero update)
+        if r.random() < 0.5:
+            c["mp"] = "bf16"
+            if c["optimizer"] == "adamw":
+                c["optimizer"] = "sgd_momentum"
+            # one micro-batch per step more often: on two processes the subject and FSDP2's policy
+            # then round identically and are held to fp32 roundings (compare.fsdp_exact)
+            if r.random() < 0.35:
+                c["ga"] = 1
+        # a weight tied between two modules of different units (it goes to the root, as a tied
+        # embedding and output layer), and a unit mixing frozen and trainable parameters under
+        # every wrap policy (the middle layer's bias frozen); not with the model's own reentrant
+        # checkpointing, whose segments the tied layer is not in
+        c["tied"] = r.random() < 0.3 and not c["reentrant"]
+        c["frozen_bias"] = r.random() < 0.3
     if c["sharding"] == "zero3":
         # DeepSpeed's stage 3 (full sharding with DeepSpeed's settings: size-based units,
         # small parameters persistent): fp32 or bf16 (fp16 at stage 3 is refused); as under
@@ -180,7 +195,7 @@ def _case(seed: int, **overrides) -> dict:
          "comm_hook": "no", "tiny_buckets": False, "unused": False, "frozen": False, "zero_grad": "opt_none",
          "assign_grad": False, "two_models": False, "two_optimizers": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
-         "uneven": False, "sharding": "none"}
+         "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -239,6 +254,9 @@ def describe(c: dict) -> str:
     if c.get("sharding") == "fsdp":
         parts.append(f"wrap={c['fsdp_wrap']} reshard={c['fsdp_reshard']} ac={c['fsdp_ac']} "
                      f"eval_first={c['eval_first']}")
+        for flag in ("tied", "frozen_bias"):
+            if c.get(flag):
+                parts.append(flag)
     if c["skip_first"]:
         parts.append(f"skip_first={c['skip_first']}")
     if c["overflow"] is not None:

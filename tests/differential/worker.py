@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from differential import compare, reference, reference_ds, subject  # noqa: E402
+from differential import compare, reference, reference_ds, reference_fsdp, subject  # noqa: E402
 from differential import workload as W  # noqa: E402
 from accelerate_c import collectives  # noqa: E402
 
@@ -58,7 +58,8 @@ def main(cases_path: str, out_path: str) -> int:
                     not collectives.hierarchical():
                 raise RuntimeError("run.py --hosts: the ranks' collectives were not split by host")
             t1 = time.perf_counter()
-            ref = (reference_ds if W.deepspeed_16bit(case) else reference).run(case)
+            ref = (reference_ds if W.deepspeed_16bit(case) else reference_fsdp if W.fsdp_16bit(case)
+                   else reference).run(case)
             errors = compare.compare(case, sub, ref)
             if os.environ.get("AC_DIFF_TIMES") and rank == 0:
                 print(f"case {case['seed']}: subject {t1 - t0:.2f} s, reference {time.perf_counter() - t1:.2f} s",

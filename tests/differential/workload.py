@@ -14,7 +14,11 @@ _DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 class Net(torch.nn.Module):
     """A small MLP whose layers the case dresses up: dtypes, a frozen layer, an unused layer,
-    reentrant-checkpointed segments (one weight in two of them, or a segment per layer)."""
+    reentrant-checkpointed segments (one weight in two of them, or a segment per layer); under
+    full sharding also a weight tied between two layers (`tied`: a second layer holding the middle
+    layer's weight, as a tied embedding and output layer, two modules that do not nest) and a
+    layer half frozen (`frozen_bias`: the middle layer's bias, so its unit mixes frozen and
+    trainable parameters whatever the wrap policy)."""
 
     def __init__(self, case: dict, salt: int = 0):
         super().__init__()
@@ -24,16 +28,25 @@ class Net(torch.nn.Module):
         self.out = torch.nn.Linear(HID, OUT)
         if case["unused"]:
             self.spare = torch.nn.Linear(HID, HID)  # never called
+        self.tied = case.get("tied", False)
+        if self.tied:
+            self.mid2 = torch.nn.Linear(HID, HID)  # its own bias, the middle layer's weight (below)
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+        if self.tied:
+            self.mid2.weight = self.mid.weight  # one Parameter in two modules
         dt = case["param_dtype"]
         if dt == "bf16":
             self.to(torch.bfloat16)
         elif dt == "mixed":
             self.mid.to(torch.bfloat16)
+            if self.tied:
+                self.mid2.to(torch.bfloat16)
         if case["frozen"]:
             self.inp.requires_grad_(False)
+        if case.get("frozen_bias", False):
+            self.mid.bias.requires_grad_(False)
         self.reentrant = case["reentrant"]
 
     def forward(self, x):
@@ -47,6 +60,8 @@ class Net(torch.nn.Module):
             return checkpoint(lambda t: self.out(t.to(self.out.weight.dtype)), h, use_reentrant=True).float()
         else:
             h = torch.tanh(self.mid(h))
+            if self.tied:
+                h = torch.tanh(self.mid2(h.to(self.mid2.weight.dtype)))
         return self.out(h.to(self.out.weight.dtype)).float()
 
 
@@ -74,7 +89,14 @@ def loader(ds, case: dict):
 
 def deepspeed_16bit(case: dict) -> bool:
     """ZeRO under bf16/fp16: DeepSpeed's policy (a 16-bit model, fp32 masters), not autocast."""
-    return case.get("sharding", "none") != "none" and case["mp"] != "no"
+    return case.get("sharding", "none") not in ("none", "fsdp") and case["mp"] != "no"
+
+
+def fsdp_16bit(case: dict) -> bool:
+    """FSDP under bf16: FSDP2's policy as accelerate sets it (MixedPrecisionPolicy with param_dtype
+    = reduce_dtype = bf16: fp32 sharded masters, bf16 gathers and compute under autocast, the
+    gradients reduced in bf16 into fp32 gradient shards), reference_fsdp.py."""
+    return case.get("sharding") == "fsdp" and case["mp"] != "no"
 
 
 # the fp16 section of a ZeRO case's DeepSpeed config: DeepSpeed's defaults but the initial scale

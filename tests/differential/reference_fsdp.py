@@ -1,0 +1,124 @@
+"""An FSDP case under bf16 trained with plain PyTorch the way accelerate 1.15 trains it with torch's
+FSDP2 (fully_shard): the reference the harness holds accelerate_c's FSDP bf16 policy to. It never
+imports accelerate_c, and it does not shard: sharding moves no value, so the full-size
+arithmetic below is what FSDP2 computes, element by element.
+
+Written from accelerate's FSDP2 path (utils/fsdp_utils.py fsdp2_prepare_model, utils/dataclasses.py
+set_mixed_precision, Accelerator.no_sync / accumulate / prepare_model) and torch's
+MixedPrecisionPolicy:
+- accelerate's policy for mixed_precision="bf16" is param_dtype = reduce_dtype = bf16, and it
+  upcasts trainable 16-bit parameters to fp32 before fully_shard: the sharded parameters, the
+  optimizer's, are fp32 masters.
+- every forward all-gathers the masters cast to param_dtype: the module computes with a bf16
+  copy of them (frozen parameters cast too), under autocast (accelerate wraps the forward).
+- accelerate's accumulate() (and no_sync) call set_requires_gradient_sync(False) on the
+  micro-batches before a window's last: their unsharded bf16 gradients accumulate in bf16 (autograd
+  adds them into the bf16 parameters' .grad, as FSDP2 keeps them when reduce_dtype is
+  param_dtype), and only the window's last backward reduce-scatters.
+- the reduce-scatter averages in reduce_dtype: the bf16 result here is the exact mean of the
+  processes' bf16 gradients rounded to bf16 once (summed in float64, where a few bf16 values add
+  exactly), the most exact result a bf16 collective can give. A real one rounds more (gloo's
+  pairwise bf16 sums, FSDP2's pre/post divide factors, accelerate_c's terms x 1/N rounded to bf16
+  then summed in fp32): compare.py bounds that by the terms the sum adds (Addends).
+- the reduced bf16 gradient is upcast to the fp32 gradient shard (added to one left by a
+  zero_grad(set_to_none=False)); torch.nn.utils.clip_grad_norm_ and the optimizer run on the fp32
+  masters and their fp32 gradients; a torch scheduler steps once per process per step.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from . import workload as W
+from .reference import Addends, batches_of, evaluate, world_rank
+
+_DTYPE = {"bf16": torch.bfloat16}
+
+
+def _trainable(models) -> list:
+    params: list = []
+    for m in models:
+        params += [p for p in m.parameters() if p.requires_grad and all(p is not q for q in params)]
+    return params
+
+
+def _compute_copies(models, dtype):
+    """What FSDP2's all-gathers give the forward: each model with every floating parameter in
+    param_dtype (buffers too: this workload has none), the same structure (a tied weight stays one)."""
+    return [copy.deepcopy(m).to(dtype) for m in models]
+
+
+def run(case: dict) -> dict:
+    world, rank = world_rank()
+    dtype = _DTYPE[case["mp"]]
+    models = W.models(case)
+    for m in models:  # accelerate's upcast of trainable 16-bit parameters to fp32 masters
+        for p in m.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+    params = _trainable(models)
+    opts = W.optimizers(case, params)
+    sched = W.schedule(opts[0])
+    batches = batches_of(case, W.dataset(case), world, rank)
+    trace = {"steps": [], "initial": [p.detach().float().clone() for p in params]}
+    window = None  # (the compute copies, their trainable parameters, Addends, micro-batches so far)
+    for epoch in range(case["epochs"]):
+        epoch_batches = batches[case["skip_first"]:] if epoch == 0 else batches
+        n = len(epoch_batches)
+        for i, (x, y) in enumerate(epoch_batches):
+            window_end = (i + 1) % case["ga"] == 0 or i + 1 == n
+            if window is None:  # the masters change only at a step: one gather serves the window
+                copies = _compute_copies(models, dtype)
+                halves = _trainable(copies)
+                window = [copies, halves, Addends(halves), 0]
+            copies = window[0]
+            with torch.autocast("cpu", dtype=dtype):
+                outs = [c(x) for c in copies]
+            loss = W.loss_of([o.float() for o in outs], y) / case["ga"]
+            loss.backward()  # into the bf16 copies' .grad: FSDP2's unsharded accumulation
+            window[3] += 1
+            if window_end:
+                _step(case, params, window, opts, sched, world, trace)
+                W.zero_grads(case, opts, models, params)
+                window = None
+    trace["final"] = [p.detach().float().clone() for p in params]
+    if case["eval"]:
+        trace["eval"] = evaluate(case, _compute_copies(models[:1], dtype)[0], dtype)
+    return trace
+
+
+def _reduce(grads: list, world: int) -> list:
+    """The bf16 mean over the processes of each bf16 gradient, rounded once (module docstring)."""
+    present = [g for g in grads if g is not None]
+    if world > 1 and present:
+        flat = torch.cat([g.double().reshape(-1) for g in present])
+        dist.all_reduce(flat)
+        present = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in present]), present)]
+    means = iter([(g.double() / world).to(torch.bfloat16) for g in present])
+    return [None if g is None else next(means) for g in grads]
+
+
+def _step(case, params, window, opts, sched, world, trace):
+    _, halves, addends, micro = window
+    terms = addends.take(halves)
+    for p, g in zip(params, _reduce([h.grad for h in halves], world)):
+        if g is not None:
+            g = g.float()  # the fp32 gradient shard
+            p.grad = g if p.grad is None else p.grad + g
+    norm, clipped = None, W.clipped(case, params)
+    if case["clip"] != "none":
+        norm_type = 2.0 if case["clip"] == "norm2" else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(clipped, case["max_norm"], norm_type=norm_type)
+        if case["clip_twice"]:
+            norm = torch.nn.utils.clip_grad_norm_(clipped, case["max_norm"], norm_type=norm_type)
+        norm = float(norm)
+    grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
+    for opt in opts:
+        opt.step()
+    for _ in range(world):
+        sched.step()
+    trace["steps"].append({"params": [p.detach().float().clone() for p in params], "grads": grads,
+                           "skipped": False, "lr": sched.get_last_lr()[0], "scale": None, "norm": norm,
+                           "addends": terms, "micro_batches": micro})
