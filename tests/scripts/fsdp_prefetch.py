@@ -139,16 +139,22 @@ def main():
     # forward of step 0: no order recorded yet, so nothing is launched ahead; from step 1 on,
     # block k starts with block k+1's gather launched (the last one with none)
     fwd = [e for e in events if e[0] == "forward"]
+    block_unit = [i for i, u in enumerate(units) if type(u.module).__name__ == "Block"]
     step1 = fwd[LAYERS:2 * LAYERS]
     for k, (_, blk, launched, ahead) in enumerate(step1):
         assert blk == k
         assert ahead <= 1, f"step 1, block {k}: {ahead} units gathered ahead (bound 1)"
-        if k + 1 < LAYERS:
-            assert len(launched) == 1, f"step 1, block {k}: launched {launched}, expected the next block's"
+        want = (block_unit[k + 1],) if k + 1 < LAYERS else ()
+        assert launched == want, f"step 1, block {k}: launched {launched}, expected {want} (the next block's)"
     bwd = [e for e in events if e[0] == "backward"]
-    # backward of step 0 runs blocks 3, 2, 1, 0: each but the last starts with the next one's gather launched
-    for _, blk, launched, ahead in bwd[:LAYERS - 1]:
-        assert len(launched) == 1 and ahead <= 1, f"backward, block {blk}: launched {launched}, ahead {ahead}"
+    # backward of step 0 runs blocks 3, 2, 1, 0. The test's backward pre-hook on a block runs
+    # before ours (module backward hooks wrap the outputs after the forward hooks): at block k it
+    # sees block k's own gather in flight, launched by the unit whose backward came before
+    # (the root's for block 3); block k's hook then waits for it and launches block k-1's
+    for n, (_, blk, launched, ahead) in enumerate(bwd[:LAYERS]):
+        assert blk == LAYERS - 1 - n
+        assert launched == (block_unit[blk],) and ahead <= 1, \
+            f"backward, block {blk}: launched {launched}, expected {(block_unit[blk],)}; ahead {ahead}"
     print(f"rank {rank}: prefetch OK ({len(fwd)} forward and {len(bwd)} backward block starts checked)")
 
 
