@@ -322,13 +322,23 @@ class FullShardStrategy(Zero2Strategy):
                     unit.reshard()
 
     def _release_all(self, quiet: bool = False):
+        """Every unit released; a prefetch that failed is raised (unless `quiet`) only once every
+        unit is released, so none is left half-done."""
         self._final_queued = False
+        error = None
         for fsdp in self.models.values():
             fsdp.recording = None
+            fsdp.ahead.clear()
             for unit in fsdp.units:
                 unit.state = "idle"
                 unit.inputs_pending = 0
-                unit.reshard(quiet)
+                try:
+                    unit.reshard(quiet)
+                except RuntimeError as e:
+                    error = error or e
+                    unit.reshard(quiet=True)
+        if error is not None:
+            raise error
 
     def abort_held(self) -> None:
         super().abort_held()
