@@ -120,6 +120,15 @@ def main():
     if int(os.environ.get("RANK", "0")) == 0:
         with open(a.result, "w") as f:
             json.dump(results, f, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+    if a.backend == "accelerate":
+        # the reference: torch's gloo process group left alive at interpreter exit aborted one
+        # torchrun process once ("terminate called without an active exception", a fresh-clone
+        # run under load); end it as a torchrun script should
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
