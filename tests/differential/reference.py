@@ -180,11 +180,7 @@ def _step(case, params, opts, scaler, world, sched, trace, addends):
     if case["clip"] == "value":
         torch.nn.utils.clip_grad_value_(clipped, case["max_norm"])
     elif case["clip"] != "none":
-        norm_type = 2.0 if case["clip"] == "norm2" else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(clipped, case["max_norm"], norm_type=norm_type)
-        if case["clip_twice"]:
-            norm = torch.nn.utils.clip_grad_norm_(clipped, case["max_norm"], norm_type=norm_type)
-        norm = float(norm)
+        norm = W.torch_clip_norm(case, clipped)
     if not sharded:
         grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
     skipped = False

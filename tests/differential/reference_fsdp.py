@@ -109,11 +109,7 @@ def _step(case, params, window, opts, sched, world, trace):
             p.grad = g if p.grad is None else p.grad + g
     norm, clipped = None, W.clipped(case, params)
     if case["clip"] != "none":
-        norm_type = 2.0 if case["clip"] == "norm2" else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(clipped, case["max_norm"], norm_type=norm_type)
-        if case["clip_twice"]:
-            norm = torch.nn.utils.clip_grad_norm_(clipped, case["max_norm"], norm_type=norm_type)
-        norm = float(norm)
+        norm = W.torch_clip_norm(case, clipped)
     grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
     for opt in opts:
         opt.step()

@@ -148,6 +148,16 @@ def clipped(case, params):
     return params[len(params) // 2:] if case["clip_subset"] else params
 
 
+def torch_clip_norm(case, params) -> float:
+    """The references' clip by norm: torch.nn.utils.clip_grad_norm_ over what the loop clips
+    (twice under clip_twice, as the loop calls it); the norm it reports."""
+    norm_type = 2.0 if case["clip"] == "norm2" else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, case["max_norm"], norm_type=norm_type)
+    if case["clip_twice"]:
+        norm = torch.nn.utils.clip_grad_norm_(params, case["max_norm"], norm_type=norm_type)
+    return float(norm)
+
+
 def _first_with_grad(params, reverse=False):
     seq = reversed(params) if reverse else params
     return next(p for p in seq if p.grad is not None)
