@@ -233,7 +233,7 @@ class FullShardStrategy(Zero2Strategy):
 
     def _root_on_demand(self, root):
         def hook(module, args):
-            if root.state == "idle" and (not root.gathered or any(g.pending is not None for g in root.groups)):
+            if root.state == "idle":  # (a no-op when it is gathered: Unit.gather skips gathered groups)
                 root.gather(self.rank, self.world)
             return None
         return hook
