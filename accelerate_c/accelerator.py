@@ -374,7 +374,8 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
                                              min_num_params=f.min_num_params, param_dtype=f.param_dtype,
                                              reshard_after_forward=f.reshard_after_forward,
                                              activation_checkpointing=f.activation_checkpointing,
-                                             device=self.device)
+                                             device=self.device,
+                                             sharded_weights=f.state_dict_type == "SHARDED_STATE_DICT")
             elif self._zero_stage == 3:
                 strategy = self._zero3_strategy(h)
             elif self._zero_stage in (1, 2):
@@ -632,7 +633,7 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
                                  min_num_params=s.stage3_prefetch_bucket_size,
                                  persist_below=s.stage3_param_persistence_threshold,
                                  param_dtype=self._compute_dtype, device=self.device, empty_at_rest=True,
-                                 ignore_unused=s.ignore_unused_parameters)
+                                 ignore_unused=s.ignore_unused_parameters, sharded_weights=True)
 
     def _clip_norm(self, params, max_norm, norm_type):
         """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""

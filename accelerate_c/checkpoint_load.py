@@ -13,7 +13,7 @@ import torch
 
 from .checkpoint_layout import (AUTO_NAME_RE, MARKER, complete_checkpoints, has_our_files, read_marker,
                                 refuse_links_out, sampler_of, suffix)
-from . import zero_checkpoint
+from . import model_shards, zero_checkpoint
 from .dry_run import dry_run_optimizer, dry_run_scheduler
 from .model_io import find_aliases
 from .safetensors_io import DTYPES, list_tensors, load_into
@@ -307,7 +307,11 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
     d = reader.dir
     for i, model in enumerate(models):
         safe_name, bin_name = f"model{suffix(i)}.safetensors", f"pytorch_model{suffix(i)}.bin"
-        if reader.has(safe_name):
+        if reader.has(model_shards.plan_name(i)):  # each process's shards (model_shards.py)
+            read, apply = model_shards.plan_load(reader, i, model, acc._grads.strategy, strict)
+            plan.reads.append(read)
+            plan.applies.append(apply)
+        elif reader.has(safe_name):
             path = reader.path(safe_name, f"weights of model {i}")
             targets, apply = _model_targets(model, path, strict, acc._grads.strategy)
             plan.reads.append(lambda p=path, t=targets: load_into(p, t))
@@ -316,7 +320,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
         else:
             if not reader.has(bin_name):
                 raise FileNotFoundError(f"{os.path.join(d, safe_name)}: missing from the checkpoint (weights of model "
-                                        f"{i}; no {bin_name} either)")
+                                        f"{i}; no {bin_name} or {model_shards.plan_name(i)} either)")
             path = os.path.join(d, bin_name)
             sd = reader.pickled(bin_name, f"weights of model {i}")
             if acc._grads.strategy.load_targets(model)[1] is not None:

@@ -35,7 +35,7 @@ from torch.utils import hooks
 from .checkpoint_layout import (AUTO_NAME_RE, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MARKER, complete_checkpoints,
                                 loader_state, suffix)
 from .checkpoint_load import load_state
-from . import collectives, zero_checkpoint
+from . import collectives, model_shards, zero_checkpoint
 from .model_io import find_aliases, save_config_files, save_model as _save_model
 from .durable import fsync_dir, write_durable
 from .safetensors_io import after_ready, record_ready, save_file
@@ -402,13 +402,23 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
     try:
         if err is not None:
             raise err
-        # the weights where they are written (full sharding gathers them there; a collective)
-        weights = [get_state_dict(acc, m, acc._grads.strategy, unwrap=False, keep=writer) for m in acc._models]
+        strategy = acc._grads.strategy
+        if strategy.sharded_weights:  # each process its shards of the weights (model_shards.py)
+            weights = [{} for _ in acc._models]
+        else:  # the weights where they are written (full sharding gathers them there; a collective)
+            weights = [get_state_dict(acc, m, strategy, unwrap=False, keep=writer) for m in acc._models]
         for hook in list(acc.__dict__.get("_save_model_state_pre_hook", {}).values()):
             hook(acc._models, weights, tmp)
-        jobs = _writer_jobs(acc, tmp, weights, safe_serialization) if writer else []
-        if acc._grads.strategy.sharded_state:  # ZeRO: every process its own shard, the main one the plans
-            jobs += zero_checkpoint.save_jobs(acc, acc._grads.strategy, tmp, rank, acc.is_main_process)
+        jobs = _writer_jobs(acc, tmp, [] if strategy.sharded_weights else weights, safe_serialization) \
+            if writer else []
+        if strategy.sharded_weights:
+            if not safe_serialization:
+                raise ValueError("save_state(safe_serialization=False) with sharded weights (FSDP's "
+                                 "SHARDED_STATE_DICT, DeepSpeed stage 3): the shards are written as safetensors only; "
+                                 "use safe_serialization=True, or FULL_STATE_DICT for torch.save files")
+            jobs += model_shards.save_jobs(acc, strategy, tmp, rank, acc.is_main_process)
+        if strategy.sharded_state:  # ZeRO: every process its own shard, the main one the plans
+            jobs += zero_checkpoint.save_jobs(acc, strategy, tmp, rank, acc.is_main_process)
         states = rng_state(acc.step)
         # per process, per data loader: the RNG states its epoch under way began with (None when
         # none is), which a resume replays to re-create that epoch's iterator (data_loader.py)
@@ -443,6 +453,8 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
             expected += [f"{zero_checkpoint.shard_stem(i, r)}{ext}" for r in group
                          for i in range(len(acc._optimizers)) for ext in (".safetensors", "_state.json")]
             expected.append(zero_checkpoint.PLAN_FILE)
+        if acc._grads.strategy.sharded_weights:
+            expected += [n for i in range(len(acc._models)) for n in model_shards.files_of(i, group)]
         absent = [n for n in expected if not os.path.isfile(os.path.join(tmp, n))]
         if absent:
             raise CheckpointError(f"{tmp}: {', '.join(absent)} missing after every process reported its write done "

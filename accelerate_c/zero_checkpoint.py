@@ -148,11 +148,33 @@ class PlainFiles:
         return StateFile(self.dir, name, what)
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 _PLAN_KEYS = ("numel", "esize", "world", "order", "align", "first_cap_bytes", "cap_bytes")
+
+
+def rebuild_plan(spec, where: str, world: int, bad) -> ShardPlan:
+    """A saved plan's arguments (plan_spec) rebuilt into its ShardPlan, over the checkpoint's
+    `world`; anything else is `bad(message)` (which raises, naming the file)."""
+    if not isinstance(spec, dict) or sorted(spec) != sorted(_PLAN_KEYS):
+        bad(f"{where} must have a 'plan' object of {', '.join(_PLAN_KEYS)}")
+    try:
+        plan = ShardPlan(**spec)
+    except (TypeError, ValueError, OverflowError, IndexError, MemoryError, CoreError) as e:
+        bad(f"{where}: not a shard plan ({type(e).__name__}: {e})")
+    if plan.world != world:
+        bad(f"{where} is planned over {plan.world} processes, the checkpoint's world is {world}")
+    return plan
+
+
+def plan_dtype(name, plan: ShardPlan, where: str, bad) -> torch.dtype:
+    """A saved group's dtype name, a torch dtype of the plan's element size, or `bad(message)`."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or dtype.itemsize != plan.esize:
+        bad(f"{where}: dtype {name!r} is not a torch dtype of the plan's {plan.esize}-byte elements")
+    return dtype
 
 
 def read_plan(files, n_optimizers: Optional[int] = None):
@@ -170,10 +192,10 @@ def read_plan(files, n_optimizers: Optional[int] = None):
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
         bad("not an accelerate_c ZeRO plan")
     version = doc.get("version")
-    if not _is_int(version) or not 1 <= version <= PLAN_VERSION:
+    if not is_int(version) or not 1 <= version <= PLAN_VERSION:
         bad(f"plan format version {version!r} is not one this accelerate_c reads ({PLAN_VERSION})")
     world = doc.get("world")
-    if not _is_int(world) or world < 1:
+    if not is_int(world) or world < 1:
         bad(f"world must be a positive integer, got {world!r}")
     optimizers = doc.get("optimizers")
     if not isinstance(optimizers, list):
@@ -183,21 +205,15 @@ def read_plan(files, n_optimizers: Optional[int] = None):
     plans = []
     for i, odoc in enumerate(optimizers):
         if not isinstance(odoc, dict) or not isinstance(odoc.get("groups"), list) or \
-                not _is_int(odoc.get("num_params")) or odoc["num_params"] < 0:
+                not is_int(odoc.get("num_params")) or odoc["num_params"] < 0:
             bad(f"optimizer {i} must be an object with a 'groups' list and a 'num_params' count")
         seen: set = set()
         group_plans = []
         for g, gdoc in enumerate(odoc["groups"]):
             where = f"shard group {g} of optimizer {i}"
-            if not isinstance(gdoc, dict) or not isinstance(gdoc.get("plan"), dict) or \
-                    sorted(gdoc["plan"]) != sorted(_PLAN_KEYS):
-                bad(f"{where} must be an object with a 'plan' of {', '.join(_PLAN_KEYS)}")
-            try:
-                plan = ShardPlan(**gdoc["plan"])
-            except (TypeError, ValueError, OverflowError, IndexError, MemoryError, CoreError) as e:
-                bad(f"{where}: not a shard plan ({type(e).__name__}: {e})")
-            if plan.world != world:
-                bad(f"{where} is planned over {plan.world} processes, the checkpoint's world is {world}")
+            if not isinstance(gdoc, dict):
+                bad(f"{where} must be an object")
+            plan = rebuild_plan(gdoc.get("plan"), where, world, bad)
             n = plan.nparams
             params, names, shapes = gdoc.get("params"), gdoc.get("names"), gdoc.get("shapes")
             if not all(isinstance(v, list) and len(v) == n for v in (params, names, shapes)):
@@ -205,21 +221,18 @@ def read_plan(files, n_optimizers: Optional[int] = None):
                     "parameter)")
             for j, (pid, name, shape) in enumerate(zip(params, names, shapes)):
                 # None: a parameter of the model's group that another optimizer steps
-                if pid is not None and (not _is_int(pid) or not 0 <= pid < odoc["num_params"] or pid in seen):
+                if pid is not None and (not is_int(pid) or not 0 <= pid < odoc["num_params"] or pid in seen):
                     bad(f"{where}: parameter {j}'s optimizer index {pid!r} is not null or one of "
                         f"0..{odoc['num_params'] - 1} listed once")
                 seen.add(pid)
                 if not isinstance(name, str):
                     bad(f"{where}: parameter {j}'s name must be a string, got {name!r}")
-                if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape) or \
+                if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape) or \
                         math.prod(shape) != plan.numel[j]:
                     bad(f"{where}: parameter {j} ({name}) has shape {shape!r}, the plan {plan.numel[j]} elements")
-            dtype = getattr(torch, gdoc.get("dtype"), None) if isinstance(gdoc.get("dtype"), str) else None
-            if not isinstance(dtype, torch.dtype) or dtype.itemsize != plan.esize:
-                bad(f"{where}: dtype {gdoc.get('dtype')!r} is not a torch dtype of the plan's {plan.esize}-byte "
-                    "elements")
+            plan_dtype(gdoc.get("dtype"), plan, where, bad)
             if not isinstance(gdoc.get("master", False), bool) or not (gdoc.get("model") is None or
-                                                                      _is_int(gdoc.get("model"))):
+                                                                      is_int(gdoc.get("model"))):
                 bad(f"{where}: 'master' must be true or false and 'model' an index")
             group_plans.append(plan)
         plans.append(group_plans)
@@ -235,8 +248,8 @@ def _check_shard_doc(doc, path: str, rank: int, world: int, num_params: int, n_g
 
     if not isinstance(doc, dict):
         bad("not a ZeRO shard state (an object)")
-    if doc.get("rank") != rank or doc.get("world") != world or not _is_int(doc.get("rank")) or \
-            not _is_int(doc.get("world")):
+    if doc.get("rank") != rank or doc.get("world") != world or not is_int(doc.get("rank")) or \
+            not is_int(doc.get("world")):
         bad(f"written by process {doc.get('rank')!r} of {doc.get('world')!r}; the plan puts process {rank} of "
             f"{world} here")
     groups = doc.get("param_groups")
@@ -256,7 +269,7 @@ def _check_shard_doc(doc, path: str, rank: int, world: int, num_params: int, n_g
             bad(f"parameter {pid}: must be an object with 'keys' (a list of names) and 'other' (an object)")
 
 
-class _ShardFile:
+class ShardFile:
     """One old process's shard file: its header checked, and positioned reads of element ranges."""
 
     def __init__(self, path: str, rank: int, world: int):
@@ -308,12 +321,12 @@ class _ShardFile:
 
 
 def _read_shards(files, i: int, world: int, num_params: int, n_groups: int) -> list:
-    """Every old process's shard of optimizer i, checked: [(its _ShardFile, its state document,
+    """Every old process's shard of optimizer i, checked: [(its ShardFile, its state document,
     the state file's path)] by old rank."""
     out = []
     for q in range(world):
         stem, what = shard_stem(i, q), f"ZeRO shard {q} of optimizer {i}"
-        shard = _ShardFile(files.path(f"{stem}.safetensors", what), q, world)
+        shard = ShardFile(files.path(f"{stem}.safetensors", what), q, world)
         sf = files.open(f"{stem}_state", what)
         doc = sf.load()
         _check_shard_doc(doc, sf.json_path, q, world, num_params, n_groups)
@@ -340,7 +353,7 @@ def _dry_run(torch_opt, sd: dict, shards: list) -> None:
                                                  if len(paths) > 1 else ""))
 
 
-def _read_all(fills) -> None:
+def read_all(fills) -> None:
     """Every (shard file, tensor name, element offset, destination) read, in order."""
     for f, name, off, dest in fills:
         f.read_into(name, off, dest)
@@ -443,7 +456,7 @@ def plan_load(acc, strategy, files):
                     model_shards.master(group).copy_(mflat.to(model_shards.master(group).device))
             torch_opt.load_state_dict(sd)
 
-        reads.append(lambda fills=fills: _read_all(fills))
+        reads.append(lambda fills=fills: read_all(fills))
         applies.append(apply)
     return reads, applies
 
@@ -495,7 +508,7 @@ def plan_load_whole(acc, files):
                 new_state.append((p, st))
         sd = _torch_state_dict(torch_opt, new_state, shards[0][1]["param_groups"])
         _dry_run(torch_opt, sd, shards)
-        reads.append(lambda fills=fills: _read_all(fills))
+        reads.append(lambda fills=fills: read_all(fills))
         applies.append(lambda o=torch_opt, sd=sd: o.load_state_dict(sd))
     return reads, applies
 
@@ -524,7 +537,7 @@ def merged_weights(directory: str, model_index: int = 0) -> dict:
             if not gdoc.get("master") or gdoc.get("model") != model_index:
                 continue
             if shards is None:
-                shards = [_ShardFile(files.path(f"{shard_stem(i, q)}.safetensors", f"ZeRO shard {q} of optimizer {i}"),
+                shards = [ShardFile(files.path(f"{shard_stem(i, q)}.safetensors", f"ZeRO shard {q} of optimizer {i}"),
                                      q, doc["world"]) for q in range(doc["world"])]
             name = f"g{g}.master"
             for f in shards:

@@ -27,23 +27,29 @@ def _run(world, *args, says=None):
         assert says in res.stdout, res.stdout[-2000:]
 
 
-@pytest.mark.parametrize("stage,precision,saved_on,loaded_on", [
-    (2, "no", 4, (2, 1)),
-    (1, "no", 2, (3, 1)),
-    (2, "bf16", 2, (2, 3)),
-    (3, "no", 3, (2, 1)),  # full sharding (FSDP); its bf16 resume: tests/test_fsdp.py's Trainer test
+@pytest.mark.parametrize("stage,precision,saved_on,loaded_on,sdt", [
+    (2, "no", 4, (2, 1), None),
+    (1, "no", 2, (3, 1), None),
+    (2, "bf16", 2, (2, 3), None),
+    # full sharding (FSDP); its bf16 resume: tests/test_fsdp.py's Trainer test. SHARDED_STATE_DICT:
+    # each process writes its shard of the weights; FULL_STATE_DICT: the main process the gathered ones
+    (3, "no", 3, (2, 1), "SHARDED_STATE_DICT"),
+    (3, "no", 2, (3,), "FULL_STATE_DICT"),
 ])
-def test_saved_on_n_resumes_on_m(tmp_path, stage, precision, saved_on, loaded_on):
-    _run(saved_on, "save", str(tmp_path), str(stage), precision, says=f"saved on {saved_on}")
-    _merge_weights(tmp_path / "ckpt", tmp_path / "merged", precision if stage < 3 else "no")
+def test_saved_on_n_resumes_on_m(tmp_path, stage, precision, saved_on, loaded_on, sdt):
+    extra = [sdt] if sdt else []
+    _run(saved_on, "save", str(tmp_path), str(stage), precision, *extra, says=f"saved on {saved_on}")
+    _merge_weights(tmp_path / "ckpt", tmp_path / "merged", precision if stage < 3 else "no",
+                   torch.load(tmp_path / "uninterrupted.pt")["at_save"])
     for m in loaded_on:
-        _run(m, "load", str(tmp_path), str(stage), precision, says=f"zero{stage} {precision} resumed on {m}")
+        _run(m, "load", str(tmp_path), str(stage), precision, *extra, says=f"zero{stage} {precision} resumed on {m}")
 
 
-def _merge_weights(ckpt, out, precision):
+def _merge_weights(ckpt, out, precision, at_save):
     """`accelerate-c merge-weights`, no process group: Hugging Face safetensors (read here by the
-    safetensors package). fp32, and full sharding (its saved weights are the fp32 masters): the
-    saved weights themselves. ZeRO's bf16: the fp32 masters, assembled
+    safetensors package), against the weights gathered over the process group when the
+    checkpoint was saved (`at_save`, fp32 copies). fp32, and full sharding (its saved weights are
+    the fp32 masters): equal to them. ZeRO's bf16: the fp32 masters, assembled
     from every process's shard: each rounds to the bf16 weight the model held, and carries more
     than it (not just the bf16 weights widened)."""
     from safetensors.torch import load_file
@@ -52,14 +58,15 @@ def _merge_weights(ckpt, out, precision):
     res = subprocess.run([exe, "merge-weights", str(ckpt), str(out)], capture_output=True, text=True,
                          timeout=wait_s(120))
     assert res.returncode == 0, res.stderr[-3000:]
-    merged, saved = load_file(str(out / "model.safetensors")), load_file(str(ckpt / "model.safetensors"))
-    assert set(merged) == set(saved) - {"head.weight"}  # the tied weight once, under its first name
+    merged = load_file(str(out / "model.safetensors"))
+    assert set(merged) == set(at_save)  # the tied weight once, under its first name
     if precision == "no":
-        assert all(torch.equal(merged[k], saved[k]) for k in merged)
-    else:
-        assert all(merged[k].dtype == torch.float32 and torch.equal(merged[k].to(saved[k].dtype), saved[k])
-                   for k in merged)
-        assert any(not torch.equal(merged[k], saved[k].float()) for k in merged)
+        assert all(torch.equal(merged[k], at_save[k]) for k in merged)
+        return
+    saved = load_file(str(ckpt / "model.safetensors"))  # the bf16 weights the model held
+    assert all(merged[k].dtype == torch.float32 and torch.equal(merged[k].to(saved[k].dtype), saved[k])
+               for k in merged)
+    assert any(not torch.equal(merged[k], saved[k].float()) for k in merged)
 
 
 def test_merge_weights_refuses_an_incomplete_checkpoint(tmp_path):

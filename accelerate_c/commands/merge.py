@@ -1,7 +1,9 @@
 """`accelerate-c merge-weights CHECKPOINT_DIR OUTPUT_DIR`: a checkpoint's model weights in the
 Hugging Face layout (model.safetensors, or shards and an index when large), without a process
 group. From a checkpoint saved under ZeRO with DeepSpeed's bf16/fp16 policy the fp32 master
-weights are assembled from every process's shard (zero_checkpoint.merged_weights)."""
+weights are assembled from every process's shard (zero_checkpoint.merged_weights); sharded
+weights (FSDP's SHARDED_STATE_DICT, DeepSpeed stage 3) from every process's shard of them
+(model_shards.merged)."""
 from __future__ import annotations
 
 import argparse
@@ -18,10 +20,14 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from .. import model_shards
     from ..model_io import save_model
     from ..zero_checkpoint import merged_weights
 
-    sd = merged_weights(args.checkpoint_dir, args.model_index)
+    if model_shards.is_sharded(args.checkpoint_dir, args.model_index):  # each process's shards of the weights
+        sd = model_shards.merged(args.checkpoint_dir, args.model_index)
+    else:
+        sd = merged_weights(args.checkpoint_dir, args.model_index)
     files = save_model(sd, args.output_dir, max_shard_size=args.max_shard_size)
     print(f"merge-weights: {len(sd)} tensors from {args.checkpoint_dir} -> {args.output_dir} ({', '.join(files)})")
     return 0

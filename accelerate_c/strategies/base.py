@@ -37,6 +37,9 @@ class GradStrategy:
     # whether each process holds only its shard of the optimizers' state: checkpoints are then
     # written by every process and resharded on load (zero_checkpoint.py)
     sharded_state = False
+    # whether checkpoints hold each process's shards of the model weights (model_shards.py)
+    # rather than the whole weights written once
+    sharded_weights = False
     # the factor each gradient is multiplied by as it lands in its range on a backward that
     # reduces (1/world for a sum that averages)
     prescale = 1.0
@@ -177,6 +180,20 @@ class GradStrategy:
         """(tensors load_state reads `model`'s saved weights into, by name; a callable that then
         applies them, or None when the tensors are the model's own)."""
         return model.state_dict(), None
+
+    def weight_parts(self, model):
+        """What a load of sharded weights (model_shards.py) fills on this process: {state-dict
+        name: (a key shared by the names of one tensor, its shape, [(offset in its flattened
+        elements, a tensor to fill with the elements from there on)])} for the parameters, the buffers {name:
+        tensor}, and what to run once they are filled (None). Here every parameter is whole."""
+        params = {id(p) for p in model.parameters()}
+        parts, buffers = {}, {}
+        for name, v in model.state_dict(keep_vars=True).items():
+            if id(v) in params:
+                parts[name] = (id(v), tuple(v.shape), [(0, v.detach())])
+            else:
+                buffers[name] = v.detach()
+        return parts, buffers, None
 
     def model_state_dict(self, model, keep: bool | None = None) -> dict:
         """The full state dict of `model` (as a single-process model's). `keep`: whether this

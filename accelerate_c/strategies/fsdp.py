@@ -86,7 +86,7 @@ class FullShardStrategy(Zero2Strategy):
 
     def __init__(self, manager, handler=None, *, wrap_policy="NO_WRAP", wrap_classes=(), min_num_params=0,
                  reshard_after_forward=True, param_dtype=None, activation_checkpointing=False, device=None,
-                 persist_below=0, empty_at_rest=False, ignore_unused=False, prefetch=True):
+                 persist_below=0, empty_at_rest=False, ignore_unused=False, prefetch=True, sharded_weights=False):
         super().__init__(manager, handler, fp32_masters=False, ignore_unused=ignore_unused)
         self.device = torch.device("cpu") if device is None else torch.device(device)  # where the shards live
         self.wrap_policy = wrap_policy
@@ -102,6 +102,9 @@ class FullShardStrategy(Zero2Strategy):
         # last forward's, the same on every process when the forwards are (which gathering needs
         # anyway); a unit prefetched and then not run is released with the others
         self.prefetch = prefetch
+        # checkpoints hold each process's shards of the weights (model_shards.py: FSDP's
+        # SHARDED_STATE_DICT, DeepSpeed stage 3's checkpoints), not the gathered weights
+        self.sharded_weights = sharded_weights
         self._final_queued = False
         self._in_flight: list = []  # GradShards whose reduce-scatters may still be running, oldest first
         self._state_dict_ok = 0  # > 0 while the strategy itself reads model.state_dict()
@@ -437,6 +440,55 @@ class FullShardStrategy(Zero2Strategy):
             if any(p is not None and id(p) in where for p in m._parameters.values()):
                 m.register_load_state_dict_pre_hook(pre_hook)
         model.register_load_state_dict_post_hook(post_hook)
+
+    def weight_shards(self, model):
+        """What this process saves of `model` as sharded weights (model_shards.py): per unit
+        group ({unit, plan, dtype, trainable, params: [{names, shape}]}, this process's shard),
+        and the persistent buffers {name: tensor} (the same on every process)."""
+        fsdp = self.models[id(model)]
+        with self.allow_state_dict():
+            sd = model.state_dict(keep_vars=True)
+        names: dict = {}
+        buffers = {}
+        for name, v in sd.items():
+            if id(v) in fsdp.where:
+                names.setdefault(id(v), []).append(name)
+            else:
+                buffers[name] = v
+        groups = []
+        for unit in fsdp.units:
+            for ug in unit.groups:
+                info = {"unit": ug.label, "plan": ug.group.plan, "dtype": str(ug.shard.dtype).replace("torch.", ""),
+                        "trainable": ug.trainable,
+                        "params": [{"names": names.get(id(p)) or [self.manager.name_of(p)], "shape": list(shape)}
+                                   for p, shape in zip(ug.params, ug.group.shapes)]}
+                groups.append((info, ug.shard))
+        return groups, buffers
+
+    def weight_parts(self, model):
+        """A sharded-weights load fills each parameter's owned run of its unit group's shard
+        (this process's part only), the buffers as they are; then units gathered before the
+        load are resharded (they hold the old values)."""
+        fsdp = self.models.get(id(model))
+        if fsdp is None:
+            return super().weight_parts(model)
+        with self.allow_state_dict():
+            sd = model.state_dict(keep_vars=True)
+        parts, buffers = {}, {}
+        for name, v in sd.items():
+            hit = fsdp.where.get(id(v))
+            if hit is None:
+                buffers[name] = v.detach()
+                continue
+            ug, j = hit
+            part = ug.parts[j]
+            parts[name] = (id(v), tuple(ug.group.shapes[j]), [] if part is None else [(part.param_offset, part.view)])
+
+        def finish():
+            for unit in fsdp.units:
+                if unit.state == "idle":
+                    unit.reshard()
+        return parts, buffers, finish
 
     def load_targets(self, model):
         """load_state reads the saved full weights into fresh full-size tensors (buffers into the

@@ -1,8 +1,8 @@
 """Sharded checkpoints under ZeRO (launched by tests/test_zero_checkpoint.py, twice per case);
 STAGE 3 is full sharding through accelerate's FullyShardedDataParallelPlugin (FSDP2):
 
-    zero_checkpoint.py save DIR STAGE PRECISION   (on N processes)
-    zero_checkpoint.py load DIR STAGE PRECISION   (on M processes, any M)
+    zero_checkpoint.py save DIR STAGE PRECISION [STATE_DICT_TYPE]  (on N processes)
+    zero_checkpoint.py load DIR STAGE PRECISION [STATE_DICT_TYPE]  (on M processes, any M)
     zero_checkpoint.py kill DIR STAGE PRECISION   (save, then a second save that the test kills)
 
 `save`: STEPS optimizer steps of a user's loop under DeepSpeedPlugin(zero_stage=STAGE), save_state,
@@ -29,6 +29,9 @@ from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from accelerate_c import Accelerator
 
 STEPS = 3
+# full sharding's state dict type (argument 5; accelerate's FSDP2 default): SHARDED_STATE_DICT saves
+# each process's shard of the weights, FULL_STATE_DICT the gathered weights once
+SDT = sys.argv[5] if len(sys.argv) > 5 else "SHARDED_STATE_DICT"
 GLOBAL = 12  # samples per global batch: divisible by 1, 2, 3 and 4 processes
 
 
@@ -69,7 +72,8 @@ def local(step, rank, world):
 
 def accelerator(stage, precision):
     if stage == 3:
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=300)
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=300,
+                                                state_dict_type=SDT)
         return Accelerator(cpu=True, mixed_precision=precision, fsdp_plugin=plugin)
     cfg = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": GLOBAL // dist.get_world_size(),
            "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
@@ -105,18 +109,23 @@ def save(directory, stage, precision):
     model, opt = build()
     model, opt = acc.prepare(model, opt)
     train(acc, model, opt, 0, rank, world)
+    at_save = dict(zip([n for n, _ in model.named_parameters()], values(acc, model)))  # gathered: collectives
     acc.save_state(os.path.join(directory, "ckpt"))
     later = train(acc, model, opt, STEPS, rank, world)
     ckpt = os.path.join(directory, "ckpt")
-    mine = os.path.join(ckpt, f"zero_optimizer_rank{rank}.safetensors")
-    assert os.path.isfile(mine), sorted(os.listdir(ckpt))
+    mine = [os.path.join(ckpt, f"zero_optimizer_rank{rank}.safetensors")]
+    if stage == 3 and SDT == "SHARDED_STATE_DICT":  # the weights too: each process its shard, nobody the whole
+        mine.append(os.path.join(ckpt, f"model_shard_rank{rank}.safetensors"))
+        assert not os.path.exists(os.path.join(ckpt, "model.safetensors")), sorted(os.listdir(ckpt))
     psi = sum(p.numel() for p in model.parameters())
     from accelerate_c.safetensors_io import list_tensors
-    for name, info in list_tensors(mine).items():  # this process's part only, never the whole state
-        assert info.shape[0] < psi, (name, info.shape, psi)
+    for path in mine:
+        assert os.path.isfile(path), sorted(os.listdir(ckpt))
+        for name, info in list_tensors(path).items():  # this process's part only, never the whole state
+            assert info.shape[0] < psi, (path, name, info.shape, psi)
     _LAST["acc"] = acc
     if rank == 0:
-        torch.save({"world": world, "params": later}, os.path.join(directory, "uninterrupted.pt"))
+        torch.save({"world": world, "params": later, "at_save": at_save}, os.path.join(directory, "uninterrupted.pt"))
         print(f"saved on {world}: {sorted(os.listdir(ckpt))}")
 
 
@@ -180,6 +189,14 @@ def refusals(acc, model, opt, directory, stage, precision):
               "zero_optimizer_rank1.safetensors: missing"),
              ("truncated", lambda d: os.truncate(os.path.join(d, "zero_optimizer_rank0.safetensors"), 200),
               "zero_optimizer_rank0.safetensors")]
+    if stage == 3 and SDT == "SHARDED_STATE_DICT":  # the weights' shards are held to the same standard
+        cases += [("missing weights", lambda d: os.remove(os.path.join(d, "model_shard_rank1.safetensors")),
+                   "model_shard_rank1.safetensors: missing"),
+                  ("truncated weights", lambda d: os.truncate(os.path.join(d, "model_shard_rank0.safetensors"), 200),
+                   "model_shard_rank0.safetensors"),
+                  ("swapped weights", lambda d: os.replace(os.path.join(d, "model_shard_rank1.safetensors"),
+                                                           os.path.join(d, "model_shard_rank0.safetensors")),
+                   "model_shard_rank0.safetensors")]
     for label, damage, says in cases:
         if rank == 0:
             shutil.rmtree(bad, ignore_errors=True)
