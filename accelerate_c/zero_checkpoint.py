@@ -360,93 +360,104 @@ def read_all(fills) -> None:
 
 
 # ---- load ----------------------------------------------------------------------------------------------
+def range_fills(plan, j: int, start: int, dest: torch.Tensor, files: list, name: str) -> list:
+    """(file, tensor name, element offset, destination slice) reads that fill `dest` with elements
+    [start, start + dest.numel()) of parameter j of a saved `plan`, from the old processes' files
+    whose runs of it overlap them (each process owned one contiguous run of each parameter)."""
+    out = []
+    for q in range(plan.world):
+        local, poff, length = plan.param_shard(j, q)
+        lo, hi = max(poff, start), min(poff + length, start + dest.numel())
+        if lo < hi:
+            out.append((files[q], name, local + lo - poff, dest[lo - start:hi - start]))
+    return out
+
+
 def plan_load(acc, strategy, files):
-    """(reads, applies) for the sharded optimizer states of a checkpoint written under ZeRO
-    (`files`: load_state's reader, or PlainFiles(directory)): every file checked here (plan,
-    shapes, every old rank's file and header, the state the optimizer would load); reads fill
-    new tensors; applies set the masters and load the optimizers (their own load_state_dict)."""
+    """(reads, applies) for the sharded optimizer states of a checkpoint written under ZeRO or
+    full sharding (`files`: load_state's reader, or PlainFiles(directory)), into this run's
+    shards, matched parameter by parameter (by name): another number of processes, another
+    stage (a full-sharding checkpoint into ZeRO-2 and back), another wrap policy. Every file is
+    checked here (plan, names, shapes, numbering, every old rank's file and header, the state
+    the optimizer would load); reads fill new tensors, each element range of this process's
+    runs from the old processes that owned it; applies set the masters and load the optimizers
+    (their own load_state_dict)."""
     path, doc, plans = read_plan(files, len(acc._optimizers))
     old_world = doc["world"]
-    rank = strategy.rank
     reads, applies = [], []
     for i, (opt, odoc) in enumerate(zip(acc._optimizers, doc["optimizers"])):
         torch_opt = opt.optimizer
         book = strategy.optimizers[id(torch_opt)]
-        groups = _groups(strategy, book)
-        if len(odoc["groups"]) != len(groups) or odoc["num_params"] != len(book.originals):
-            raise CheckpointError(f"{path}: optimizer {i} was saved over {odoc['num_params']} parameters in "
-                                  f"{len(odoc['groups'])} shard groups, this one steps {len(book.originals)} in "
-                                  f"{len(groups)}: a plan from another model")
+        if odoc["num_params"] != len(book.originals):
+            raise CheckpointError(f"{path}: optimizer {i} was saved over {odoc['num_params']} parameters, this one "
+                                  f"steps {len(book.originals)}: a plan from another model")
+        saved = {}  # name -> (saved group, index there)
+        for g, gdoc in enumerate(odoc["groups"]):
+            for j, name in enumerate(gdoc["names"]):
+                saved[name] = (g, j)
         shards = _read_shards(files, i, old_world, odoc["num_params"], len(torch_opt.param_groups))
+        old_files = [f for f, _, _ in shards]
         index = {id(p): k for k, p in enumerate(book.originals)}
         by_param = {id(p): (view, o) for view, p, o in book.views}
-        new_state = []
-        fills = []  # (file, name, old offset, destination)
-        master_fills = []
-        for g, ((group, params, model_shards), gdoc, old_plan) in enumerate(zip(groups, odoc["groups"], plans[i])):
-            if gdoc["dtype"] != str(group.dtype).replace("torch.", ""):
-                raise CheckpointError(f"{path}: shard group {g} of optimizer {i} was saved as {gdoc['dtype']}, this "
-                                      f"model's is {group.dtype} (the checkpoint was saved under another precision)")
-            names = [strategy.manager.name_of(p) for p in params]
-            shapes = [list(shape) for shape in group.shapes]  # full sharding changes p.shape between steps
-            if gdoc["names"] != names or gdoc["shapes"] != shapes:
-                diff = next((k for k in range(min(len(names), len(gdoc["names"])))
-                             if (names[k], shapes[k]) != (gdoc["names"][k], gdoc["shapes"][k])), None)
-                what = (f"parameter {diff} is {gdoc['names'][diff]} {gdoc['shapes'][diff]} there, "
-                        f"{names[diff]} {shapes[diff]} here" if diff is not None else
-                        f"{len(gdoc['names'])} parameters there, {len(names)} here")
-                raise CheckpointError(f"{path}: shard group {g} of optimizer {i} is from another model ({what})")
-            if [index.get(id(p)) for p in params] != gdoc["params"]:
-                raise CheckpointError(f"{path}: shard group {g} of optimizer {i} numbers its parameters "
-                                      f"{gdoc['params']}, this optimizer {[index.get(id(p)) for p in params]}")
-            runs = group.plan.reshard_runs(old_plan, rank)
+        new_state, fills, master_fills = [], [], []
+        for group, params, model_shards in _groups(strategy, book):
             n = group.plan.shard_numel
-            # the keys saved for this group: from the old files' docs
-            keys = {}
-            for p in params:
-                if id(p) not in index:
-                    continue  # stepped by another optimizer
-                for _, sdoc, _ in shards:
-                    e = sdoc["params"].get(str(index[id(p)]))
-                    if e is not None:
-                        for k in e["keys"]:
-                            keys.setdefault(k, None)
-            flats = {}
-            for k in keys:
-                name = f"g{g}.{k}"
-                dts = {f.check(name, old_plan.shard_numel) for f, _, _ in shards if name in f.tensors}
-                if len(dts) != 1:
-                    raise CheckpointError(f"{shards[0][0].path}: state {k!r} of shard group {g} is in no process's "
-                                          "file, or has different dtypes in them")
-                dt = dts.pop()
-                flats[k] = torch.zeros(n, dtype=dt)
-                for q, o, nn, ln in runs:
-                    # a process that owned none of the group's elements may have no such tensor;
-                    # one that did must have it
-                    shards[q][0].check(name, old_plan.shard_numel, dt)
-                    fills.append((shards[q][0], name, o, flats[k][nn:nn + ln]))
-            if gdoc.get("master"):
-                name = f"g{g}.master"
-                for f, _, _ in shards:
-                    f.check(name, old_plan.shard_numel, torch.float32)
-                mflat = torch.zeros(n, dtype=torch.float32)
-                for q, o, nn, ln in runs:
-                    fills.append((shards[q][0], name, o, mflat[nn:nn + ln]))
-                master_fills.append((model_shards, group, mflat))
-            for p in params:
+            flats: dict = {}  # state key -> this group's new shard of it
+            wants_master = id(group) in model_shards.masters or (strategy.fp32_masters and group.dtype != torch.float32)
+            mflat = torch.zeros(n, dtype=torch.float32) if wants_master else None
+            for p, shape, (local, poff, length) in zip(params, group.shapes, group.runs()):
+                name = strategy.manager.name_of(p)
+                if name not in saved:
+                    raise CheckpointError(f"{path}: optimizer {i} has no saved state for parameter {name} (a plan "
+                                          "from another model)")
+                g, j = saved[name]
+                gdoc, old_plan = odoc["groups"][g], plans[i][g]
+                if gdoc["shapes"][j] != list(shape):  # full sharding changes p.shape between steps
+                    raise CheckpointError(f"{path}: parameter {name} was saved with shape {gdoc['shapes'][j]}, this "
+                                          f"model's is {list(shape)}: a plan from another model")
+                if gdoc["params"][j] != index.get(id(p)):
+                    raise CheckpointError(f"{path}: optimizer {i} numbered parameter {name} {gdoc['params'][j]}, this "
+                                          f"one numbers it {index.get(id(p))}")
+                if mflat is not None and length:
+                    if gdoc.get("master"):
+                        mname = f"g{g}.master"
+                        for f in old_files:
+                            f.check(mname, old_plan.shard_numel, torch.float32)
+                        fills += range_fills(old_plan, j, poff, mflat[local:local + length], old_files, mname)
+                    elif not getattr(model_shards, "masters_are_weights", False):
+                        raise CheckpointError(f"{path}: parameter {name} was saved without fp32 master weights, this "
+                                              "run keeps them (the checkpoint was saved under another precision)")
                 hit = by_param.get(id(p))
                 if hit is None:
-                    continue
+                    continue  # stepped by another optimizer, or this process owns none of it
                 view, o = hit
                 pid = str(index[id(p)])
-                saved = [sdoc["params"][pid] for _, sdoc, _ in shards if pid in sdoc["params"]]
+                entry = next((sdoc["params"][pid] for _, sdoc, _ in shards if pid in sdoc["params"]), None)
+                if entry is None:
+                    continue  # no state yet (never stepped)
                 st = {}
-                if saved:
-                    for k in saved[0]["keys"]:
-                        st[k] = flats[k][o.local_offset:o.local_offset + o.length]
-                    st.update(saved[0]["other"])
-                if st:
-                    new_state.append((view, st))
+                for k in entry["keys"]:
+                    kname = f"g{g}.{k}"
+                    dts = {f.check(kname, old_plan.shard_numel) for f in old_files if kname in f.tensors}
+                    if len(dts) != 1:
+                        raise CheckpointError(f"{old_files[0].path}: state {k!r} of saved group {g} is in no "
+                                              "process's file, or has different dtypes in them")
+                    dt = dts.pop()
+                    flat = flats.get(k)
+                    if flat is None:
+                        flat = flats[k] = torch.zeros(n, dtype=dt)
+                    elif flat.dtype != dt:
+                        raise CheckpointError(f"{old_files[0].path}: state {k!r} is saved in both {flat.dtype} and {dt}")
+                    dest = flat[o.local_offset:o.local_offset + o.length]
+                    # a process that owned none of the parameter may have no such tensor; one that did must
+                    for f, nm, off, d in range_fills(old_plan, j, o.param_offset, dest, old_files, kname):
+                        f.check(nm, old_plan.shard_numel, dt)
+                        fills.append((f, nm, off, d))
+                    st[k] = dest
+                st.update(entry["other"])
+                new_state.append((view, st))
+            if mflat is not None and gdoc_has_master(odoc, saved, params, strategy):
+                master_fills.append((model_shards, group, mflat))
         sd = _torch_state_dict(torch_opt, new_state, shards[0][1]["param_groups"])
         _dry_run(torch_opt, sd, shards)
 
@@ -459,6 +470,12 @@ def plan_load(acc, strategy, files):
         reads.append(lambda fills=fills: read_all(fills))
         applies.append(apply)
     return reads, applies
+
+
+def gdoc_has_master(odoc, saved: dict, params, strategy) -> bool:
+    """Whether the saved groups of `params` hold fp32 masters (then the new masters come from
+    them; otherwise the masters are the weights the model load fills: full sharding's)."""
+    return any(odoc["groups"][saved[strategy.manager.name_of(p)][0]].get("master") for p in params)
 
 
 def is_sharded(directory: str) -> bool:

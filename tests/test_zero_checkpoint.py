@@ -43,6 +43,8 @@ def test_saved_on_n_resumes_on_m(tmp_path, stage, precision, saved_on, loaded_on
                    torch.load(tmp_path / "uninterrupted.pt")["at_save"])
     for m in loaded_on:
         _run(m, "load", str(tmp_path), str(stage), precision, *extra, says=f"zero{stage} {precision} resumed on {m}")
+    if sdt == "SHARDED_STATE_DICT":  # the same checkpoint resumed by ZeRO-2: the shards matched by name
+        _run(2, "load", str(tmp_path), "2", precision, "FROM3", says=f"zero2 {precision} resumed on 2")
 
 
 def _merge_weights(ckpt, out, precision, at_save):

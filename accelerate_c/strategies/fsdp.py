@@ -37,6 +37,10 @@ class FsdpModel:
     (id(param) -> Owned), `masters` (the trainable groups' fp32 shards: the masters, which
     sharded checkpoints save and reload, zero_checkpoint.py) and `views` (none)."""
 
+    # the masters are the shards the parameters' values live in: a load of the weights fills
+    # them (zero_checkpoint.plan_load needs no saved masters for them)
+    masters_are_weights = True
+
     def __init__(self, units):
         self.units = units
         self.gathers, self.owned, self.masters, self.views = [], {}, {}, {}

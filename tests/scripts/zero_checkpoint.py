@@ -30,7 +30,8 @@ from accelerate_c import Accelerator
 
 STEPS = 3
 # full sharding's state dict type (argument 5; accelerate's FSDP2 default): SHARDED_STATE_DICT saves
-# each process's shard of the weights, FULL_STATE_DICT the gathered weights once
+# each process's shard of the weights, FULL_STATE_DICT the gathered weights once; FROM3 on a load
+# under stage 1/2: the checkpoint was saved under full sharding
 SDT = sys.argv[5] if len(sys.argv) > 5 else "SHARDED_STATE_DICT"
 GLOBAL = 12  # samples per global batch: divisible by 1, 2, 3 and 4 processes
 
@@ -70,13 +71,13 @@ def local(step, rank, world):
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def accelerator(stage, precision):
+def accelerator(stage, precision, clip: bool = True):
     if stage == 3:
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=300,
                                                 state_dict_type=SDT)
         return Accelerator(cpu=True, mixed_precision=precision, fsdp_plugin=plugin)
     cfg = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": GLOBAL // dist.get_world_size(),
-           "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
+           "gradient_accumulation_steps": 1, "gradient_clipping": 1.0 if clip else 0.0}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
@@ -147,7 +148,8 @@ _LAST: dict = {}
 def load(directory, stage, precision):
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt = os.path.join(directory, "ckpt")
-    acc = accelerator(stage, precision)
+    # FROM3: a full-sharding checkpoint loaded under ZeRO stage 1/2 (clipping off, as it was saved)
+    acc = accelerator(stage, precision, clip=SDT != "FROM3")
     model, opt = build()
     model, opt = acc.prepare(model, opt)
     acc.load_state(ckpt)
