@@ -522,3 +522,33 @@ def load_sharded_optimizers(acc, directory: str) -> None:
         read()
     for apply in applies:
         apply()
+
+
+def save_model_shards(acc, directory: str) -> None:
+    """Each process writes its shard of every prepared model's weights into `directory` (the main
+    process also the plans and the buffers: model_shards.py), for a Trainer checkpoint under
+    FSDP's SHARDED_STATE_DICT. A collective; errors are agreed, so no process waits for one
+    that failed."""
+    strategy = acc._grads.strategy
+    if not strategy.sharded_weights:
+        raise RuntimeError("save_model_shards: the weights are not sharded (full sharding with SHARDED_STATE_DICT, "
+                           "or DeepSpeed stage 3)")
+    err = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        for _, write in model_shards.save_jobs(acc, strategy, directory, acc.process_index, acc.is_main_process):
+            write()
+    except Exception as e:  # noqa: BLE001
+        err = e
+    _check(acc, err, f"save its shard of the weights in {directory}")
+
+
+def load_model_shards(acc, model, directory: str, strict: bool = True) -> None:
+    """`model`'s weights from the shards in `directory` (save_model_shards, on any number of
+    processes): every file checked before anything changes; then this process's elements read,
+    whole parameters where `model` is not (or not yet) sharded."""
+    i = next((k for k, m in enumerate(acc._models) if m is model), 0)
+    read, apply = model_shards.plan_load(zero_checkpoint.PlainFiles(directory), i, model, acc._grads.strategy, strict)
+    read()
+    apply()
+

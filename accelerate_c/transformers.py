@@ -28,7 +28,9 @@ import transformers
 from packaging.version import Version
 
 from accelerate_c.accelerator import Accelerator
-from accelerate_c.checkpointing import load_sharded_optimizers, save_sharded_optimizers
+from accelerate_c import model_shards
+from accelerate_c.checkpointing import (load_model_shards, load_sharded_optimizers, save_model_shards,
+                                         save_sharded_optimizers)
 from accelerate_c.fsdp_plugin import FullyShardedDataParallelPlugin
 from accelerate_c.utils.dataclasses import (
     DataLoaderConfiguration,
@@ -134,17 +136,42 @@ class Trainer(transformers.Trainer):
     def _sharded(self) -> bool:
         return self.accelerator.distributed_type == DistributedType.FSDP and self.accelerator.num_processes > 1
 
+    def _sharded_weights(self) -> bool:
+        """Checkpoints hold each process's shard of the weights (FSDP's SHARDED_STATE_DICT)."""
+        return self._sharded() and self.accelerator._grads.strategy.sharded_weights
+
     def save_model(self, output_dir=None, _internal_call: bool = False) -> None:
         """Under full sharding the weights are gathered (every process takes part) and the main
-        process writes them in the model's own format, so from_pretrained(output_dir) loads them."""
+        process writes them in the model's own format, so from_pretrained(output_dir) loads them.
+        A checkpoint's (`_internal_call`) under SHARDED_STATE_DICT: each process writes its shard
+        (no process gathers the model) and the main process the model's config."""
         if not self._sharded():
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _internal_call and self._sharded_weights():
+            save_model_shards(self.accelerator, output_dir)
+            config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+            if self.args.should_save and callable(getattr(config, "save_pretrained", None)):
+                config.save_pretrained(output_dir)
+            return
         state_dict = self.accelerator.get_state_dict(self.model, keep=self.args.should_save)  # where it is written
         if self.args.should_save:
             self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """A checkpoint of sharded weights (save_model above) loads from every process's shard,
+        on any number of processes (before prepare: whole parameters; prepare then shards them)."""
+        if not model_shards.is_sharded(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_model_shards(self.accelerator, model if model is not None else self.model, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is None or not model_shards.is_sharded(best):
+            return super()._load_best_model()
+        load_model_shards(self.accelerator, self.model, best)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Under full sharding each process writes its own optimizer shard (plus the plans), never

@@ -99,7 +99,8 @@ def test_the_seed_fsdp_config_trains_llama_on_4_processes(tmp_path):
 def test_transformers_trainer_on_the_seed_config_saves_sharded_and_resumes(tmp_path):
     """accelerate_c.transformers.Trainer (transformers' own Trainer) under the seed FSDP config on 4
     processes (tests/scripts/hf_trainer_llama.py, bf16): trains with eval and save_steps; every
-    process writes its own optimizer shard in each checkpoint; resumed in new processes on 4 it
+    process writes its own optimizer shard and its shard of the weights in each checkpoint
+    (SHARDED_STATE_DICT); resumed in new processes on 4 it
     ends bit for bit where the uninterrupted run ended, and on 2 it continues to the last step;
     trainer.save_model() writes what LlamaForCausalLM.from_pretrained loads equal to the
     trained weights."""
@@ -123,6 +124,12 @@ def test_transformers_trainer_on_the_seed_config_saves_sharded_and_resumes(tmp_p
     ckpt = out / "bf16-part" / "checkpoint-4"
     assert sorted(p.name for p in ckpt.glob("zero_optimizer_rank?.safetensors")) == \
         [f"zero_optimizer_rank{r}.safetensors" for r in range(4)]
+    # SHARDED_STATE_DICT (the seed config's): the weights too, each process its shard; nobody the whole
+    shards = sorted(ckpt.glob("model_shard_rank?.safetensors"))
+    assert [p.name for p in shards] == [f"model_shard_rank{r}.safetensors" for r in range(4)]
+    assert not (ckpt / "model.safetensors").exists() and (ckpt / "config.json").exists()
+    sizes = [p.stat().st_size for p in shards]
+    assert max(sizes) < 0.5 * sum(sizes), sizes
     import shutil
 
     shutil.copytree(out / "bf16-part", tmp_path / "out2" / "bf16-part")  # for the resume on 2 below
