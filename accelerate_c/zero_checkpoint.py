@@ -17,10 +17,11 @@ saved once by the main process as always):
   optimizer's parameter list) the keys present in the shard file and its other state (Adam's step).
 
 Loading: the plan file is checked whole (read_plan: every entry a load indexes with), the saved
-plans are rebuilt (_C.ShardPlan(**spec)) and checked against this run's (same parameters, same
-sizes, or an error naming the plan file); `ShardPlan.reshard_runs` gives, for this process, the
-runs (old rank, old offset, new offset, length) that fill its new shard; each run is read from the
-old rank's file with one positioned read into the new shard's memory. Everything is checked
+plans are rebuilt (_C.ShardPlan(**spec)) and this run's parameters matched to the saved ones by
+name (same shapes, same optimizer numbering, or an error naming the plan file); for each run of a
+parameter this process owns, the old processes whose runs of it overlap give one positioned read
+each into the new shard's memory (range_fills), so another world size, stage or wrap policy
+loads. Everything is checked
 before anything is read (every file present, and under load_state of the size checkpoint.json
 recorded; every header; every process's state file; the optimizer's own load_state_dict tried on
 a stand-in), and the masters and the optimizer's state (its load_state_dict) are set only once
