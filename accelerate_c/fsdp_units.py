@@ -260,14 +260,15 @@ def build_units(model, modules, world: int, rank: int, compute_dtype=None, devic
     process whose model is on the meta device (cpu_ram_efficient_loading) holds one unit's
     weights at a time: while it is built, three buffers of its size (its parameters' storage,
     the broadcast buffer, the gathered flat buffer; fewer is future work). Parameters of
-    fewer than `persist_below` elements go to the root unit, gathered through the whole forward
+    at most `persist_below` elements go to the root unit, gathered through the whole forward
     and backward (DeepSpeed's persistent parameters). With `upcast`, trainable 16-bit parameters
     become fp32 masters unit by unit (the fp32 copy of one unit at a time, never the model's)."""
     held = assign_params(modules)
     if persist_below > 0:
         for k in range(len(held) - 1):
-            held[-1].extend(x for x in held[k] if x[1].numel() < persist_below)
-            held[k] = [x for x in held[k] if x[1].numel() >= persist_below]
+            # DeepSpeed's rule: a parameter of at most the threshold's elements persists
+            held[-1].extend(x for x in held[k] if x[1].numel() <= persist_below)
+            held[k] = [x for x in held[k] if x[1].numel() > persist_below]
     module_names = {id(m): n for n, m in model.named_modules()}
     units = []
     for k, (m, named) in enumerate(zip(modules, held)):

@@ -159,3 +159,22 @@ def test_stage3_state_dict_is_deepspeeds_consolidated_16bit_one():
     DeepSpeed's consolidated state dict; without stage3_gather_16bit_weights_on_model_save an
     error naming it (tests/scripts/zero3_state_dict.py)."""
     _script_passes(2, "zero3_state_dict.py", says="zero3 state dict OK")
+
+
+def test_stage3_persistent_parameters_are_those_of_at_most_the_threshold():
+    """DeepSpeed's stage3_param_persistence_threshold: a parameter of at most that many elements
+    stays gathered (DeepSpeed marks `ds_numel <= threshold` persistent; its engine is not installed
+    here, so the rule is taken from its source). Sizes on both sides of the threshold and at it;
+    one process (no collective: build_units without a source rank)."""
+    from accelerate_c.fsdp_units import build_units, unit_modules
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), torch.nn.Linear(2, 3))
+    sizes = {n: p.numel() for n, p in model.named_parameters()}  # 16, 4, 8, 2, 6, 3
+    threshold = 6
+    units = build_units(model, unit_modules(model, "SIZE_BASED_WRAP", min_num_params=1), world=1, rank=0,
+                        persist_below=threshold)
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_root = {names[id(p)] for ug in units[-1].groups for p in ug.params}
+    assert in_root == {n for n, k in sizes.items() if k <= threshold}, (in_root, sizes)
+    assert "2.weight" in in_root  # exactly the threshold's size
