@@ -54,6 +54,7 @@ class GradShard:
         self.group = group
         self.params = list(params)  # in plan parameter order (group.indices)
         self.names = names  # callable: param -> its name, for error messages
+        self.label = None  # what errors name the shard by besides its parameters (full sharding: its unit)
         self.find_unused = find_unused
         self.model_key = model_key
         self.world = plan.world
@@ -187,8 +188,8 @@ class GradShard:
     def _where(self, b) -> str:
         names = [self.names(self.params[i]) for i, wb in enumerate(self.where) if wb == b]
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        return (f"rank {dist.get_rank()}/{self.world}: the reduce-scatter of gradient bucket {b} "
-                f"({self.buckets[b][1] * self.world} {self.dtype} elements: {shown})")
+        return (f"rank {dist.get_rank()}/{self.world}: {self.label + ': ' if self.label else ''}the reduce-scatter "
+                f"of gradient bucket {b} ({self.buckets[b][1] * self.world} {self.dtype} elements: {shown})")
 
     def _end_of_backward(self):
         """The autograd engine's callback: finishes the backward unless gradients are still

@@ -176,6 +176,19 @@ def test_a_collective_called_on_one_process_names_the_unit_within_the_timeout():
     assert "one-rank get_state_dict refused after" in res.stdout and "unit 'a' (Linear)" in res.stdout
 
 
+@pytest.mark.parametrize("comm", ["shm", "gloo"])
+def test_a_unit_skipped_on_one_process_names_a_unit_on_every_process(comm):
+    """A forward whose path depends on the rank (tests/scripts/fsdp_one_rank.py skip, timeout 5 s):
+    the processes' gathers no longer pair up; each gets a RuntimeError naming a unit (shared
+    memory sees the mismatch at once, gloo at the timeout), never a hang or a silent result."""
+    res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "fsdp_one_rank.py"), "skip"], timeout=wait_s(120),
+                 env={"ACCELERATE_C_COMM": comm})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: a skipped unit refused after" in res.stdout, res.stdout[-3000:]
+
+
 def test_meta_models_are_refused_by_name_where_they_cannot_be_loaded():
     """A model on the meta device on a process other than the main one: refused by data
     parallelism on every process (naming the process and the parameter), accepted by full

@@ -33,7 +33,7 @@ def _run(world, *args, says=None):
     (2, "bf16", 2, (2, 3), None),
     # full sharding (FSDP); its bf16 resume: tests/test_fsdp.py's Trainer test. SHARDED_STATE_DICT:
     # each process writes its shard of the weights; FULL_STATE_DICT: the main process the gathered ones
-    (3, "no", 3, (2, 1), "SHARDED_STATE_DICT"),
+    (3, "no", 4, (2, 1), "SHARDED_STATE_DICT"),
     (3, "no", 2, (3,), "FULL_STATE_DICT"),
 ])
 def test_saved_on_n_resumes_on_m(tmp_path, stage, precision, saved_on, loaded_on, sdt):

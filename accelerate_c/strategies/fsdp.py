@@ -167,6 +167,8 @@ class FullShardStrategy(Zero2Strategy):
                                dtype=ug.compute_dtype, shard_dtype=ug.shard.dtype)
                 gs.on_launched = lambda done, _u=unit, _gs=gs: self._launched(_u, _gs, done)
                 gs.keep_free = 0  # a unit's staging is its whole gradient: none kept between backwards
+                # a process whose backward ran other units than its peers' hears of it here too
+                gs.label = f"{ug.label} (every process must run the same units' forwards and backwards)"
                 self.hold(gs)
         self.hook_model_zero_grad(model)
 

@@ -1,11 +1,16 @@
 """A collective under full sharding called by one process only (launched by tests/test_fsdp.py on
-2 processes, process-group timeout 5 s): rank 0 calls accelerator.get_state_dict(model) inside an
-`if is_main_process`, rank 1 does not. Rank 0 must get a RuntimeError naming the unit whose
-gather did not complete, within the timeout (not a hang); rank 1 waits, then both leave."""
+2 processes, process-group timeout 5 s):
+- `state_dict` (the default): rank 0 calls accelerator.get_state_dict(model) inside an `if
+  is_main_process`, rank 1 does not. Rank 0 must get a RuntimeError naming the unit whose gather
+  did not complete, within the timeout (not a hang); rank 1 waits, then both leave.
+- `skip`: a forward whose path depends on the rank: rank 1 skips unit 'a', so the two processes'
+  gathers no longer pair up. Each process must get a RuntimeError naming a unit within the
+  timeout (not a hang, not a silently wrong result)."""
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 
 import torch
@@ -23,8 +28,8 @@ class Net(torch.nn.Module):
         self.a = torch.nn.Linear(8, 8)
         self.b = torch.nn.Linear(8, 2)
 
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
+    def forward(self, x, skip=False):
+        return self.b(x if skip else torch.tanh(self.a(x)))
 
 
 acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
@@ -37,6 +42,20 @@ acc.backward(model(torch.randn(4, 8)).sum())
 opt.step()
 opt.zero_grad()
 acc.wait_for_everyone()
+MODE = sys.argv[1] if len(sys.argv) > 1 else "state_dict"
+if MODE == "skip":
+    t0 = time.monotonic()
+    try:
+        acc.backward(model(torch.randn(4, 8), skip=acc.process_index == 1).sum())
+        opt.step()
+    except RuntimeError as e:
+        took = time.monotonic() - t0
+        assert "unit '" in str(e), str(e)
+        assert took < 60, took
+        print(f"rank {acc.process_index}: a skipped unit refused after {took:.1f} s: {str(e)[:200]}", flush=True)
+    else:
+        raise AssertionError(f"rank {acc.process_index}: a forward that skips a unit on one process went through")
+    os._exit(0)
 if acc.is_main_process:
     t0 = time.monotonic()
     try:
