@@ -32,7 +32,7 @@ from .checkpoint_layout import is_complete, suffix
 from .safetensors_io import list_tensors, load_file, load_into, save_file
 from .shard_plan import plan_spec
 from .state_io import CheckpointError, read_json, write_json_durable
-from .zero_checkpoint import PlainFiles, ShardFile, is_int, plan_dtype, read_all, rebuild_plan
+from .zero_checkpoint import PlainFiles, ShardFile, is_int, plan_dtype, range_fills, read_all, rebuild_plan
 
 FORMAT = "accelerate_c.model_shards"
 VERSION = 1
@@ -177,11 +177,7 @@ def plan_load(files, i: int, model, strategy, strict: bool = True):
         plan, dtype = groups[g][0], groups[g][1]
         for start, dest in pieces:
             temp = torch.empty(dest.numel(), dtype=dtype)
-            for q in range(world):
-                local, poff, length = plan.param_shard(j, q)
-                lo, hi = max(poff, start), min(poff + length, start + dest.numel())
-                if lo < hi:
-                    fills.append((shards[q], f"g{g}", local + lo - poff, temp[lo - start:hi - start]))
+            fills += range_fills(plan, j, start, temp, shards, f"g{g}")
             copies.append((dest, temp))
     buf_targets = {n: torch.empty(binfo[n].shape, dtype=buffers[n].dtype) for n in binfo if n in buffers}
 
@@ -220,10 +216,7 @@ def merged(directory: str, i: int = 0) -> dict:
             f.check(f"g{g}", plan.shard_numel, dtype)
         for j, (names, shape) in enumerate(entries):
             full = torch.empty(plan.numel[j], dtype=dtype)
-            for q, f in enumerate(shards):
-                local, poff, length = plan.param_shard(j, q)
-                if length:
-                    f.read_into(f"g{g}", local, full[poff:poff + length])
+            read_all(range_fills(plan, j, 0, full, shards, f"g{g}"))
             for n in names:
                 sd[n] = full.view(shape)
     return sd

@@ -517,11 +517,9 @@ def plan_load_whole(acc, files):
                     name = f"g{g}.{k}"
                     dt = shards[saved[0][0]][0].check(name, old_plan.shard_numel)
                     full = torch.zeros(p.numel(), dtype=dt)
-                    for q in range(old_world):
-                        local, poff, length = old_plan.param_shard(j, q)
-                        if length:
-                            shards[q][0].check(name, old_plan.shard_numel, dt)
-                            fills.append((shards[q][0], name, local, full[poff:poff + length]))
+                    for f, nm, off, d in range_fills(old_plan, j, 0, full, [s[0] for s in shards], name):
+                        f.check(nm, old_plan.shard_numel, dt)
+                        fills.append((f, nm, off, d))
                     st[k] = full.view(p.shape)
                 new_state.append((p, st))
         sd = _torch_state_dict(torch_opt, new_state, shards[0][1]["param_groups"])
@@ -564,9 +562,6 @@ def merged_weights(directory: str, model_index: int = 0) -> dict:
                 if pname not in sd or list(sd[pname].shape) != shape:
                     raise CheckpointError(f"{path}: parameter {pname} {shape} is not in {weights} with that shape")
                 full = torch.empty(plan.param(j)[2], dtype=torch.float32)
-                for q, f in enumerate(shards):
-                    local, poff, length = plan.param_shard(j, q)
-                    if length:
-                        f.read_into(name, local, full[poff:poff + length])
+                read_all(range_fills(plan, j, 0, full, shards, name))
                 sd[pname] = full.view(shape)
     return sd
