@@ -75,8 +75,12 @@ def run(case: dict) -> dict:
                 window = [copies, halves, Addends(halves), 0]
             copies = window[0]
             with torch.autocast("cpu", dtype=dtype):
-                outs = [c(x) for c in copies]
-            loss = W.loss_of([o.float() for o in outs], y) / case["ga"]
+                # (fsdp_aux: the output layer called outside the forward, under the same autocast)
+                aux = W.aux_loss(case, copies[0].out, x) if case.get("fsdp_aux") == "before" else 0.0
+                outs = [c(x, **W.forward_kwargs(case, i)) for c in copies]
+                if case.get("fsdp_aux") == "after":
+                    aux = W.aux_loss(case, copies[0].out, x)
+            loss = (W.loss_of([o.float() for o in outs], y) + aux) / case["ga"]
             loss.backward()  # into the bf16 copies' .grad: FSDP2's unsharded accumulation
             window[3] += 1
             if window_end:
