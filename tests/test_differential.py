@@ -202,3 +202,25 @@ def test_fsdp_bf16_parameters_are_bounded_by_their_gradients_bound_carried_throu
     assert any("parameter 0" in e for e in compare.compare(case, far, ref))  # small terms: small bound
     doubled = trace([torch.full((3,), 0.2), torch.full((3,), 0.2 - 2 * 0.19)])
     assert any("parameter 0" in e for e in compare.compare(case, doubled, ref))
+
+
+def test_fsdp_gather_axes_are_drawn_only_where_supported():
+    """The FSDP axes that drive the gathers (cases.py): a forward that leaves out the middle layer
+    only where that layer is a unit of its own or find_unused_parameters is on (accelerate_c
+    refuses a partly used unit group without it) and never with the model's reentrant
+    checkpointing; the output layer called outside the forward never with reentrant
+    checkpointing; and every value of each axis drawn somewhere."""
+    seen = {"skip": set(), "aux": set(), "prefetch": set()}
+    for seed in range(3000):
+        c = draw(seed, 2 + seed % 2, "fsdp")
+        if c["sharding"] != "fsdp":
+            continue
+        if c["fsdp_skip"]:
+            assert not c["reentrant"] and (c["fsdp_wrap"] != "NO_WRAP" or c["unused"]), c
+        if c["fsdp_aux"]:
+            assert not c["reentrant"], c
+        seen["skip"].add(c["fsdp_skip"])
+        seen["aux"].add((c["fsdp_aux"], c["fsdp_wrap"]))
+        seen["prefetch"].add(c["fsdp_prefetch"])
+    assert seen["skip"] == {0, 2, 3} and seen["prefetch"] == {True, False}
+    assert {w for a, w in seen["aux"] if a} == {"NO_WRAP", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP"}
