@@ -219,6 +219,8 @@ def test_fsdp_gather_axes_are_drawn_only_where_supported():
             assert not c["reentrant"] and (c["fsdp_wrap"] != "NO_WRAP" or c["unused"]), c
         if c["fsdp_aux"]:
             assert not c["reentrant"], c
+            # (the defect docs/differential.md names under "Not reached yet", until it is fixed)
+            assert not (c["fsdp_wrap"] == "TRANSFORMER_BASED_WRAP" and c["fsdp_reshard"] and c["mp"] != "no"), c
         seen["skip"].add(c["fsdp_skip"])
         seen["aux"].add((c["fsdp_aux"], c["fsdp_wrap"]))
         seen["prefetch"].add(c["fsdp_prefetch"])
