@@ -147,7 +147,8 @@ def test_chaotic_gradients_against_their_largest_magnitude(world):
 
 def _fsdp_trace(grad, micro=1, terms=None):
     step = {"params": [torch.ones(12)], "grads": [grad], "norm": None, "lr": 0.1, "skipped": False, "scale": None,
-            "micro_batches": micro, "addends": [torch.ones(12) if terms is None else terms]}
+            "micro_batches": micro, "addends": [torch.ones(12) if terms is None else terms],
+            "sgd": {"lr": 0.1, "momentum": 0.0}}
     return {"steps": [step], "final": [torch.ones(12)]}
 
 
@@ -172,3 +173,56 @@ def test_fsdp_bf16_is_held_to_fp32_roundings_where_both_sides_round_alike():
     near = g + 2.0 ** -20
     errors = compare.compare(acc, _fsdp_trace(near, micro=1), _fsdp_trace(g, micro=1))
     assert any("not reduced in bf16" in e for e in errors), errors
+
+
+def test_fsdp_bf16_parameters_are_bounded_by_their_gradients_bound_carried_through_sgd():
+    """FSDP under bf16 where the sides round apart (compare._fsdp_param_slack): the parameters
+    may differ by every step's gradient rounding bound (_fsdp_bound x the terms) carried through
+    SGD's momentum and learning rate, on top of tolerance(), element by element: a small bias that
+    has travelled far gets its path's bound, not 1% of its final value; a bias whose terms were
+    small does not, and a doubled update fails whatever the terms."""
+    case = _case(1, world=3, mp="bf16", sharding="fsdp", ga=1, optimizer="sgd_momentum")
+    beta = compare._fsdp_bound(case)
+    g = torch.tensor([1.0, 1.0, 1.0])
+    terms = torch.tensor([1.0, 1.0, 0.01])
+
+    def trace(params):
+        steps = [{"params": [p], "grads": [g], "norm": None, "lr": 0.1, "skipped": False, "scale": None,
+                  "micro_batches": 1, "addends": [terms], "sgd": {"lr": 0.1, "momentum": 0.9}} for p in params]
+        return {"steps": steps, "final": [params[-1]], "initial": [torch.full((3,), 0.3)]}
+
+    ref = trace([torch.full((3,), 0.2), torch.full((3,), 0.01)])  # 0.3 -> 0.2 -> 0.01 (a bias near 0)
+    bound = 0.1 * beta * terms + 0.1 * (0.9 * beta * terms + beta * terms)  # after the second step
+    scale = 0.2  # the parameter's largest before the step
+    near = ref["steps"][1]["params"][0] + torch.tensor([0.9, 0.0, 0.0]) * bound
+    near = trace([torch.full((3,), 0.2), near])
+    assert (0.9 * bound[0]).item() > 0.01 * scale  # past the flat 1% the bias got before
+    assert not compare.compare(case, near, ref)
+    far = trace([torch.full((3,), 0.2), ref["steps"][1]["params"][0] + torch.tensor([0.0, 0.0, 2e-3])])
+    assert any("parameter 0" in e for e in compare.compare(case, far, ref))  # small terms: small bound
+    doubled = trace([torch.full((3,), 0.2), torch.full((3,), 0.2 - 2 * 0.19)])
+    assert any("parameter 0" in e for e in compare.compare(case, doubled, ref))
+
+
+def test_fsdp_gather_axes_are_drawn_only_where_supported():
+    """The FSDP axes that drive the gathers (cases.py): a forward that leaves out the middle layer
+    only where that layer is a unit of its own or find_unused_parameters is on (accelerate_c
+    refuses a partly used unit group without it) and never with the model's reentrant
+    checkpointing; the output layer called outside the forward never with reentrant
+    checkpointing; and every value of each axis drawn somewhere."""
+    seen = {"skip": set(), "aux": set(), "prefetch": set()}
+    for seed in range(3000):
+        c = draw(seed, 2 + seed % 2, "fsdp")
+        if c["sharding"] != "fsdp":
+            continue
+        if c["fsdp_skip"]:
+            assert not c["reentrant"] and (c["fsdp_wrap"] != "NO_WRAP" or c["unused"]), c
+        if c["fsdp_aux"]:
+            assert not c["reentrant"], c
+            # (the defect docs/differential.md names under "Not reached yet", until it is fixed)
+            assert not (c["fsdp_wrap"] == "TRANSFORMER_BASED_WRAP" and c["fsdp_reshard"] and c["mp"] != "no"), c
+        seen["skip"].add(c["fsdp_skip"])
+        seen["aux"].add((c["fsdp_aux"], c["fsdp_wrap"]))
+        seen["prefetch"].add(c["fsdp_prefetch"])
+    assert seen["skip"] == {0, 2, 3} and seen["prefetch"] == {True, False}
+    assert {w for a, w in seen["aux"] if a} == {"NO_WRAP", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP"}

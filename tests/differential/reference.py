@@ -78,7 +78,8 @@ class Addends:
 def wrap(case, models, world):
     if world == 1:
         return models
-    kwargs = {"find_unused_parameters": case["unused"]}
+    # (a forward that leaves out a layer on some steps needs find_unused_parameters under DDP)
+    kwargs = {"find_unused_parameters": case["unused"] or bool(case.get("fsdp_skip"))}
     if case["tiny_buckets"]:
         kwargs["bucket_cap_mb"] = W.bucket_cap_mb(case)
     wrapped = [DDP(m, **kwargs) for m in models]
@@ -133,9 +134,12 @@ def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world,
                 if world > 1 and not window_end:
                     for d in nets:
                         stack.enter_context(d.no_sync())
+                aux = _aux(case, nets[0], amp, x) if case.get("fsdp_aux") == "before" else 0.0
                 with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
-                    outs = [d(x) for d in nets]
-                loss = W.loss_of([o.float() for o in outs], y) / case["ga"]
+                    outs = [d(x, **W.forward_kwargs(case, i)) for d in nets]
+                if case.get("fsdp_aux") == "after":
+                    aux = _aux(case, nets[0], amp, x)
+                loss = (W.loss_of([o.float() for o in outs], y) + aux) / case["ga"]
                 if case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0:
                     loss = loss * float("inf")
                 (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -144,6 +148,13 @@ def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world,
             norm = _step(case, params, opts, scaler, world, sched, trace, addends)
             trace["steps"][-1]["norm"] = norm
             W.zero_grads(case, opts, models, params, engine=True)
+
+
+def _aux(case, net, amp, x):
+    """fsdp_aux: the output layer called directly (on the module DDP wraps), under autocast."""
+    model = net.module if isinstance(net, DDP) else net
+    with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+        return W.aux_loss(case, model.out, x)
 
 
 def evaluate(case, model, amp, cast=None):

@@ -75,8 +75,12 @@ def run(case: dict) -> dict:
                 window = [copies, halves, Addends(halves), 0]
             copies = window[0]
             with torch.autocast("cpu", dtype=dtype):
-                outs = [c(x) for c in copies]
-            loss = W.loss_of([o.float() for o in outs], y) / case["ga"]
+                # (fsdp_aux: the output layer called outside the forward, under the same autocast)
+                aux = W.aux_loss(case, copies[0].out, x) if case.get("fsdp_aux") == "before" else 0.0
+                outs = [c(x, **W.forward_kwargs(case, i)) for c in copies]
+                if case.get("fsdp_aux") == "after":
+                    aux = W.aux_loss(case, copies[0].out, x)
+            loss = (W.loss_of([o.float() for o in outs], y) + aux) / case["ga"]
             loss.backward()  # into the bf16 copies' .grad: FSDP2's unsharded accumulation
             window[3] += 1
             if window_end:
@@ -111,10 +115,23 @@ def _step(case, params, window, opts, sched, world, trace):
     if case["clip"] != "none":
         norm = W.torch_clip_norm(case, clipped)
     grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
+    rule = _sgd_rule(opts)
     for opt in opts:
         opt.step()
     for _ in range(world):
         sched.step()
     trace["steps"].append({"params": [p.detach().float().clone() for p in params], "grads": grads,
                            "skipped": False, "lr": sched.get_last_lr()[0], "scale": None, "norm": norm,
-                           "addends": terms, "micro_batches": micro})
+                           "addends": terms, "micro_batches": micro, "sgd": rule})
+
+
+def _sgd_rule(opts):
+    """The update this step applies, for compare.py's parameter bound (a gradient difference
+    becomes a parameter difference through it): {"lr", "momentum"} of a plain SGD (no dampening,
+    Nesterov or weight decay: a linear map of the gradients), else None (the bound is derived for
+    SGD only; AdamW is not drawn under bf16)."""
+    (opt,) = opts  # one optimizer under FSDP (cases.py)
+    g = opt.param_groups[0]
+    if not isinstance(opt, torch.optim.SGD) or g["dampening"] or g["nesterov"] or g["weight_decay"]:
+        return None
+    return {"lr": float(g["lr"]), "momentum": float(g["momentum"])}

@@ -33,6 +33,14 @@ def _clip(acc, case, params):
 
 
 
+def _aux(case, acc, model, x):
+    """fsdp_aux: the output layer of the prepared model called directly, outside its forward
+    (which the Accelerator wrapped in autocast): under mixed precision the loop asks for the
+    Accelerator's autocast itself, as accelerate's docs say for code outside the forward."""
+    with acc.autocast() if case["mp"] != "no" else contextlib.nullcontext():
+        return W.aux_loss(case, model.out, x)
+
+
 def _values(acc, case, models, params) -> list:
     """The parameters' values (fp32 copies); under full sharding each process holds a shard of
     each, so the full values come from accelerator.get_state_dict (a collective)."""
@@ -81,6 +89,9 @@ def run(case: dict) -> dict:
     prepared = acc.prepare(*models, *opts, dl, sched)
     n, k = len(models), len(opts)
     models, opts, (dl, sched) = list(prepared[:n]), list(prepared[n:n + k]), prepared[n + k:]
+    if case.get("sharding") == "fsdp" and not case.get("fsdp_prefetch", True):
+        # prefetch off: the prepared strategy's switch, as tests/scripts/fsdp_prefetch.py turns it off
+        acc._grads.strategy.prefetch = False
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     trace = {"steps": []}
     with acc.join_uneven_inputs(models) if case["uneven"] else contextlib.nullcontext():
@@ -114,7 +125,11 @@ def _train(case, acc, models, params, opts, dl, sched, trace):
                     for m in models:
                         ctx.enter_context(acc.no_sync(m))
             with ctx:
-                loss = W.loss_of([m(W.inputs(case, x)).float() for m in models], y)
+                aux = _aux(case, acc, models[0], x) if case.get("fsdp_aux") == "before" else 0.0
+                outs = [m(W.inputs(case, x), **W.forward_kwargs(case, i)).float() for m in models]
+                if case.get("fsdp_aux") == "after":
+                    aux = _aux(case, acc, models[0], x)
+                loss = W.loss_of(outs, y) + aux
                 if case["sync_style"] == "no_sync":
                     loss = loss / case["ga"]
                 if case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0:

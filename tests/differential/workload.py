@@ -49,10 +49,12 @@ class Net(torch.nn.Module):
             self.mid.bias.requires_grad_(False)
         self.reentrant = case["reentrant"]
 
-    def forward(self, x):
+    def forward(self, x, skip_mid: bool = False):
         h = torch.tanh(self.inp(x.to(self.inp.weight.dtype)))
         h = h.to(self.mid.weight.dtype)
-        if self.reentrant == "shared":  # one weight in two segments
+        if skip_mid:  # data-dependent control flow (fsdp_skip): the middle layer left out
+            pass
+        elif self.reentrant == "shared":  # one weight in two segments
             h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=True)
             h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=True)
         elif self.reentrant == "separate":  # each segment its own weights, the output layer in one
@@ -60,9 +62,27 @@ class Net(torch.nn.Module):
             return checkpoint(lambda t: self.out(t.to(self.out.weight.dtype)), h, use_reentrant=True).float()
         else:
             h = torch.tanh(self.mid(h))
-            if self.tied:
-                h = torch.tanh(self.mid2(h.to(self.mid2.weight.dtype)))
+        if self.tied:  # (never with reentrant checkpointing: cases.py)
+            h = torch.tanh(self.mid2(h.to(self.mid2.weight.dtype)))
         return self.out(h.to(self.out.weight.dtype)).float()
+
+
+def forward_kwargs(case: dict, i: int) -> dict:
+    """What the loop passes the model's forward besides the inputs at micro-batch i of an epoch
+    (fsdp_skip: the middle layer left out at every fsdp_skip-th; the same on every process, whose
+    loaders are equally long)."""
+    period = case.get("fsdp_skip", 0)
+    return {"skip_mid": True} if period and i % period == period - 1 else {}
+
+
+AUX_WEIGHT = 0.1
+
+
+def aux_loss(case: dict, out_layer, x):
+    """fsdp_aux: an extra loss term, the output layer called directly (outside the model's
+    forward) on the inputs repeated to the hidden width; the caller provides the autocast."""
+    z = torch.cat([x, x], dim=1).to(out_layer.weight.dtype if case["mp"] == "no" else x.dtype)
+    return AUX_WEIGHT * out_layer(z).float().pow(2).mean()
 
 
 def models(case: dict):
