@@ -201,17 +201,26 @@ class UnitGroup:
                                f"process must run the same units' forwards and call get_state_dict / save_model "
                                f"together ({e})") from e
 
-    def reshard(self, quiet: bool = False) -> None:
+    def reshard(self, quiet: bool = False, mid_step: bool = False) -> None:
         """Back to the runs; the flat buffer's memory released. A prefetch still in flight is
         waited for first (the collective writes into that memory); `quiet` (an abort) drops its
-        error, which the failing call already raised."""
+        error, which the failing call already raised. `mid_step` (after a forward whose backward
+        will gather the unit again): the parameters view an empty tensor of the compute dtype
+        instead, since torch drops a parameter's gradient accumulator when `p.data` changes
+        dtype, and a unit run twice before one backward would then get two (its gradient
+        delivered twice); the runs come back when the backward or the step releases the unit."""
         if self.pending is not None:
             try:
                 self.finish()
             except RuntimeError:
                 if not quiet:
                     raise
-        self.point_at_runs()
+        if mid_step and self.compute_dtype != self.shard.dtype:
+            empty = self.flat[:0]
+            for p in self.params:
+                p.data = empty
+        else:
+            self.point_at_runs()
         self.flat.untyped_storage().resize_(0)
         self.gathered = False
 
@@ -246,10 +255,10 @@ class Unit:
             if not g.gathered:
                 g.gather(rank, world, async_op=True)
 
-    def reshard(self, quiet: bool = False):
+    def reshard(self, quiet: bool = False, mid_step: bool = False):
         for g in self.groups:
             if g.gathered:
-                g.reshard(quiet)
+                g.reshard(quiet, mid_step)
 
 
 def build_units(model, modules, world: int, rank: int, compute_dtype=None, device=None, src=None,

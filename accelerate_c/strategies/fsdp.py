@@ -220,7 +220,7 @@ class FullShardStrategy(Zero2Strategy):
             # the root stays gathered while grad is on, even when no output tensor is visible (a
             # model returning a plain object): the end of backward or the step releases it
             if not torch.is_grad_enabled() or (not unit.is_root and (not needs_grad or self.reshard_after_forward)):
-                unit.reshard()
+                unit.reshard(mid_step=needs_grad)  # gathered again for its backward: keep the dtype
             return None
         return hook
 

@@ -165,14 +165,10 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None) -> di
         # TRANSFORMER_BASED_WRAP it is a unit of its own, run outside the root's forward.
         # Not with the model's reentrant checkpointing: its output layer's gradient then arrives in
         # the segment's own backward and again in the outer one (torch DDP refuses that too)
-        # Nor, for now, where the output layer is a unit of its own that is resharded between its
-        # two runs under bf16 (TRANSFORMER_BASED_WRAP, reshard_after_forward, param_dtype): a
-        # defect this axis found, not fixed yet (docs/differential.md, "Not reached yet": torch
-        # drops a parameter's cached gradient accumulator when its .data changes dtype, so the two
-        # runs' gradients arrive in one backward through two accumulators, and the gradient shard
-        # refuses the second)
+        # (Its own unit resharded between its two runs under bf16 found a defect, fixed since:
+        # docs/differential.md, "Found and fixed".)
         c["fsdp_aux"] = r.choice((None, None, "before", "after"))
-        if c["reentrant"] or (c["fsdp_wrap"] == "TRANSFORMER_BASED_WRAP" and c["fsdp_reshard"] and c["mp"] != "no"):
+        if c["reentrant"]:
             c["fsdp_aux"] = None
         # prefetch off (FullShardStrategy.prefetch, as tests/scripts/fsdp_prefetch.py sets it):
         # every gather is then the unit's own, in its hooks
