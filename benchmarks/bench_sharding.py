@@ -336,11 +336,16 @@ def worker(args) -> int:  # noqa: C901 (one linear script)
             held, staging = counted(c)
             result["mem"] = (held, staging, (_rss_kb("VmHWM") - rss0) * 1024)
             if name.startswith("zero3"):  # each process holds shards: the whole weights gathered to the main
-                # process ({} on the others, as accelerate's FSDP2 get_state_dict), then sent to all
-                box = [c["acc"].get_state_dict(c["model"])]
-                dist.broadcast_object_list(box, src=0)
-                final = [box[0][n].clone() for n, _ in c["inner"].named_parameters()]
-                del box
+                # process ({} on the others, as accelerate's FSDP2 get_state_dict), then broadcast one
+                # tensor at a time (a pickled state dict through broadcast_object_list took ~7 GB of
+                # host memory per process at 100M parameters and 4 processes: the OOM killer's)
+                sd = c["acc"].get_state_dict(c["model"])
+                final = []
+                for n, p in fresh().named_parameters():  # the logical shapes (the prepared ones are runs)
+                    t = sd[n].float().clone() if rank == 0 else torch.empty(p.shape, dtype=torch.float32)
+                    dist.broadcast(t, src=0)
+                    final.append(t)
+                del sd
             elif c.get("fsdp2"):
                 final = [p.full_tensor().detach().clone() for p in c["inner"].parameters()]
                 result["fsdp2_grad_factor"] = fsdp2_grad_factor(c, batches[0])
