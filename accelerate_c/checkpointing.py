@@ -411,11 +411,7 @@ def save_state(acc, output_dir=None, safe_serialization: bool = True, **save_mod
             hook(acc._models, weights, tmp)
         jobs = _writer_jobs(acc, tmp, [] if strategy.sharded_weights else weights, safe_serialization) \
             if writer else []
-        if strategy.sharded_weights:
-            if not safe_serialization:
-                raise ValueError("save_state(safe_serialization=False) with sharded weights (FSDP's "
-                                 "SHARDED_STATE_DICT, DeepSpeed stage 3): the shards are written as safetensors only; "
-                                 "use safe_serialization=True, or FULL_STATE_DICT for torch.save files")
+        if strategy.sharded_weights:  # safetensors whatever safe_serialization says, as the optimizer shards
             jobs += model_shards.save_jobs(acc, strategy, tmp, rank, acc.is_main_process)
         if strategy.sharded_state:  # ZeRO: every process its own shard, the main one the plans
             jobs += zero_checkpoint.save_jobs(acc, strategy, tmp, rank, acc.is_main_process)

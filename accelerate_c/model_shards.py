@@ -162,6 +162,11 @@ def plan_load(files, i: int, model, strategy, strict: bool = True):
                     raise CheckpointError(f"{path}: {n} is both a parameter there and a buffer in {bpath}")
                 saved[n] = shape
                 where[n] = (g, j)
+    # a name that is a parameter on one side and a buffer on the other: no read would fill it
+    crossed = [n for n in parts if n in saved and n not in where] + [n for n in buffers if n in where]
+    if crossed:
+        raise CheckpointError(f"{path}: {', '.join(sorted(crossed)[:20])}: a parameter in one of the model and the "
+                              f"checkpoint ({bpath}) and a buffer in the other")
     _check_names(model, path, saved, parts, buffers, bpath, strict)
     shards = [ShardFile(files.path(shard_name(i, q), f"shard {q} of model {i}'s weights"), q, world)
               for q in range(world)]
@@ -204,7 +209,9 @@ def is_sharded(directory: str, i: int = 0) -> bool:
 def merged(directory: str, i: int = 0) -> dict:
     """Model i's full state dict assembled from every process's shard, without a process group
     (`accelerate-c merge-weights`): each parameter once per name it was saved under."""
-    if not is_complete(directory):
+    # a Trainer checkpoint has no completion marker of ours: its shard files are held to the plan
+    # (each header, its process, every group's length) as a load holds them
+    if not is_complete(directory) and not is_sharded(directory, i):
         raise CheckpointError(f"{directory}: not a complete accelerate_c checkpoint (no completion marker)")
     files = PlainFiles(directory)
     path, world, groups = read_doc(files, i)

@@ -148,7 +148,7 @@ class Trainer(transformers.Trainer):
         if not self._sharded():
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _internal_call and self._sharded_weights():
+        if _internal_call and getattr(self, "_in_checkpoint", False) and self._sharded_weights():
             save_model_shards(self.accelerator, output_dir)
             config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
             if self.args.should_save and callable(getattr(config, "save_pretrained", None)):
@@ -160,11 +160,26 @@ class Trainer(transformers.Trainer):
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def _save_checkpoint(self, model, trial) -> None:
+        # save_model's internal calls from a checkpoint write shards; push_to_hub's and others'
+        # (also internal) gather the weights into files from_pretrained loads
+        self._in_checkpoint = True
+        try:
+            return super()._save_checkpoint(model, trial)
+        finally:
+            self._in_checkpoint = False
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """A checkpoint of sharded weights (save_model above) loads from every process's shard,
-        on any number of processes (before prepare: whole parameters; prepare then shards them)."""
+        on any number of processes. transformers asks before prepare (its FSDP branches are off
+        here); under full sharding the load waits until the model is prepared (each process then
+        reads only its elements: _load_optimizer_and_scheduler), elsewhere it reads whole
+        parameters now."""
         if not model_shards.is_sharded(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if model is None and self._sharded() and not self.accelerator._models:  # before prepare
+            self._shards_to_load = resume_from_checkpoint
+            return
         load_model_shards(self.accelerator, model if model is not None else self.model, resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
@@ -183,6 +198,9 @@ class Trainer(transformers.Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        pending, self._shards_to_load = getattr(self, "_shards_to_load", None), None
+        if pending is not None:  # the sharded weights, now that the model is (_load_from_checkpoint)
+            load_model_shards(self.accelerator, self.model, pending)
         if checkpoint is None or not self._sharded():
             return super()._load_optimizer_and_scheduler(checkpoint)
         load_sharded_optimizers(self.accelerator, checkpoint)

@@ -60,6 +60,14 @@ def _groups(strategy, book):
 
 
 # ---- save ----------------------------------------------------------------------------------------------
+def _fp32_master(shards, group):
+    """The group's fp32 master shard, or None: full sharding of a 16-bit model without mixed
+    precision keeps its shards in that dtype, which are its weights, not masters (the weights
+    load fills them)."""
+    master = shards.masters.get(id(group))
+    return master if master is not None and master.dtype == torch.float32 else None
+
+
 def plan_doc(acc, strategy) -> dict:
     optimizers = []
     for opt in acc._optimizers:
@@ -73,7 +81,7 @@ def plan_doc(acc, strategy) -> dict:
                            "params": [index.get(id(p)) for p in params],
                            "names": [strategy.manager.name_of(p) for p in params],
                            "shapes": [list(shape) for shape in group.shapes],
-                           "master": id(group) in shards.masters or
+                           "master": _fp32_master(shards, group) is not None or
                            (strategy.fp32_masters and group.dtype != torch.float32)})
         optimizers.append({"groups": groups, "num_params": len(book.originals)})
     return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "stage": strategy.stage, "world": strategy.world,
@@ -114,7 +122,7 @@ def save_jobs(acc, strategy, tmp: str, rank: int, is_main: bool) -> list:
                         entry["other"][k] = v
             for k, flat in flats.items():
                 tensors[f"g{g}.{k}"] = flat
-            master = shards.masters.get(id(group))
+            master = _fp32_master(shards, group)
             if master is not None:
                 tensors[f"g{g}.master"] = master.detach().to("cpu", copy=True)
         groups_doc = [{k: v for k, v in pg.items() if k != "params"} for pg in torch_opt.param_groups]

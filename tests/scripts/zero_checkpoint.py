@@ -51,6 +51,8 @@ class Net(torch.nn.Module):
 def build(extra: int = 0):
     torch.manual_seed(0)
     model = Net()
+    if sys.argv[4] == "bf16model":  # a 16-bit model without mixed precision (from_pretrained(torch_dtype=bf16))
+        model.to(torch.bfloat16)
     if extra:  # "another model": one layer wider
         model.body[2] = torch.nn.Linear(40 + extra, 16)
         model.body[0] = torch.nn.Linear(16, 40 + extra)
@@ -75,7 +77,8 @@ def accelerator(stage, precision, clip: bool = True):
     if stage == 3:
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=300,
                                                 state_dict_type=SDT)
-        return Accelerator(cpu=True, mixed_precision=precision, fsdp_plugin=plugin)
+        return Accelerator(cpu=True, mixed_precision="no" if precision == "bf16model" else precision,
+                           fsdp_plugin=plugin)
     cfg = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": GLOBAL // dist.get_world_size(),
            "gradient_accumulation_steps": 1, "gradient_clipping": 1.0 if clip else 0.0}
     if precision == "bf16":
