@@ -375,7 +375,10 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
                                              reshard_after_forward=f.reshard_after_forward,
                                              activation_checkpointing=f.activation_checkpointing,
                                              device=self.device,
-                                             sharded_weights=f.state_dict_type == "SHARDED_STATE_DICT")
+                                             sharded_weights=f.state_dict_type == "SHARDED_STATE_DICT",
+                                             # FSDP2 reduces the gradients a backward produced and
+                                             # takes no find_unused_parameters flag: neither do we
+                                             ignore_unused=True)
             elif self._zero_stage == 3:
                 strategy = self._zero3_strategy(h)
             elif self._zero_stage in (1, 2):

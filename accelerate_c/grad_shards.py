@@ -214,7 +214,7 @@ class GradShard:
                 raise RuntimeError(
                     f"rank {dist.get_rank()}: {len(names)} parameter(s) received no gradient in this backward: "
                     f"{shown}. Every trainable parameter of a prepared model must take part in the loss under ZeRO "
-                    "stage 2 (every backward is reduce-scattered); pass kwargs_handlers=["
+                    "stages 2 and 3 (every backward is reduce-scattered); pass kwargs_handlers=["
                     "DistributedDataParallelKwargs(find_unused_parameters=True)] to Accelerator if some "
                     "parameters are legitimately unused, or freeze them (requires_grad=False).")
             for i in pending:  # zeros in the sum: the staging range is zeroed when the buffer is taken

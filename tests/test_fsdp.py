@@ -189,6 +189,15 @@ def test_a_unit_skipped_on_one_process_names_a_unit_on_every_process(comm):
         assert f"rank {rank}: a skipped unit refused after" in res.stdout, res.stdout[-3000:]
 
 
+def test_a_layer_some_forwards_leave_out_needs_no_flag_as_in_fsdp2():
+    """tests/scripts/fsdp_unused.py: a layer of the root unit left out of every other forward,
+    no find_unused_parameters: within 1e-5 of torch DDP(find_unused_parameters=True)."""
+    res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "fsdp_unused.py")], timeout=wait_s(120))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "fsdp unused layer OK" in res.stdout
+
+
 def test_meta_models_are_refused_by_name_where_they_cannot_be_loaded():
     """A model on the meta device on a process other than the main one: refused by data
     parallelism on every process (naming the process and the parameter), accepted by full
