@@ -11,12 +11,17 @@
  *
  * Input: byte 0 nranks-1 (up to 8), 1 the rank, 2 the collective, 3 dtype, 4 op, 5-6 count, 7
  * root, 8 slot size / 4096, 9 flags (1, with a length that is a multiple of 16: peers may look
- * absent, so barriers time out, which is slow), then (offset, length, bytes) patches written
+ * absent, so barriers time out, which costs a futex sleep), then (offset, length, bytes) patches written
  * over the header and rank lines, then 0xff, and the rest XORed over the slots. */
-/* short waits: a barrier whose peers never arrive gives up after ~1 ms instead of a 10 ms sleep */
+/* Short waits. The other ranks exist only as what the input wrote: nothing can arrive later, so a
+ * barrier waiting for an absent peer ends the same way after any wait. With the timeout at 0 (set
+ * below) it takes every step of the wait loop once (spin, yield, one futex sleep of SLEEP_NS, the
+ * dead-peer check, the timeout) and fails at once, instead of sleeping 1 ms per input. */
 #define YIELD_S 20e-6
-#define SLEEP_NS 200000L
+#define SLEEP_NS 1000L
 #include "../../csrc/core/comm_shm.c"
+
+#include <sanitizer/asan_interface.h>
 
 #define CHECK(c)                                                                      \
   do {                                                                                \
@@ -25,6 +30,26 @@
       __builtin_trap();                                                               \
     }                                                                                 \
   } while (0)
+
+/* The largest layout and buffers an input can ask for (8 ranks, 4 x 4096-byte slots, 6000 elements
+ * of 8 bytes, reduce-scatter's send of count per rank). */
+#define MAX_SEGMENT (4096 + 8 * 4096 * 4)
+#define MAX_SEND (6000 * 8 * 8 + 1)
+#define MAX_RECV (6000 * 8 + 1)
+
+/* Each buffer is allocated once, at its largest size, and reused: only its first n bytes are
+ * addressable for this input (the rest is poisoned), so an access past them is an AddressSanitizer
+ * report as it was with a fresh allocation of n bytes per input (the heap redzone still guards the
+ * start), without a fresh mapping and its page faults for every input (large sizes come from ASan's
+ * mmap-backed allocator). */
+static unsigned char *reuse(unsigned char **buf, size_t cap, size_t align, size_t n) {
+  if (!*buf) *buf = align ? aligned_alloc(align, cap) : malloc(cap);
+  CHECK(*buf && n <= cap);
+  ASAN_UNPOISON_MEMORY_REGION(*buf, n);
+  ASAN_POISON_MEMORY_REGION(*buf + n, cap - n);
+  return *buf;
+}
+static unsigned char *seg_buf, *send_buf, *recv_buf;
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -35,8 +60,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   size_t count = (size_t)(data[5] | (data[6] << 8)) % 6000;
   int root = data[7] % (nranks + 1); /* nranks: an invalid root */
   size_t slot_bytes = 4096 * (size_t)(1 + data[8] % 4);
-  /* every absent-peer input costs a futex sleep (~10 ms), and mutants keep byte 9: tie it to the
-   * length too, so that only a few of an absent seed's descendants pay it */
+  /* every absent-peer input sleeps on the futex (a trip through the scheduler, long on a loaded
+   * machine), and mutants keep byte 9: tie it to the length too, so that only a few of an absent
+   * seed's descendants pay it */
   int allow_absent = data[9] == 1 && size % 16 == 0;
   const uint8_t *p = data + 10, *end = data + size;
 
@@ -44,8 +70,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   size_t header = sizeof(shm_header_t) + (size_t)nranks * sizeof(rank_line_t);
   size_t data_offset = (header + 4095) & ~(size_t)4095;
   size_t total = data_offset + (size_t)nranks * slot_bytes;
-  unsigned char *seg = aligned_alloc(4096, total);
-  CHECK(seg);
+  unsigned char *seg = reuse(&seg_buf, MAX_SEGMENT, 4096, total);
   memset(seg, 0, total);
   shm_header_t *h = (shm_header_t *)seg;
   h->version = SHM_VERSION;
@@ -64,7 +89,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   c->rank = rank;
   c->half_bytes = slot_bytes / 2;
   c->data_offset = data_offset;
-  c->timeout_ms = 1;
+  c->timeout_ms = 0; /* see YIELD_S above: a peer that is absent stays absent */
   snprintf(c->name, sizeof c->name, "/fuzz");
 
   /* the peer's garbage: patches over the header and rank lines, then the slots */
@@ -86,8 +111,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   for (int q = 0; q < nranks; q++) gather_total += counts[q] = (count + (size_t)q * 7) % 700;
   size_t nsend = kind == 1 ? count * (size_t)nranks : kind == 2 ? counts[rank] : count;
   size_t nrecv = kind == 2 ? gather_total : count;
-  unsigned char *send = malloc(nsend * es + 1), *recv = malloc(nrecv * es + 1);
-  CHECK(send && recv);
+  unsigned char *send = reuse(&send_buf, MAX_SEND, 0, nsend * es + 1);
+  unsigned char *recv = reuse(&recv_buf, MAX_RECV, 0, nrecv * es + 1);
   memset(send, 0x3c, nsend * es + 1);
   ac_result_t r = AC_OK;
   switch (kind) {
@@ -104,9 +129,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     /* once failed, the communicator refuses further use rather than running on a torn state */
     if (r == AC_ERR_COMM || r == AC_ERR_TIMEOUT) CHECK(ac_shm_barrier(c) == AC_ERR_STATE);
   }
-  free(send);
-  free(recv);
   free(c);
-  free(seg);
   return 0;
 }
