@@ -82,6 +82,15 @@ def test_fsdp_and_trainer_examples_run_on_the_seed_config(tmp_path):
     assert abs(fsdp["eval_loss"] - expect) <= 2e-2 * expect, (fsdp["eval_loss"], expect)
     assert trainer["accelerator"] == "accelerate_c.accelerator" and trainer["global_step"] == 4
     assert trainer["checkpoints"] == ["checkpoint-4"]  # save_steps 2, save_total_limit 1
-    expect = _eval_loss_bf16(tmp_path / "trainer" / "checkpoint-4", evals)
+    # the seed config's SHARDED_STATE_DICT: the checkpoint holds each process's shard of the weights
+    # (as transformers on accelerate writes none whole there); accelerate-c merge-weights assembles them
+    ckpt, merged = tmp_path / "trainer" / "checkpoint-4", tmp_path / "trainer_merged"
+    assert not (ckpt / "model.safetensors").exists() and (ckpt / "model_shard_rank1.safetensors").exists()
+    exe = os.path.join(os.path.dirname(sys.executable), "accelerate-c")
+    done = subprocess.run([exe, "merge-weights", str(ckpt), str(merged)], capture_output=True, text=True,
+                          timeout=wait_s(120))
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copy(ckpt / "config.json", merged / "config.json")
+    expect = _eval_loss_bf16(merged, evals)
     assert abs(trainer["eval_loss"] - expect) <= 2e-2 * expect, (trainer["eval_loss"], expect)
     assert [e["step"] for e in trainer["log_history"] if "loss" in e] == [1, 2, 3, 4]
