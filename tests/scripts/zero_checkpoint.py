@@ -33,6 +33,7 @@ STEPS = 3
 # each process's shard of the weights, FULL_STATE_DICT the gathered weights once; FROM3 on a load
 # under stage 1/2: the checkpoint was saved under full sharding
 SDT = sys.argv[5] if len(sys.argv) > 5 else "SHARDED_STATE_DICT"
+BF16_MODEL = False  # PRECISION bf16model (set by main(); scripts importing build() keep fp32)
 GLOBAL = 12  # samples per global batch: divisible by 1, 2, 3 and 4 processes
 
 
@@ -51,7 +52,7 @@ class Net(torch.nn.Module):
 def build(extra: int = 0):
     torch.manual_seed(0)
     model = Net()
-    if sys.argv[4] == "bf16model":  # a 16-bit model without mixed precision (from_pretrained(torch_dtype=bf16))
+    if BF16_MODEL:  # a 16-bit model without mixed precision (from_pretrained(torch_dtype=bf16))
         model.to(torch.bfloat16)
     if extra:  # "another model": one layer wider
         model.body[2] = torch.nn.Linear(40 + extra, 16)
@@ -246,13 +247,14 @@ class _One:
 
 
 def main():
-    global dist
+    global dist, BF16_MODEL
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     else:
         dist = _One()
     torch.set_num_threads(1)
     mode, directory, stage, precision = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    BF16_MODEL = precision == "bf16model"
     {"save": save, "load": load, "kill": kill}[mode](directory, stage, precision)
     sys.stdout.flush()
     if not isinstance(dist, _One):
