@@ -5,10 +5,15 @@ tensors in the same processes: all-reduce, reduce-scatter and all-gather of 64 K
     .venv/bin/python benchmarks/bench_collectives.py                    # 2 and 4 processes
     .venv/bin/python benchmarks/bench_collectives.py --worlds 2 --max-mb 32 --repeats 3
 
-Per size: the median time of --repeats calls (the slowest rank's), algbw = bytes / time and busbw =
+Per size: the median over --repeats samples (the slowest rank's) of the time per call, algbw =
+bytes / time and busbw =
 algbw x 2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter and all-gather (the bytes each rank
 must move, NCCL's convention). The limit printed beside: this machine's memcpy bandwidth at the same
 size (bytes copied per second, a copy of `size` bytes), measured in the same run in one process.
+Below 1 MiB a sample is INNER back-to-back calls after one barrier, divided by INNER (as
+nccl-tests and the OSU benchmarks time small messages): timed one call per barrier, a call's time
+includes how far apart the ranks left the barrier, tens of microseconds on gloo's barrier, which
+is most of a 64 KiB all-reduce over shared memory. Both contenders are timed the same way.
 
 The all-reduce is timed twice over shared memory: of a private tensor (copied into the segment
 and out), and of a tensor living in a shared window (reduced in place: how the reducer's gradient
@@ -34,6 +39,7 @@ from _common import launch_on  # noqa: E402
 
 BENCH = "bench_collectives"
 KB = 1 << 10
+INNER = 20  # back-to-back calls per timed sample below 1 MiB (see above)
 
 
 def sizes(max_mb: int):
@@ -55,13 +61,16 @@ def worker(args) -> int:
     torch.set_num_threads(1)
     shm = ShmGroup.create()
 
-    def timed(fn, reps):
+    def timed(fn, reps, inner=1):
+        """Median over `reps` samples of the slowest rank's time per call, a sample being
+        `inner` back-to-back calls after a barrier."""
         times = []
         for _ in range(reps):
             dist.barrier()
             t0 = time.perf_counter()
-            fn()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            for _ in range(inner):
+                fn()
+            t = torch.tensor([(time.perf_counter() - t0) / inner], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times.append(float(t))
         return statistics.median(times)
@@ -70,19 +79,21 @@ def worker(args) -> int:
     for nbytes in sizes(args.max_mb):
         n = nbytes // 4 // world * world
         reps = args.repeats if nbytes >= (1 << 20) else args.repeats * 10
-        x = torch.ones(n)
+        inner = 1 if nbytes >= (1 << 20) else INNER
+        # zeros: hundreds of in-place all-reduce sums of ones would reach inf (2^128) on the way
+        x = torch.zeros(n)
         out_rs = torch.empty(n // world)
         out_ag = torch.empty(n)
         part = torch.ones(n // world)
         win = shm.window_tensor(n, torch.float32)  # the reducer's gradient buffers live in one
         res = {
-            ("all_reduce", "gloo"): timed(lambda: dist.all_reduce(x), reps),
-            ("all_reduce", "shm"): timed(lambda: shm.all_reduce(x), reps),
-            ("all_reduce", "window"): timed(lambda: shm.all_reduce(win), reps) if win is not None else float("nan"),
-            ("reduce_scatter", "gloo"): timed(lambda: dist.reduce_scatter_tensor(out_rs, x), reps),
-            ("reduce_scatter", "shm"): timed(lambda: shm.reduce_scatter(out_rs, x), reps),
-            ("all_gather", "gloo"): timed(lambda: dist.all_gather_into_tensor(out_ag, part), reps),
-            ("all_gather", "shm"): timed(lambda: shm.all_gather(out_ag, part), reps),
+            ("all_reduce", "gloo"): timed(lambda: dist.all_reduce(x), reps, inner),
+            ("all_reduce", "shm"): timed(lambda: shm.all_reduce(x), reps, inner),
+            ("all_reduce", "window"): timed(lambda: shm.all_reduce(win), reps, inner) if win is not None else float("nan"),
+            ("reduce_scatter", "gloo"): timed(lambda: dist.reduce_scatter_tensor(out_rs, x), reps, inner),
+            ("reduce_scatter", "shm"): timed(lambda: shm.reduce_scatter(out_rs, x), reps, inner),
+            ("all_gather", "gloo"): timed(lambda: dist.all_gather_into_tensor(out_ag, part), reps, inner),
+            ("all_gather", "shm"): timed(lambda: shm.all_gather(out_ag, part), reps, inner),
         }
         dst = torch.empty_like(x)
         copy = statistics.median([_copy_time(dst, x) for _ in range(reps)])

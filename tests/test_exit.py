@@ -17,7 +17,7 @@ import pytest
 from test_launch import SCRIPTS, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RUNS = 10
+RUNS = 3  # the shim makes the broken code fail on every run: more runs only cost time
 
 
 @pytest.fixture(scope="module")
