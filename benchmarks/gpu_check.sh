@@ -6,6 +6,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+# the in-place build is not installed: the scripts under benchmarks/ find the package through this
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 LOG="${OUT:-/tmp}/gpu_check.log"
 exec > >(tee "$LOG") 2>&1
 step() { echo; echo "== $1 ($(date -u +%T))"; }
