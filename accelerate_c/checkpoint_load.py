@@ -15,7 +15,7 @@ from .checkpoint_layout import (AUTO_NAME_RE, MARKER, complete_checkpoints, has_
                                 refuse_links_out, sampler_of, suffix)
 from . import model_shards, zero_checkpoint
 from .dry_run import dry_run_optimizer, dry_run_scheduler
-from .model_io import find_aliases
+from .model_io import check_keys, find_aliases
 from .safetensors_io import DTYPES, list_tensors, load_into
 from .state_io import CheckpointError, StateFile, check_rng_state, decode, set_rng_state, torch_load
 
@@ -130,15 +130,9 @@ def _check_model_entries(model, state: dict, entries: dict, path: str, strict: b
         groups.setdefault(aliases.get(k, k), []).append(k)
     missing = [k for k in state if not any(m in entries for m in groups[aliases.get(k, k)])]
     unexpected = [k for k in entries if k not in state]
-    if strict and (missing or unexpected):
-        parts = ([f"missing keys: {', '.join(missing[:20])}"] if missing else []) + \
-                ([f"unexpected keys: {', '.join(unexpected[:20])}"] if unexpected else [])
-        raise RuntimeError(f"{path}: does not match {type(model).__name__}: " + "; ".join(parts))
-    wrong = [f"{n}: file {list(shape)}, model {list(state[n].shape)}"
-             for n, (shape, _dt) in entries.items() if n in state and tuple(state[n].shape) != tuple(shape)]
-    if wrong:
-        raise RuntimeError(f"{path}: size mismatch for " + "; ".join(wrong[:20]))
-    # another dtype is no error: the copy casts, as torch's load_state_dict (and accelerate) do
+    wrong = [(n, shape, state[n].shape) for n, (shape, _dt) in entries.items()
+             if n in state and tuple(state[n].shape) != tuple(shape)]
+    check_keys(path, model, missing, unexpected, wrong, strict)
 
 
 def _model_targets(model, path: str, strict: bool, strategy):

@@ -499,14 +499,7 @@ def save_sharded_optimizers(acc, directory: str) -> None:
     strategy = acc._grads.strategy
     if not strategy.sharded_state:
         raise RuntimeError("save_sharded_optimizers: the optimizers are not sharded (no ZeRO / FSDP strategy)")
-    err = None
-    try:
-        os.makedirs(directory, exist_ok=True)
-        for _, write in zero_checkpoint.save_jobs(acc, strategy, directory, acc.process_index, acc.is_main_process):
-            write()
-    except Exception as e:  # noqa: BLE001
-        err = e
-    _check(acc, err, f"save its optimizer shard in {directory}")
+    _write_own_shards(acc, directory, zero_checkpoint.save_jobs, "save its optimizer shard")
 
 
 def load_sharded_optimizers(acc, directory: str) -> None:
@@ -529,14 +522,20 @@ def save_model_shards(acc, directory: str) -> None:
     if not strategy.sharded_weights:
         raise RuntimeError("save_model_shards: the weights are not sharded (full sharding with SHARDED_STATE_DICT, "
                            "or DeepSpeed stage 3)")
+    _write_own_shards(acc, directory, model_shards.save_jobs, "save its shard of the weights")
+
+
+def _write_own_shards(acc, directory: str, save_jobs, what: str) -> None:
+    """Runs this process's writes of `save_jobs` into `directory`; the error of any process is
+    agreed on (_check), so no process goes on to wait for one that failed."""
     err = None
     try:
         os.makedirs(directory, exist_ok=True)
-        for _, write in model_shards.save_jobs(acc, strategy, directory, acc.process_index, acc.is_main_process):
+        for _, write in save_jobs(acc, acc._grads.strategy, directory, acc.process_index, acc.is_main_process):
             write()
     except Exception as e:  # noqa: BLE001
         err = e
-    _check(acc, err, f"save its shard of the weights in {directory}")
+    _check(acc, err, f"{what} in {directory}")
 
 
 def load_model_shards(acc, model, directory: str, strict: bool = True) -> None:

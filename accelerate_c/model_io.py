@@ -255,6 +255,20 @@ def _weight_files(directory: str):
                             f"{WEIGHTS_INDEX_NAME} in {directory}")
 
 
+def check_keys(where: str, model, missing: List[str], unexpected: List[str], wrong: List[tuple],
+               strict: bool, limit: int = 20) -> None:
+    """Raises a RuntimeError as torch's load_state_dict reports a mismatch, naming `where` (the
+    file): missing / unexpected keys (only when `strict`), then shapes that differ (always; a
+    different dtype is no error, the copy casts). wrong: (name, shape in the file, in the model)."""
+    if strict and (missing or unexpected):
+        bits = ([f"missing keys: {', '.join(missing[:limit])}"] if missing else []) + \
+               ([f"unexpected keys: {', '.join(unexpected[:limit])}"] if unexpected else [])
+        raise RuntimeError(f"{where}: does not match {type(model).__name__}: " + "; ".join(bits))
+    if wrong:
+        raise RuntimeError(f"{where}: size mismatch for " + "; ".join(
+            f"{n}: file {list(f)}, model {list(m)}" for n, f, m in wrong[:limit]))
+
+
 def load_model_weights(model: torch.nn.Module, directory, strict: bool = True) -> IncompatibleKeys:
     """Loads weights saved by ``save_model`` (or transformers' ``save_pretrained``) into
     ``model`` in place: safetensors files are read straight into the parameters' memory.
@@ -291,18 +305,10 @@ def load_model_weights(model: torch.nn.Module, directory, strict: bool = True) -
         groups.setdefault(aliases.get(k, k), []).append(k)
     missing = [k for k in state if not any(m in in_files for m in groups[aliases.get(k, k)])]
     unexpected = sorted(in_files - set(state))
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {', '.join(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {', '.join(unexpected)}")
-        raise RuntimeError(f"Error(s) loading weights from {directory} into {type(model).__name__}: "
-                           + "; ".join(parts))
-    wrong = [f"{n}: file {list(shapes[n])}, model {list(state[n].shape)}"
-             for n in in_files if n in state and tuple(state[n].shape) != shapes[n]]
-    if wrong:
-        raise RuntimeError(f"Error(s) loading weights from {directory}: size mismatch for " + "; ".join(sorted(wrong)))
+    wrong = sorted((n, shapes[n], tuple(state[n].shape)) for n in in_files
+                   if n in state and tuple(state[n].shape) != shapes[n])
+    check_keys(f"Error(s) loading weights from {directory}", model, missing, unexpected, wrong, strict,
+               limit=len(state) + len(in_files))
     with torch.no_grad():
         for path, names in file_names.items():
             targets = {n: state[n] for n in names if n in state}

@@ -29,10 +29,11 @@ import os
 import torch
 
 from .checkpoint_layout import is_complete, suffix
+from .model_io import check_keys
 from .safetensors_io import list_tensors, load_file, load_into, save_file
 from .shard_plan import plan_spec
 from .state_io import CheckpointError, read_json, write_json_durable
-from .zero_checkpoint import PlainFiles, ShardFile, is_int, plan_dtype, range_fills, read_all, rebuild_plan
+from .zero_checkpoint import PlainFiles, ShardFile, check_header, is_int, plan_dtype, range_fills, read_all, rebuild_plan
 
 FORMAT = "accelerate_c.model_shards"
 VERSION = 1
@@ -89,14 +90,7 @@ def read_doc(files, i: int):
     def bad(msg: str):
         raise CheckpointError(f"{path}: {msg}")
 
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        bad("not an accelerate_c plan of sharded model weights")
-    version = doc.get("version")
-    if not is_int(version) or not 1 <= version <= VERSION:
-        bad(f"format version {version!r} is not one this accelerate_c reads ({VERSION})")
-    world = doc.get("world")
-    if not is_int(world) or world < 1:
-        bad(f"world must be a positive integer, got {world!r}")
+    world = check_header(doc, FORMAT, VERSION, "not an accelerate_c plan of sharded model weights", bad)
     if not isinstance(doc.get("groups"), list):
         bad("'groups' must be a list")
     seen: set = set()
@@ -131,17 +125,11 @@ def _check_names(model, path: str, saved: dict, parts: dict, buffers: dict, buff
     """Missing / unexpected keys (strict) and shapes that differ, as torch's load_state_dict
     reports them, naming the file."""
     have = set(parts) | set(buffers)
-    missing = [k for k in have if k not in saved]
-    unexpected = [k for k in saved if k not in have]
-    if strict and (missing or unexpected):
-        bits = ([f"missing keys: {', '.join(sorted(missing)[:20])}"] if missing else []) + \
-               ([f"unexpected keys: {', '.join(sorted(unexpected)[:20])}"] if unexpected else [])
-        raise RuntimeError(f"{path} (+ {buffer_file}): does not match {type(model).__name__}: " + "; ".join(bits))
-    wrong = [f"{k}: file {list(shape)}, model {list(parts[k][1] if k in parts else buffers[k].shape)}"
-             for k, shape in saved.items() if k in have and tuple(shape) != tuple(
-                 parts[k][1] if k in parts else buffers[k].shape)]
-    if wrong:
-        raise RuntimeError(f"{path}: size mismatch for " + "; ".join(wrong[:20]))
+    missing = sorted(k for k in have if k not in saved)
+    unexpected = sorted(k for k in saved if k not in have)
+    shape_of = {k: tuple(parts[k][1] if k in parts else buffers[k].shape) for k in have}
+    wrong = [(k, shape, shape_of[k]) for k, shape in saved.items() if k in have and tuple(shape) != shape_of[k]]
+    check_keys(f"{path} (+ {buffer_file})", model, missing, unexpected, wrong, strict)
 
 
 def plan_load(files, i: int, model, strategy, strict: bool = True):

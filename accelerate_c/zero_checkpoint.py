@@ -186,6 +186,20 @@ def plan_dtype(name, plan: ShardPlan, where: str, bad) -> torch.dtype:
     return dtype
 
 
+def check_header(doc, fmt: str, version_max: int, not_ours: str, bad) -> int:
+    """The head every plan file of ours starts with (format, version, world), checked; returns
+    the world. `bad(msg)` raises, naming the file."""
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        bad(not_ours)
+    version = doc.get("version")
+    if not is_int(version) or not 1 <= version <= version_max:
+        bad(f"format version {version!r} is not one this accelerate_c reads ({version_max})")
+    world = doc.get("world")
+    if not is_int(world) or world < 1:
+        bad(f"world must be a positive integer, got {world!r}")
+    return world
+
+
 def read_plan(files, n_optimizers: Optional[int] = None):
     """`zero_plan.json` checked whole, before anything uses it: (its path, the document, per
     optimizer the ShardPlan of each shard group). Everything a load indexes with is checked here
@@ -198,14 +212,7 @@ def read_plan(files, n_optimizers: Optional[int] = None):
     def bad(msg: str):
         raise CheckpointError(f"{path}: {msg}")
 
-    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
-        bad("not an accelerate_c ZeRO plan")
-    version = doc.get("version")
-    if not is_int(version) or not 1 <= version <= PLAN_VERSION:
-        bad(f"plan format version {version!r} is not one this accelerate_c reads ({PLAN_VERSION})")
-    world = doc.get("world")
-    if not is_int(world) or world < 1:
-        bad(f"world must be a positive integer, got {world!r}")
+    world = check_header(doc, PLAN_FORMAT, PLAN_VERSION, "not an accelerate_c ZeRO plan", bad)
     optimizers = doc.get("optimizers")
     if not isinstance(optimizers, list):
         bad(f"'optimizers' must be a list, got {type(optimizers).__name__}")
