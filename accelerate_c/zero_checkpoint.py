@@ -407,26 +407,29 @@ def plan_load(acc, strategy, files):
         if odoc["num_params"] != len(book.originals):
             raise CheckpointError(f"{path}: optimizer {i} was saved over {odoc['num_params']} parameters, this one "
                                   f"steps {len(book.originals)}: a plan from another model")
-        saved = {}  # name -> (saved group, index there)
+        # (model index, name) -> (saved group, index there): two models stepped by one optimizer
+        # may both have a parameter of one name
+        saved = {}
         for g, gdoc in enumerate(odoc["groups"]):
             for j, name in enumerate(gdoc["names"]):
-                saved[name] = (g, j)
+                saved[(gdoc.get("model"), name)] = (g, j)
+        model_index = {id(m): k for k, m in enumerate(acc._models)}
         shards = _read_shards(files, i, old_world, odoc["num_params"], len(torch_opt.param_groups))
         old_files = [f for f, _, _ in shards]
         index = {id(p): k for k, p in enumerate(book.originals)}
         by_param = {id(p): (view, o) for view, p, o in book.views}
         new_state, fills, master_fills = [], [], []
-        for group, params, model_shards in _groups(strategy, book):
+        for key, group, params, model_shards in strategy.optimizer_groups(book):
             n = group.plan.shard_numel
             flats: dict = {}  # state key -> this group's new shard of it
             wants_master = id(group) in model_shards.masters or (strategy.fp32_masters and group.dtype != torch.float32)
             mflat = torch.zeros(n, dtype=torch.float32) if wants_master else None
             for p, shape, (local, poff, length) in zip(params, group.shapes, group.runs()):
                 name = strategy.manager.name_of(p)
-                if name not in saved:
-                    raise CheckpointError(f"{path}: optimizer {i} has no saved state for parameter {name} (a plan "
-                                          "from another model)")
-                g, j = saved[name]
+                if (model_index.get(key), name) not in saved:
+                    raise CheckpointError(f"{path}: optimizer {i} has no saved state for parameter {name} of model "
+                                          f"{model_index.get(key)} (a plan from another model)")
+                g, j = saved[(model_index.get(key), name)]
                 gdoc, old_plan = odoc["groups"][g], plans[i][g]
                 if gdoc["shapes"][j] != list(shape):  # full sharding changes p.shape between steps
                     raise CheckpointError(f"{path}: parameter {name} was saved with shape {gdoc['shapes'][j]}, this "
@@ -472,7 +475,7 @@ def plan_load(acc, strategy, files):
                     st[k] = dest
                 st.update(entry["other"])
                 new_state.append((view, st))
-            if mflat is not None and gdoc_has_master(odoc, saved, params, strategy):
+            if mflat is not None and gdoc_has_master(odoc, saved, model_index.get(key), params, strategy):
                 master_fills.append((model_shards, group, mflat))
         sd = _torch_state_dict(torch_opt, new_state, shards[0][1]["param_groups"])
         _dry_run(torch_opt, sd, shards)
@@ -488,10 +491,11 @@ def plan_load(acc, strategy, files):
     return reads, applies
 
 
-def gdoc_has_master(odoc, saved: dict, params, strategy) -> bool:
-    """Whether the saved groups of `params` hold fp32 masters (then the new masters come from
-    them; otherwise the masters are the weights the model load fills: full sharding's)."""
-    return any(odoc["groups"][saved[strategy.manager.name_of(p)][0]].get("master") for p in params)
+def gdoc_has_master(odoc, saved: dict, model, params, strategy) -> bool:
+    """Whether the saved groups of `params` (of model index `model`) hold fp32 masters (then the
+    new masters come from them; otherwise the masters are the weights the model load fills: full
+    sharding's)."""
+    return any(odoc["groups"][saved[(model, strategy.manager.name_of(p))][0]].get("master") for p in params)
 
 
 def is_sharded(directory: str) -> bool:

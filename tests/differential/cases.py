@@ -26,7 +26,7 @@ FSDP_WRAPS = ("NO_WRAP", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP")
 ZERO3_UNITS = ((50_000_000, 100_000), (50, 0), (50, 20))
 
 
-def draw(seed: int, world: int | None = None, sharding: str | None = None) -> dict:
+def draw(seed: int, world: int | None = None, sharding: str | None = None, resume: bool = False) -> dict:
     """The case of `seed` (for `world` processes and the `sharding` strategy when given, else
     drawn too; a sharding needs several processes and even inputs, and is "none" otherwise).
 
@@ -209,6 +209,14 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None) -> di
         # zero_grad trains the same (accelerate makes the wrapper's zero_grad a no-op there)
         if r.random() < 0.25:
             c["zero_grad"] = "never"
+    # resume (drawn last, so every earlier axis of a seed stays what it was): after optimizer
+    # step `resume`, save_state, one more window (a detour that changes every state), then
+    # load_state; training must go on as if nothing happened. Not under join_uneven_inputs
+    # (the ranks that ran out would miss the save's collectives); not drawn when the step falls
+    # on an epoch's last batch (subject.py then skips it)
+    c["resume"] = r.randint(1, 2) if (r.random() < 0.3 and not c["uneven"]) else 0
+    if resume and not c["uneven"]:  # run.py --resume: every case that can resume does
+        c["resume"] = c["resume"] or 1
     return c
 
 
@@ -220,7 +228,7 @@ def _case(seed: int, **overrides) -> dict:
          "comm_hook": "no", "tiny_buckets": False, "unused": False, "frozen": False, "zero_grad": "opt_none",
          "assign_grad": False, "two_models": False, "two_optimizers": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
-         "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False}
+         "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -257,6 +265,8 @@ REGRESSIONS = {
         _case(REGRESSION_SEED + 9, world=2, uneven=True, param_dtype="mixed", tiny_buckets=True, dataset_extra=1),
     "ZeRO-2, reentrant checkpointing with the output layer in a segment (the backward ended at the segment's end)":
         _case(REGRESSION_SEED + 13, world=2, reentrant="separate", ga=2, sharding="zero2"),
+    "save_state / load_state mid-run, two models stepped by one ZeRO optimizer (their parameters' names collided)":
+        _case(REGRESSION_SEED + 14, world=2, two_models=True, sharding="zero2", resume=1),
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
@@ -296,12 +306,14 @@ def describe(c: dict) -> str:
         parts.append(f"nan_grad_step={c['nan_grad_step']}")
     if c["eval_skip"]:
         parts.append(f"eval_skip={c['eval_skip']}")
+    if c.get("resume"):
+        parts.append(f"resume_after_step={c['resume']}")
     return " ".join(parts)
 
 
-def lookup(seed: int, world: int | None = None, sharding: str | None = None) -> dict:
+def lookup(seed: int, world: int | None = None, sharding: str | None = None, resume: bool = False) -> dict:
     """The case a replay command names: a regression case by its seed, else a drawn one."""
     for c in REGRESSIONS.values():
         if c["seed"] == seed and world in (None, c["world"]) and sharding in (None, c["sharding"]):
             return dict(c)
-    return draw(seed, world, sharding)
+    return draw(seed, world, sharding, resume)

@@ -74,6 +74,9 @@ def _run_batch(world: int, cases: list[dict], workdir: str, timeout: float) -> d
     return results
 
 
+RESUMED: set = set()  # seeds whose subject saved, detoured and loaded its state (the resume axis)
+
+
 def _read(path: str) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     if os.path.exists(path):
@@ -81,12 +84,15 @@ def _read(path: str) -> dict[int, list[str]]:
             for line in f:
                 rec = json.loads(line)
                 out.setdefault(rec["seed"], []).extend(rec["errors"])
+                if rec.get("resumed"):
+                    RESUMED.add(rec["seed"])
     return out
 
 
-def run_seeds(seeds, world=None, sharding=None, **kw) -> list[tuple[dict, list[str]]]:
-    """Runs the cases of these seeds (drawn for `world` processes and `sharding` when given)."""
-    return run_cases([lookup(s, world, sharding) for s in seeds], **kw)
+def run_seeds(seeds, world=None, sharding=None, resume=False, **kw) -> list[tuple[dict, list[str]]]:
+    """Runs the cases of these seeds (drawn for `world` processes and `sharding` when given;
+    resume: every case that can resumes after its first step when it drew no other)."""
+    return run_cases([lookup(s, world, sharding, resume) for s in seeds], **kw)
 
 
 def run_cases(cases, timeout: float = 900.0, log=print) -> list[tuple[dict, list[str]]]:
@@ -115,7 +121,7 @@ def report(case: dict, errors: list[str]) -> str:
     comm, hosts = os.environ.get("ACCELERATE_C_COMM"), os.environ.get("AC_DIFF_HOSTS")
     lines.append(f"  replay: {sys.executable} tests/differential/run.py --replay {case['seed']} --world {case['world']}"
                  f" --sharding {case['sharding']}" + (f" --comm {comm}" if comm else "")
-                 + (f" --hosts {hosts}" if hosts else ""))
+                 + (f" --hosts {hosts}" if hosts else "") + (" --resume" if case.get("resume") else ""))
     return "\n".join(lines)
 
 
@@ -133,6 +139,9 @@ def main(argv=None) -> int:
                          "gloo): the shared-memory axis")
     ap.add_argument("--hosts", type=int, help="with --comm shm: the ranks say they are on this many hosts (rank r on "
                     "host r %% hosts), so shared memory carries each host's part and gloo joins the hosts")
+    ap.add_argument("--resume", action="store_true",
+                    help="every case that can (not under join_uneven_inputs) saves, detours and loads its state after "
+                         "a step (its drawn one, else the first)")
     args = ap.parse_args(argv)
     if args.comm:
         os.environ["ACCELERATE_C_COMM"] = args.comm  # inherited by every launch
@@ -144,22 +153,23 @@ def main(argv=None) -> int:
         total = len(REGRESSIONS)
     elif args.replay:
         for s in args.replay:
-            print(describe(lookup(s, args.world, args.sharding)))
-        failures = run_seeds(args.replay, world=args.world, sharding=args.sharding)
+            print(describe(lookup(s, args.world, args.sharding, args.resume)))
+        failures = run_seeds(args.replay, world=args.world, sharding=args.sharding, resume=args.resume)
         total = len(args.replay)
     elif args.seconds:
         seed, total, failures = args.seed if args.seed != 1 else int(time.time()) % 10_000_000 * 1000, 0, []
         while time.monotonic() - start < args.seconds:
             chunk = range(seed, seed + 3 * BATCH)
-            failures += run_seeds(chunk, world=args.world, sharding=args.sharding)
+            failures += run_seeds(chunk, world=args.world, sharding=args.sharding, resume=args.resume)
             total += len(chunk)
             seed += len(chunk)
             print(f"soak: {total} cases, {len(failures)} failed, {time.monotonic() - start:.0f} s", flush=True)
     else:
         seeds = range(args.seed, args.seed + args.cases)
-        failures = run_seeds(seeds, world=args.world, sharding=args.sharding)
+        failures = run_seeds(seeds, world=args.world, sharding=args.sharding, resume=args.resume)
         total = len(seeds)
-    print(f"differential: {total - len(failures)} passed, {len(failures)} failed in {time.monotonic() - start:.0f} s")
+    print(f"differential: {total - len(failures)} passed, {len(failures)} failed in {time.monotonic() - start:.0f} s"
+          f" ({len(RESUMED)} resumed mid-run)")
     return 1 if failures else 0
 
 

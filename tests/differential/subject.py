@@ -111,57 +111,96 @@ def run(case: dict) -> dict:
 
 
 def _train(case, acc, models, params, opts, dl, sched, trace):
-    rank = acc.process_index
+    resumed = False
     for epoch in range(case["epochs"]):
         loader = acc.skip_first_batches(dl, case["skip_first"]) if (epoch == 0 and case["skip_first"]) else dl
         n = len(loader)
         for i, (x, y) in enumerate(loader):
             window_end = (i + 1) % case["ga"] == 0 or i + 1 == n
-            if case["sync_style"] == "accumulate":
-                ctx = acc.accumulate(*models)
-            else:  # the user's own accumulation with no_sync, as in accelerate's docs
-                ctx = contextlib.ExitStack()
-                if not window_end:
-                    for m in models:
-                        ctx.enter_context(acc.no_sync(m))
-            with ctx:
-                aux = _aux(case, acc, models[0], x) if case.get("fsdp_aux") == "before" else 0.0
-                outs = [m(W.inputs(case, x), **W.forward_kwargs(case, i)).float() for m in models]
-                if case.get("fsdp_aux") == "after":
-                    aux = _aux(case, acc, models[0], x)
-                loss = W.loss_of(outs, y) + aux
-                if case["sync_style"] == "no_sync":
-                    loss = loss / case["ga"]
-                if case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0:
-                    loss = loss * float("inf")
-                acc.backward(loss)
-                if case["sharding"] in ("zero2", "zero3", "fsdp"):  # no full gradient exists, as with DeepSpeed's stage 2
-                    assert all(p.grad is None for p in params), "ZeRO-2 left a full gradient in p.grad"
-                # accumulate(): accelerate decides; no_sync: the loop does (its Accelerator has ga=1)
-                sync = acc.sync_gradients if case["sync_style"] == "accumulate" else window_end
-                if sync:
-                    W.touch_grads(case, params, len(trace["steps"]))
-                    if case["unscale_first"]:
-                        acc.unscale_gradients()
-                    norm = _clip(acc, case, W.clipped(case, params))
-                if sync:  # what the optimizer is about to read (None kept apart from zeros); under
-                    # ZeRO-2 no process holds it whole: gathered (a collective, every rank calls it)
-                    full = [acc.get_full_grad(p) for p in params]
-                    grads = [None if g is None else g.detach().float().clone() for g in full]
-                # under accumulate() the wrapped optimizer and scheduler skip non-sync steps
-                # themselves; with no_sync the loop only calls them at a window's end
-                if sync or case["sync_style"] == "accumulate":
-                    for opt in opts:
-                        opt.step()
-                    sched.step()
-                if sync:
-                    trace["steps"].append({
-                        "params": _values(acc, case, models, params),
-                        "grads": grads,
-                        "norm": norm,
-                        "skipped": any(opt.step_was_skipped for opt in opts),
-                        "lr": sched.get_last_lr()[0],
-                        "scale": acc.scaler.get_scale() if acc.scaler is not None else None,
-                    })
-                if sync or (case["zero_grad"].startswith("opt") and case["sync_style"] == "accumulate"):
-                    W.zero_grads(case, opts, models, params)
+            synced = _micro(case, acc, models, params, opts, sched, x, y, i, epoch, window_end, trace)
+            if synced and case.get("resume") == len(trace["steps"]) and i + 1 < n and not resumed:
+                _save_detour_load(case, acc, models, params, opts, sched, x, y, i, window_end)
+                resumed = trace["resumed"] = True
+
+
+def _save_detour_load(case, acc, models, params, opts, sched, x, y, i, window_end):
+    """The resume axis: save_state between two optimizer steps, train one more whole window
+    (the last batch again) that changes the parameters, the optimizer's state, the scheduler and
+    the loss scale, then load_state: what follows must be what training on without the detour
+    gives (the reference trains on; nothing of the detour is recorded)."""
+    import shutil
+    import tempfile
+
+    d = [tempfile.mkdtemp(prefix="ac_diff_resume_") if acc.is_main_process else None]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(d, src=0)
+    d = d[0]
+    try:
+        acc.save_state(d)
+        # under fp16 a second window whose loss overflows on rank 0: the step is skipped and the
+        # loss scale backs off, so a scale load_state failed to restore shows at the next step
+        for detour in range(2 if case["mp"] == "fp16" else 1):
+            for j in range(case["ga"]):
+                _micro(case, acc, models, params, opts, sched, x, y, i, -1 - detour, j + 1 == case["ga"], None)
+        acc.load_state(d)
+    finally:
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _micro(case, acc, models, params, opts, sched, x, y, i, epoch, window_end, trace) -> bool:
+    """One micro-batch of the loop; returns whether it was a sync step (an optimizer step). A
+    detour's micro-batches (resume axis) pass no trace and epoch -1 (no overflow or NaN
+    injected) or -2 (the loss overflows on rank 0); nothing is recorded."""
+    rank = acc.process_index
+    step = len(trace["steps"]) if trace is not None else -1
+    if case["sync_style"] == "accumulate":
+        ctx = acc.accumulate(*models)
+    else:  # the user's own accumulation with no_sync, as in accelerate's docs
+        ctx = contextlib.ExitStack()
+        if not window_end:
+            for m in models:
+                ctx.enter_context(acc.no_sync(m))
+    with ctx:
+        aux = _aux(case, acc, models[0], x) if case.get("fsdp_aux") == "before" else 0.0
+        outs = [m(W.inputs(case, x), **W.forward_kwargs(case, i)).float() for m in models]
+        if case.get("fsdp_aux") == "after":
+            aux = _aux(case, acc, models[0], x)
+        loss = W.loss_of(outs, y) + aux
+        if case["sync_style"] == "no_sync":
+            loss = loss / case["ga"]
+        if (case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0) or (epoch == -2 and rank == 0):
+            loss = loss * float("inf")
+        acc.backward(loss)
+        if case["sharding"] in ("zero2", "zero3", "fsdp"):  # no full gradient exists, as with DeepSpeed's stage 2
+            assert all(p.grad is None for p in params), "ZeRO-2 left a full gradient in p.grad"
+        # accumulate(): accelerate decides; no_sync: the loop does (its Accelerator has ga=1)
+        sync = acc.sync_gradients if case["sync_style"] == "accumulate" else window_end
+        if sync:
+            W.touch_grads(case, params, step)
+            if case["unscale_first"]:
+                acc.unscale_gradients()
+            norm = _clip(acc, case, W.clipped(case, params))
+        if sync:  # what the optimizer is about to read (None kept apart from zeros); under
+            # ZeRO-2 no process holds it whole: gathered (a collective, every rank calls it)
+            full = [acc.get_full_grad(p) for p in params]
+            grads = [None if g is None else g.detach().float().clone() for g in full]
+        # under accumulate() the wrapped optimizer and scheduler skip non-sync steps
+        # themselves; with no_sync the loop only calls them at a window's end
+        if sync or case["sync_style"] == "accumulate":
+            for opt in opts:
+                opt.step()
+            sched.step()
+        if sync and trace is not None:
+            trace["steps"].append({
+                "params": _values(acc, case, models, params),
+                "grads": grads,
+                "norm": norm,
+                "skipped": any(opt.step_was_skipped for opt in opts),
+                "lr": sched.get_last_lr()[0],
+                "scale": acc.scaler.get_scale() if acc.scaler is not None else None,
+            })
+        if sync or (case["zero_grad"].startswith("opt") and case["sync_style"] == "accumulate"):
+            W.zero_grads(case, opts, models, params)
+    return bool(sync)

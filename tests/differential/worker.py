@@ -62,8 +62,8 @@ def main(cases_path: str, out_path: str) -> int:
                    else reference).run(case)
             errors = compare.compare(case, sub, ref)
             if os.environ.get("AC_DIFF_TIMES") and rank == 0:
-                print(f"case {case['seed']}: subject {t1 - t0:.2f} s, reference {time.perf_counter() - t1:.2f} s",
-                      file=sys.stderr, flush=True)
+                print(f"case {case['seed']}: subject {t1 - t0:.2f} s, reference {time.perf_counter() - t1:.2f} s"
+                      + (" (resumed)" if sub.get("resumed") else ""), file=sys.stderr, flush=True)
             crashed = False
         except Exception:
             errors = ["raised: " + traceback.format_exc(limit=6).strip().replace("\n", "\n    ")]
@@ -77,7 +77,8 @@ def main(cases_path: str, out_path: str) -> int:
         errors = _all_errors(errors)
         if rank == 0:
             with open(out_path, "a") as f:
-                f.write(json.dumps({"seed": case["seed"], "errors": errors}) + "\n")
+                f.write(json.dumps({"seed": case["seed"], "errors": errors,
+                                    "resumed": bool(not crashed and sub.get("resumed"))}) + "\n")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
