@@ -1,6 +1,7 @@
-/* comm_nccl.c — the communicator over NCCL, resolved at run time with dlsym (see ac/comm.h). */
+/* comm_nccl.c — the communicator over NCCL (ac/comm.h's stream-ordered backend), resolved at run
+ * time with dlsym (see ac/comm_nccl.h). */
 #define _GNU_SOURCE
-#include "ac/comm.h"
+#include "ac/comm_nccl.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -34,10 +35,12 @@ static int api_loaded;
 static char api_source[512];
 static pthread_mutex_t api_lock = PTHREAD_MUTEX_INITIALIZER;
 
-struct ac_comm {
+typedef struct {
+  struct ac_comm base; /* first: an ac_comm_t * is a nccl_comm * */
   nccl_comm_t comm;
-  int nranks, rank;
-};
+} nccl_comm;
+
+static const ac_comm_ops_t nccl_ops;
 
 /* Resolves every symbol from `handle` (RTLD_DEFAULT or a dlopen handle); names the first
  * missing one in the error. */
@@ -110,7 +113,7 @@ const char *ac_nccl_source(void) { return api_loaded ? api_source : ""; }
 
 static ac_result_t ensure_loaded(void) { return api_loaded ? AC_OK : ac_nccl_load(NULL); }
 
-static ac_result_t nccl_fail(const ac_comm_t *c, nccl_result_t rc, const char *what) {
+static ac_result_t nccl_fail(const nccl_comm *c, nccl_result_t rc, const char *what) {
   const char *detail = c && api.get_last_error ? api.get_last_error(c->comm) : NULL;
   /* ncclInvalidArgument (4) / ncclInvalidUsage (5) are the caller's; ncclUnhandledCudaError (1) CUDA's */
   ac_result_t code = rc == 4 || rc == 5 ? AC_ERR_INVALID_ARG : rc == 1 ? AC_ERR_CUDA : AC_ERR_COMM;
@@ -136,13 +139,14 @@ ac_result_t ac_nccl_unique_id(unsigned char id[AC_NCCL_UNIQUE_ID_BYTES]) {
   return AC_OK;
 }
 
-ac_result_t ac_comm_create(ac_comm_t **out, const unsigned char id[AC_NCCL_UNIQUE_ID_BYTES], int nranks, int rank) {
-  if (!out || !id) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_create: NULL argument");
+ac_result_t ac_nccl_comm_create(ac_comm_t **out, const unsigned char id[AC_NCCL_UNIQUE_ID_BYTES], int nranks,
+                                int rank) {
+  if (!out || !id) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_nccl_comm_create: NULL argument");
   *out = NULL;
   if (nranks < 1 || rank < 0 || rank >= nranks)
-    return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_create: rank %d of %d ranks is not valid", rank, nranks);
+    return AC_FAIL(AC_ERR_INVALID_ARG, "ac_nccl_comm_create: rank %d of %d ranks is not valid", rank, nranks);
   AC_CHECK(ensure_loaded());
-  ac_comm_t *c = calloc(1, sizeof *c);
+  nccl_comm *c = calloc(1, sizeof *c);
   if (!c) return AC_FAIL(AC_ERR_NOMEM, "no memory for a communicator");
   nccl_unique_id_t u;
   memcpy(u.internal, id, AC_NCCL_UNIQUE_ID_BYTES);
@@ -152,20 +156,18 @@ ac_result_t ac_comm_create(ac_comm_t **out, const unsigned char id[AC_NCCL_UNIQU
     free(c);
     return r;
   }
-  c->nranks = nranks;
-  c->rank = rank;
-  *out = c;
+  c->base.ops = &nccl_ops;
+  c->base.nranks = nranks;
+  c->base.rank = rank;
+  *out = &c->base;
   return AC_OK;
 }
 
-void ac_comm_destroy(ac_comm_t *c) {
-  if (!c) return;
+static void nccl_destroy(ac_comm_t *base) {
+  nccl_comm *c = (nccl_comm *)base;
   if (api_loaded && c->comm) (void)api.comm_destroy(c->comm);
   free(c);
 }
-
-int ac_comm_size(const ac_comm_t *c) { return c ? c->nranks : 0; }
-int ac_comm_rank(const ac_comm_t *c) { return c ? c->rank : -1; }
 
 static ac_result_t nccl_type(ac_dtype_t dt, int *out) {
   switch (dt) {
@@ -176,55 +178,49 @@ static ac_result_t nccl_type(ac_dtype_t dt, int *out) {
   return AC_FAIL(AC_ERR_INVALID_ARG, "no NCCL type for dtype code %d", (int)dt);
 }
 
-static ac_result_t check_op(ac_redop_t op) {
-  if ((int)op < AC_RED_SUM || op > AC_RED_AVG) return AC_FAIL(AC_ERR_INVALID_ARG, "invalid reduction %d", (int)op);
-  return AC_OK;
-}
-
-#define COMM_ARGS(c, what)                                                  \
-  do {                                                                      \
-    if (!(c)) return AC_FAIL(AC_ERR_INVALID_ARG, "%s: comm is NULL", what); \
-  } while (0)
-
-ac_result_t ac_comm_all_reduce(ac_comm_t *c, const void *send, void *recv, size_t count, ac_dtype_t dt,
-                               ac_redop_t op, void *stream) {
-  COMM_ARGS(c, "ac_comm_all_reduce");
+/* The arguments arrive checked (comm.c); what is left is NCCL's own type code and call. */
+static ac_result_t nccl_all_reduce(ac_comm_t *base, const void *send, void *recv, size_t count, ac_dtype_t dt,
+                                   ac_redop_t op, void *stream) {
+  nccl_comm *c = (nccl_comm *)base;
   int t = 0;
   AC_CHECK(nccl_type(dt, &t));
-  AC_CHECK(check_op(op));
-  if (count && (!send || !recv)) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_all_reduce: NULL buffer");
   nccl_result_t rc = api.all_reduce(send, recv, count, t, (int)op, c->comm, stream);
   return rc ? nccl_fail(c, rc, "ncclAllReduce") : AC_OK;
 }
 
-ac_result_t ac_comm_broadcast(ac_comm_t *c, void *buf, size_t count, ac_dtype_t dt, int root, void *stream) {
-  COMM_ARGS(c, "ac_comm_broadcast");
+static ac_result_t nccl_broadcast(ac_comm_t *base, void *buf, size_t count, ac_dtype_t dt, int root, void *stream) {
+  nccl_comm *c = (nccl_comm *)base;
   int t = 0;
   AC_CHECK(nccl_type(dt, &t));
-  if (root < 0 || root >= c->nranks)
-    return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_broadcast: root %d of %d ranks", root, c->nranks);
-  if (count && !buf) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_broadcast: NULL buffer");
   nccl_result_t rc = api.broadcast(buf, buf, count, t, root, c->comm, stream);
   return rc ? nccl_fail(c, rc, "ncclBroadcast") : AC_OK;
 }
 
-ac_result_t ac_comm_all_gather(ac_comm_t *c, const void *send, void *recv, size_t count, ac_dtype_t dt,
-                               void *stream) {
-  COMM_ARGS(c, "ac_comm_all_gather");
+static ac_result_t nccl_all_gather(ac_comm_t *base, const void *send, void *recv, size_t count, ac_dtype_t dt,
+                                   void *stream) {
+  nccl_comm *c = (nccl_comm *)base;
   int t = 0;
   AC_CHECK(nccl_type(dt, &t));
-  if (count && (!send || !recv)) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_all_gather: NULL buffer");
   nccl_result_t rc = api.all_gather(send, recv, count, t, c->comm, stream);
   return rc ? nccl_fail(c, rc, "ncclAllGather") : AC_OK;
 }
 
-ac_result_t ac_comm_reduce_scatter(ac_comm_t *c, const void *send, void *recv, size_t count, ac_dtype_t dt,
-                                   ac_redop_t op, void *stream) {
-  COMM_ARGS(c, "ac_comm_reduce_scatter");
+static ac_result_t nccl_reduce_scatter(ac_comm_t *base, const void *send, void *recv, size_t count, ac_dtype_t dt,
+                                       ac_redop_t op, void *stream) {
+  nccl_comm *c = (nccl_comm *)base;
   int t = 0;
   AC_CHECK(nccl_type(dt, &t));
-  AC_CHECK(check_op(op));
-  if (count && (!send || !recv)) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_reduce_scatter: NULL buffer");
   nccl_result_t rc = api.reduce_scatter(send, recv, count, t, (int)op, c->comm, stream);
   return rc ? nccl_fail(c, rc, "ncclReduceScatter") : AC_OK;
 }
+
+static const ac_comm_ops_t nccl_ops = {
+    .backend = "nccl",
+    .stream_ordered = 1,
+    .all_reduce = nccl_all_reduce,
+    .broadcast = nccl_broadcast,
+    .all_gather = nccl_all_gather,
+    .reduce_scatter = nccl_reduce_scatter,
+    .wait = NULL, /* stream-ordered: the caller's stream waits through CUDA events */
+    .destroy = nccl_destroy,
+};

@@ -43,24 +43,6 @@ ac_result_t ac_kernels_set_isa(const char *name) {
   return AC_FAIL_HINT(AC_ERR_INVALID_ARG, "use \"avx2\" or \"scalar\"", "unknown ISA '%s'", name);
 }
 
-size_t ac_dtype_size(ac_dtype_t dt) {
-  switch (dt) {
-    case AC_F32: return 4;
-    case AC_F16:
-    case AC_BF16: return 2;
-  }
-  return 0;
-}
-
-const char *ac_dtype_name(ac_dtype_t dt) {
-  switch (dt) {
-    case AC_F32: return "float32";
-    case AC_F16: return "float16";
-    case AC_BF16: return "bfloat16";
-  }
-  return "invalid";
-}
-
 static ac_result_t check_buf(ac_dtype_t dt, const void *p, size_t n, const char *what) {
   if (ac_dtype_size(dt) == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "%s: invalid dtype code %d", what, (int)dt);
   if (n > 0 && !p) return AC_FAIL(AC_ERR_INVALID_ARG, "%s: NULL data for %zu elements", what, n);

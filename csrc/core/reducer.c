@@ -1,5 +1,5 @@
 /* reducer.c — the reducer's bucket launch (see ac/reducer.h): one in-place all-reduce per bucket
- * of the plan, through the communicator's public collectives (comm_nccl.c). */
+ * of the plan, through the communicator interface (ac/comm.h), whichever backend is behind it. */
 #include "ac/reducer.h"
 
 #include "ac/cuda.h"

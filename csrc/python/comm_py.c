@@ -1,7 +1,7 @@
 /* comm_py.c — NcclComm (the C NCCL communicator as a Python type) and the NCCL loader functions. */
 #include "pyac.h"
 
-#include "ac/comm.h"
+#include "ac/comm_nccl.h"
 
 typedef struct {
   PyObject_HEAD
@@ -39,7 +39,7 @@ static int comm_init(PyObject *op, PyObject *args, PyObject *kwds) {
   ac_comm_t *c = NULL;
   ac_result_t r;
   /* ncclCommInitRank blocks until every rank joined: other Python threads keep running */
-  Py_BEGIN_ALLOW_THREADS r = ac_comm_create(&c, raw, nranks, rank);
+  Py_BEGIN_ALLOW_THREADS r = ac_nccl_comm_create(&c, raw, nranks, rank);
   Py_END_ALLOW_THREADS
   if (r != AC_OK) {
     pyac_raise(pyac_module_of(op), r);

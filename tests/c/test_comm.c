@@ -7,7 +7,7 @@
 #include <dlfcn.h>
 #include <stdlib.h>
 
-#include "ac/comm.h"
+#include "ac/comm_nccl.h"
 #include "ac/reducer.h"
 #include "test_util.h"
 
@@ -46,12 +46,12 @@ TEST(communicator_errors_carry_nccl_text) {
   unsigned char id[AC_NCCL_UNIQUE_ID_BYTES];
   CHECK_OK(ac_nccl_unique_id(id));
   ac_comm_t *c = (ac_comm_t *)1;
-  CHECK_RC(ac_comm_create(&c, id, 2, 0), AC_ERR_INVALID_ARG); /* the fake takes one rank only */
+  CHECK_RC(ac_nccl_comm_create(&c, id, 2, 0), AC_ERR_INVALID_ARG); /* the fake takes one rank only */
   CHECK(c == NULL);
   CHECK_CONTAINS(ac_last_error(), "ncclCommInitRank failed: NCCL error 4 (invalid argument (fake))");
-  CHECK_RC(ac_comm_create(&c, id, 2, 2), AC_ERR_INVALID_ARG);
+  CHECK_RC(ac_nccl_comm_create(&c, id, 2, 2), AC_ERR_INVALID_ARG);
   CHECK_CONTAINS(ac_last_error(), "rank 2 of 2 ranks");
-  CHECK_RC(ac_comm_create(NULL, id, 1, 0), AC_ERR_INVALID_ARG);
+  CHECK_RC(ac_nccl_comm_create(NULL, id, 1, 0), AC_ERR_INVALID_ARG);
 }
 
 static int (*fake_calls)(void);
@@ -78,10 +78,14 @@ TEST(collectives_and_bucket_launch) {
   unsigned char id[AC_NCCL_UNIQUE_ID_BYTES];
   CHECK_OK(ac_nccl_unique_id(id));
   ac_comm_t *c = NULL;
-  CHECK_OK(ac_comm_create(&c, id, 1, 0));
+  CHECK_OK(ac_nccl_comm_create(&c, id, 1, 0));
   if (!c) return;
   CHECK_EQ_INT(ac_comm_size(c), 1);
   CHECK_EQ_INT(ac_comm_rank(c), 0);
+  CHECK_STREQ(ac_comm_backend(c), "nccl");
+  CHECK_EQ_INT(ac_comm_stream_ordered(c), 1);
+  CHECK_OK(ac_comm_wait(c)); /* stream-ordered: nothing for the host to wait for */
+  CHECK_STREQ(ac_comm_backend(NULL), "");
   float src[5] = {1, 2, 3, 4, 5}, dst[5] = {0};
   void *stream = (void *)0x1234;
   int before = fake_calls();

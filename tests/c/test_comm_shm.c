@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "ac/comm_shm.h"
+#include "ac/reducer.h"
 #include "half.h"
 #include "test_util.h"
 
@@ -716,8 +717,112 @@ TEST(a_peer_that_arrives_then_exits_completes_the_collective) {
   CHECK_EQ_INT(j.result[0], AC_OK);
 }
 
+/* ---- the group behind the communicator interface (ac/comm.h, comm_shm_comm.c) -------------
+ * The reducer's bucket launch (ac_comm_launch_buckets, the same function the NCCL path runs)
+ * over a window, then the copy-path collectives through the interface, each against sums of
+ * every rank's inputs computed here. */
+static ac_result_t iface_rank(ac_shm_t *c, job_t *j, int rank) {
+  long *bad = j->arg;
+  int n = j->nranks;
+  ac_shm_queue_t *q = NULL;
+  ac_result_t r = ac_shm_queue_create(&q, c);
+  if (r != AC_OK) {
+    ac_shm_destroy(c);
+    return r;
+  }
+  size_t numel[] = {10, 3000, 20, 517}, order[] = {3, 2, 1, 0}; /* buckets of >= 256 B, the first >= 128 B */
+  ac_bucket_plan_t *plan = NULL;
+  ac_shm_window_t *w = NULL;
+  ac_comm_t *cm = NULL;
+  r = ac_bucket_plan_create(&plan, 4, numel, order, 4, 128, 256, 32);
+  size_t total = plan ? ac_bucket_total(plan) : 0;
+  if (r == AC_OK) r = ac_shm_window_create(&w, ac_shm_queue_comm(q), total * sizeof(float));
+  if (r == AC_OK) r = ac_shm_comm_create(&cm, q, w);
+  if (r == AC_OK) {
+    bad[rank] += strcmp(ac_comm_backend(cm), "shm") != 0 || ac_comm_stream_ordered(cm) != 0;
+    bad[rank] += ac_comm_size(cm) != n || ac_comm_rank(cm) != rank;
+    float *g = ac_shm_window_base(w); /* the gradients, where every rank's backward wrote them */
+    for (size_t i = 0; i < total; i++) g[i] = (float)value(rank, i, 1);
+    r = ac_comm_launch_buckets(cm, plan, g, AC_F32, 0, ac_bucket_count(plan), NULL, NULL, NULL);
+    if (r == AC_OK) r = ac_comm_wait(cm);
+    for (size_t i = 0; r == AC_OK && i < total; i++) bad[rank] += g[i] != (float)expected(AC_SHM_F32, AC_RED_SUM, n, i, 1);
+  }
+  enum { N = 2001, K = 7 };
+  static _Thread_local float x[N], out[8 * K], rs_in[8 * K], rs_out[K], bc[N];
+  if (r == AC_OK) { /* copy path: private buffers, an average, a gather, a reduce-scatter, a broadcast */
+    for (int i = 0; i < N; i++) x[i] = (float)(rank * 4 + i % 5), bc[i] = (float)(rank * 1000 + i);
+    for (int i = 0; i < n * K; i++) rs_in[i] = (float)(rank + i);
+    r = ac_comm_all_reduce(cm, x, x, N, AC_F32, AC_RED_AVG, NULL);
+    if (r == AC_OK) r = ac_comm_all_gather(cm, x, out, K, AC_F32, NULL); /* queued behind the average */
+    if (r == AC_OK) r = ac_comm_reduce_scatter(cm, rs_in, rs_out, K, AC_F32, AC_RED_SUM, NULL);
+    if (r == AC_OK) r = ac_comm_broadcast(cm, bc, N, AC_F32, n - 1, NULL);
+    if (r == AC_OK) r = ac_comm_wait(cm);
+    float mean_rank4 = 4.0f * (float)(n - 1) / 2.0f;
+    for (int i = 0; r == AC_OK && i < N; i++) {
+      bad[rank] += fabsf(x[i] - (mean_rank4 + (float)(i % 5))) > 1e-5f;
+      bad[rank] += bc[i] != (float)((n - 1) * 1000 + i);
+    }
+    for (int q2 = 0; r == AC_OK && q2 < n; q2++)
+      for (int i = 0; i < K; i++) bad[rank] += fabsf(out[q2 * K + i] - (mean_rank4 + (float)(i % 5))) > 1e-5f;
+    for (int i = 0; r == AC_OK && i < K; i++) /* sum over ranks p of (p + rank*K + i) */
+      bad[rank] += rs_out[i] != (float)(n * (n - 1) / 2 + n * (rank * K + i));
+  }
+  if (r == AC_OK) { /* refused before anything is queued: a stream, a product */
+    bad[rank] += ac_comm_all_reduce(cm, x, x, N, AC_F32, AC_RED_SUM, (void *)1) != AC_ERR_INVALID_ARG;
+    bad[rank] += strstr(ac_last_error(), "no stream") == NULL;
+    bad[rank] += ac_comm_all_reduce(cm, x, x, N, AC_F32, AC_RED_PROD, NULL) != AC_ERR_UNSUPPORTED;
+    bad[rank] += ac_comm_wait(cm) != AC_OK;
+  }
+  if (r == AC_OK) { /* the window path is the one taken: rank 0 all-reduces its window, the others
+                     * private memory of the same size; a window collective meets a copy-path one,
+                     * which every rank reports (the copy path alone would have succeeded) */
+    static _Thread_local float priv[4096];
+    float *g = ac_shm_window_base(w);
+    size_t count = total < 4096 ? total : 4096;
+    ac_result_t m = ac_comm_all_reduce(cm, rank == 0 ? g : priv, rank == 0 ? g : priv, count, AC_F32, AC_RED_SUM, NULL);
+    if (m == AC_OK) m = ac_comm_wait(cm);
+    bad[rank] += m == AC_OK;
+  }
+  ac_comm_destroy(cm);
+  ac_shm_window_destroy(w);
+  ac_bucket_plan_destroy(plan);
+  ac_shm_queue_destroy(q); /* destroys c too */
+  return r;
+}
+
+static void *iface_main(void *p) {
+  rank_arg_t *a = p;
+  job_t *j = a->j;
+  ac_shm_t *c = NULL;
+  ac_result_t r = ac_shm_create(&c, j->name, j->nranks, a->rank, j->slot, j->timeout_ms);
+  if (r == AC_OK) r = iface_rank(c, j, a->rank);
+  j->result[a->rank] = r;
+  snprintf(j->error[a->rank], sizeof j->error[a->rank], "%s", r == AC_OK ? "" : ac_last_error());
+  return NULL;
+}
+
+TEST(the_comm_interface_launches_buckets_and_runs_every_collective) {
+  for (int nr = 2; nr <= 4; nr++) {
+    long bad[8] = {0};
+    job_t j = {.nranks = nr, .slot = SLOT, .timeout_ms = 20000, .arg = bad};
+    fresh_name(j.name, sizeof j.name);
+    pthread_t th[4];
+    rank_arg_t args[4];
+    for (int r = 0; r < nr; r++) {
+      args[r] = (rank_arg_t){&j, r};
+      pthread_create(&th[r], NULL, iface_main, &args[r]);
+    }
+    for (int r = 0; r < nr; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < nr; r++) {
+      CHECK_MSG(j.result[r] == AC_OK, "%d ranks, rank %d: %s", nr, r, j.error[r]);
+      CHECK_MSG(bad[r] == 0, "%d ranks, rank %d: %ld wrong", nr, r, bad[r]);
+    }
+  }
+}
+
 static const tu_test_t tests[] = {
     TU_CASE(a_peer_that_arrives_then_exits_completes_the_collective),
+    TU_CASE(the_comm_interface_launches_buckets_and_runs_every_collective),
     TU_CASE(window_all_reduce_matches_the_reference_in_every_region),
     TU_CASE(window_mismatch_and_bad_ranges_are_refused),
     TU_CASE(async_requests_run_in_order_and_close_fails_what_is_left),

@@ -1,14 +1,19 @@
-/* comm.h — a small communicator over NCCL, loaded at run time (no link-time dependency, no NCCL
- * headers: the few prototypes and enums are declared in comm_nccl.c from NCCL's published C API).
+/* comm.h — the communicator interface: the collectives the reducer and the strategies need, one
+ * table of functions per backend. Two backends implement it:
+ *   - NCCL (ac/comm_nccl.h, csrc/core/comm_nccl.c): CUDA device buffers, each operation
+ *     asynchronous on the CUDA stream it is given (stream-ordered);
+ *   - shared memory between the processes of one host (ac_shm_comm_create in ac/comm_shm.h,
+ *     csrc/core/comm_shm_comm.c): host buffers, each operation queued to the group's progress
+ *     thread (host-progressed; `stream` must be NULL); an in-place all-reduce of memory in the
+ *     group's shared window reduces it where it lies, with no copy in or out.
+ * Code above this line (the reducer's bucket launch, ac/reducer.h) is written once against it.
  *
- * Loading: ac_nccl_load(NULL) first looks for NCCL symbols already in the process (the NCCL
- * that torch loaded, through dlsym(RTLD_DEFAULT)), then dlopen("libnccl.so.2"); a path loads
- * exactly that file. The first successful load wins for the life of the process.
- *
- * Every operation is asynchronous on `stream` (a cudaStream_t; NULL = the legacy default
- * stream) and is collective: all ranks of the communicator must call it, in the same order,
- * with the same counts. Buffers are device pointers (host pointers only with a fake NCCL in
- * the C tests). Errors carry NCCL's own message (ncclGetErrorString / ncclGetLastError). */
+ * Every operation is collective: all ranks of the communicator call it, in the same order, with
+ * the same counts. Issuing returns at once; the operation has finished when ac_comm_wait says
+ * so (host-progressed) or when the stream has passed it (stream-ordered). The functions below
+ * check their arguments (NULL communicator or buffer, reduction, root) and name the one at
+ * fault; a backend's own failure carries its message (NCCL's error string, the shm group's
+ * timeout naming the silent rank). */
 #ifndef AC_COMM_H
 #define AC_COMM_H
 
@@ -18,28 +23,39 @@
 extern "C" {
 #endif
 
-#define AC_NCCL_UNIQUE_ID_BYTES 128
-
 typedef struct ac_comm ac_comm_t;
 typedef enum { AC_RED_SUM = 0, AC_RED_PROD = 1, AC_RED_MAX = 2, AC_RED_MIN = 3, AC_RED_AVG = 4 } ac_redop_t;
 
-/* Loads NCCL (see above). Missing library or symbol -> AC_ERR_UNSUPPORTED naming what was
- * tried and what is missing. Thread-safe; cheap once loaded. */
-ac_result_t ac_nccl_load(const char *path);
-/* Where NCCL came from ("process" or the path given to dlopen); "" before a load. */
-const char *ac_nccl_source(void);
-/* NCCL's version code (e.g. 22703 for 2.27.3). Loads NCCL if needed. */
-ac_result_t ac_nccl_version(int *version);
-/* A new unique id (rank 0 makes it; the others receive it out of band). */
-ac_result_t ac_nccl_unique_id(unsigned char id[AC_NCCL_UNIQUE_ID_BYTES]);
+/* A backend's table. Arguments reach it checked (see above). */
+typedef struct ac_comm_ops {
+  const char *backend;  /* "nccl", "shm" */
+  int stream_ordered;   /* 1: ordered on CUDA streams (NCCL); 0: progressed by the host (ac_comm_wait) */
+  ac_result_t (*all_reduce)(ac_comm_t *c, const void *send, void *recv, size_t count, ac_dtype_t dt, ac_redop_t op,
+                            void *stream);
+  ac_result_t (*broadcast)(ac_comm_t *c, void *buf, size_t count, ac_dtype_t dt, int root, void *stream);
+  ac_result_t (*all_gather)(ac_comm_t *c, const void *send, void *recv, size_t count, ac_dtype_t dt, void *stream);
+  ac_result_t (*reduce_scatter)(ac_comm_t *c, const void *send, void *recv, size_t count, ac_dtype_t dt,
+                                ac_redop_t op, void *stream);
+  ac_result_t (*wait)(ac_comm_t *c);
+  void (*destroy)(ac_comm_t *c);
+} ac_comm_ops_t;
 
-/* Joins the communicator `id` as `rank` of `nranks` on the current CUDA device. Blocks until
- * every rank has joined (collective). *out is owned by the caller: ac_comm_destroy. */
-ac_result_t ac_comm_create(ac_comm_t **out, const unsigned char id[AC_NCCL_UNIQUE_ID_BYTES], int nranks, int rank);
-/* Frees the communicator (waits for its pending work); NULL is a no-op. */
+/* The head every backend's communicator starts with. */
+struct ac_comm {
+  const ac_comm_ops_t *ops;
+  int nranks, rank;
+};
+
+/* Frees the communicator (a host-progressed one waits for what it issued first); NULL is a
+ * no-op. */
 void ac_comm_destroy(ac_comm_t *c);
 int ac_comm_size(const ac_comm_t *c);
 int ac_comm_rank(const ac_comm_t *c);
+/* The backend's name ("nccl", "shm"); "" for NULL. */
+const char *ac_comm_backend(const ac_comm_t *c);
+/* 1 when the backend orders its work on CUDA streams (the caller orders its own stream after it
+ * with CUDA events), 0 when ac_comm_wait completes it. */
+int ac_comm_stream_ordered(const ac_comm_t *c);
 
 /* recv[i] = op over ranks of send[i], for i < count (send == recv: in place). */
 ac_result_t ac_comm_all_reduce(ac_comm_t *c, const void *send, void *recv, size_t count, ac_dtype_t dt,
@@ -52,6 +68,10 @@ ac_result_t ac_comm_all_gather(ac_comm_t *c, const void *send, void *recv, size_
 /* recv (count elements) = this rank's slice of op over ranks of send (nranks * count). */
 ac_result_t ac_comm_reduce_scatter(ac_comm_t *c, const void *send, void *recv, size_t count, ac_dtype_t dt,
                                    ac_redop_t op, void *stream);
+/* Host-progressed backends: blocks until every operation issued so far has finished and returns
+ * the first failure among them (each is waited for, so no buffer is still in use afterwards).
+ * Stream-ordered backends: AC_OK at once. */
+ac_result_t ac_comm_wait(ac_comm_t *c);
 
 #ifdef __cplusplus
 }

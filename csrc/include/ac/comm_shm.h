@@ -158,6 +158,15 @@ void ac_shm_req_release(ac_shm_req_t *r);
  * destroys the communicator. Requests not yet waited for stay valid (their result: an error). */
 void ac_shm_queue_destroy(ac_shm_queue_t *q);
 
+/* ---- the group as an ac/comm.h communicator (csrc/core/comm_shm_comm.c) -----------------------
+ * The host-progressed backend of the communicator interface: fp32/fp16/bf16 host buffers (the
+ * shm dtypes beyond those stay with the functions above), no stream (NULL), no product. Each
+ * operation is submitted to `q` and runs on its progress thread; ac_comm_wait waits for all of
+ * them and returns the first failure. An in-place all-reduce of a range inside `w` (may be NULL)
+ * is the window all-reduce. q and w are borrowed: both outlive the communicator, which is
+ * destroyed (ac_comm_destroy, after waiting) first. One thread issues at a time. */
+ac_result_t ac_shm_comm_create(ac_comm_t **out, ac_shm_queue_t *q, ac_shm_window_t *w);
+
 #ifdef __cplusplus
 }
 #endif

@@ -11,10 +11,13 @@
 extern "C" {
 #endif
 
-/* The reducer's launch: sums buckets [from, to) of `plan`, laid over the device buffer `base`
- * of dtype `dt`, in place, on comm_stream. When `event` is not NULL, comm_stream first waits
- * (through `event`, a cudaEvent_t) for the work queued so far on compute_stream, so the
- * all-reduce reads finished gradients while backward goes on. Collective, in bucket order. */
+/* The reducer's launch: sums buckets [from, to) of `plan`, laid over the buffer `base` of
+ * dtype `dt`, in place, through any backend of ac/comm.h. NCCL: on comm_stream, and when
+ * `event` is not NULL comm_stream first waits (through `event`, a cudaEvent_t) for the work
+ * queued so far on compute_stream, so the all-reduce reads finished gradients while backward
+ * goes on. Shared memory: streams and event NULL; the buckets are queued to the group's progress
+ * thread (a buffer in the group's window is reduced where it lies), and ac_comm_wait completes
+ * them. Collective, in bucket order. */
 ac_result_t ac_comm_launch_buckets(ac_comm_t *c, const ac_bucket_plan_t *plan, void *base, ac_dtype_t dt,
                                    size_t from, size_t to, void *compute_stream, void *comm_stream, void *event);
 
