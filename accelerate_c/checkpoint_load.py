@@ -90,7 +90,28 @@ def _plan_stateful_loaders(acc, reader, plan, states: list, d: str) -> None:
         plan.applies.append(lambda dl=dl, sd=sd: dl.load_state_dict(sd))
 
 
+def _loader_is_iterating(dl, st: dict, where: str) -> bool:
+    """load_state inside the loop (an epoch of `dl` under way): the iterator goes on as it is,
+    as accelerate's does, and the next epoch is the next one, so the saved position (epoch,
+    batch, sampler state) is not applied: armed, it would make the next epoch replay this one.
+    A position other than the loader's own is warned about (restoring it needs load_state
+    before the epoch starts). True: leave the loader alone."""
+    under_way = getattr(dl, "epoch_under_way", None)
+    if under_way is None or not under_way():
+        return False
+    now = dl.resume_position()
+    saved = (st.get("iteration", now["iteration"]), st.get("batches_seen", 0))
+    if (now["iteration"], now["batches_seen"]) != saved:
+        warnings.warn(f"{where}: load_state was called while the data loader is in epoch {now['iteration']} "
+                      f"(batch {now['batches_seen']} handed out); it goes on from there, and the checkpoint's "
+                      f"position (epoch {saved[0]}, batch {saved[1]}) is not applied. Call load_state before "
+                      "the loop (or the epoch) starts to resume the data where the checkpoint was saved")
+    return True
+
+
 def _apply_loader_state(dl, st: dict, where: str) -> None:
+    if _loader_is_iterating(dl, st, where):
+        return
     if "iteration" in st and hasattr(dl, "iteration"):
         dl.iteration = int(st["iteration"])
     sampler = sampler_of(dl)
@@ -424,6 +445,7 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
     for i, (dl, pos) in resumed.items():
         rec = epoch_starts[i] if pos["mid_epoch"] and i < len(epoch_starts) else None
         plan.applies.append(lambda dl=dl, rec=rec, pos=pos:
+                            None if dl.epoch_under_way() else  # inside the loop: see _loader_is_iterating
                             dl.resume_from(rec, pos["mid_epoch"], pos.get("batches_seen", 0)))
     if reader.marker is not None:
         saved = reader.marker.get("custom_objects", 0)

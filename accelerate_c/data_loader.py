@@ -234,6 +234,13 @@ class EpochResume:
         return {"iteration": int(src.iteration), "batches_seen": src._skipped + src.batches_seen, "mid_epoch": True,
                 "epoch_start": src._epoch_start}
 
+    def epoch_under_way(self) -> bool:
+        """Whether one of this loader's epochs (or the epoch of the loader skip_first_batches made
+        from it) is being iterated now, its last batch not yet out: load_state called inside the
+        loop, where a saved position cannot move the iterator (checkpoint_load.py)."""
+        src = self._stand_in if self._stand_in is not None else self
+        return src._resume is None and src._epoch_start is not None and not src.end_of_dataloader
+
     def resume_from(self, epoch_start, mid_epoch: bool = False, batches_seen: int = 0):
         """load_state: the next epoch of this loader (or of the loader skip_first_batches makes
         from it) is the resumed one; when ``epoch_start`` is a record (resume_position's, this

@@ -392,7 +392,7 @@ def range_fills(plan, j: int, start: int, dest: torch.Tensor, files: list, name:
 def plan_load(acc, strategy, files):
     """(reads, applies) for the sharded optimizer states of a checkpoint written under ZeRO or
     full sharding (`files`: load_state's reader, or PlainFiles(directory)), into this run's
-    shards, matched parameter by parameter (by name): another number of processes, another
+    shards, matched parameter by parameter (by model and name): another number of processes, another
     stage (a full-sharding checkpoint into ZeRO-2 and back), another wrap policy. Every file is
     checked here (plan, names, shapes, numbering, every old rank's file and header, the state
     the optimizer would load); reads fill new tensors, each element range of this process's

@@ -9,11 +9,13 @@ Per size: the median over --repeats samples (the slowest rank's) of the time per
 bytes / time and busbw =
 algbw x 2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter and all-gather (the bytes each rank
 must move, NCCL's convention). The limit printed beside: this machine's memcpy bandwidth at the same
-size (bytes copied per second, a copy of `size` bytes), measured in the same run in one process.
-Below 1 MiB a sample is INNER back-to-back calls after one barrier, divided by INNER (as
-nccl-tests and the OSU benchmarks time small messages): timed one call per barrier, a call's time
-includes how far apart the ranks left the barrier, tens of microseconds on gloo's barrier, which
-is most of a 64 KiB all-reduce over shared memory. Both contenders are timed the same way.
+size (bytes copied per second, a copy of `size` bytes), measured in the same run.
+A sample is back-to-back calls after one barrier, divided by their number (as nccl-tests and
+the OSU benchmarks time): INNER calls below 1 MiB, INNER_MID up to 32 MiB, one above. Timed one
+call per barrier, a call's time would include how far apart the ranks left the barrier: tens of
+microseconds on gloo's barrier with a core per process (most of a 64 KiB all-reduce over shared
+memory), milliseconds with 4 processes on 2 cores (a third of a 32 MiB one). Both contenders are
+timed the same way. The memcpy limit is timed by one process while the others wait.
 
 The all-reduce is timed twice over shared memory: of a private tensor (copied into the segment
 and out), and of a tensor living in a shared window (reduced in place: how the reducer's gradient
@@ -40,6 +42,14 @@ from _common import launch_on  # noqa: E402
 BENCH = "bench_collectives"
 KB = 1 << 10
 INNER = 20  # back-to-back calls per timed sample below 1 MiB (see above)
+INNER_MID = 5  # ... from 1 to 32 MiB
+
+
+def inner_calls(nbytes: int) -> int:
+    """Back-to-back calls per timed sample: INNER below 1 MiB, INNER_MID up to 32 MiB (a call of
+    a few milliseconds is still within reach of the barrier's exit skew, which on 4 processes
+    sharing 2 cores is milliseconds), one above."""
+    return INNER if nbytes < (1 << 20) else INNER_MID if nbytes <= (32 << 20) else 1
 
 
 def sizes(max_mb: int):
@@ -79,7 +89,7 @@ def worker(args) -> int:
     for nbytes in sizes(args.max_mb):
         n = nbytes // 4 // world * world
         reps = args.repeats if nbytes >= (1 << 20) else args.repeats * 10
-        inner = 1 if nbytes >= (1 << 20) else INNER
+        inner = inner_calls(nbytes)
         # zeros: hundreds of in-place all-reduce sums of ones would reach inf (2^128) on the way
         x = torch.zeros(n)
         out_rs = torch.empty(n // world)
@@ -95,8 +105,14 @@ def worker(args) -> int:
             ("all_gather", "gloo"): timed(lambda: dist.all_gather_into_tensor(out_ag, part), reps, inner),
             ("all_gather", "shm"): timed(lambda: shm.all_gather(out_ag, part), reps, inner),
         }
+        # the limit: one process copying alone (the others wait), its destination touched first
         dst = torch.empty_like(x)
-        copy = statistics.median([_copy_time(dst, x) for _ in range(reps)])
+        dist.barrier()
+        copy = float("nan")
+        if rank == 0:
+            dst.copy_(x)
+            copy = statistics.median([_copy_time(dst, x) for _ in range(reps)])
+        dist.barrier()
         rows.append((nbytes, res, copy))
         del x, out_rs, out_ag, part, dst, win
     if rank == 0:
@@ -131,9 +147,9 @@ def worker(args) -> int:
     x8 = torch.ones((8 << 20) // 4)
     reps = args.repeats * 4
     collectives.select_cpu_comm("gloo")
-    t_gloo = timed(lambda: ac_reduce(x8), reps)
+    t_gloo = timed(lambda: ac_reduce(x8), reps, inner_calls(x8.numel() * 4))
     collectives.select_cpu_comm("shm")
-    t_shm = timed(lambda: ac_reduce(x8), reps)
+    t_shm = timed(lambda: ac_reduce(x8), reps, inner_calls(x8.numel() * 4))
     if rank == 0:
         print(f"accelerator.reduce of 8 MiB: gloo {t_gloo * 1e3:.2f} ms, shm {t_shm * 1e3:.2f} ms, "
               f"{t_gloo / t_shm:.1f}x")

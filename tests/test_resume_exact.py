@@ -173,6 +173,65 @@ def test_a_save_right_after_a_load_keeps_the_mid_epoch_position(tmp_path):
         assert torch.equal(got_draws, draws), again
 
 
+def _epochs_with_a_rollback(acc_cls, tmp_path, rollback_at=None, tag="ck"):
+    """Two epochs of a shuffled prepared loader; at batch `rollback_at` of epoch 0, save_state,
+    a detour (draws from the global RNG) and load_state inside the loop; then a second save at
+    batch 4 of epoch 0. Returns the batches of both epochs and the second save's path."""
+    torch.manual_seed(11)
+    acc = acc_cls(cpu=True)
+    dl = acc.prepare(_loader())
+    epochs, second = [], None
+    for epoch in range(2):
+        seen = []
+        for i, b in enumerate(dl):
+            seen.append(b[0])
+            if epoch == 0 and i == rollback_at:
+                acc.save_state(str(tmp_path / tag))
+                torch.rand(7)
+                acc.load_state(str(tmp_path / tag))
+            if epoch == 0 and i == 4:
+                second = acc.save_state(str(tmp_path / (tag + "_second")))
+        epochs.append(seen)
+    return epochs, second
+
+
+def test_load_state_inside_the_loop_leaves_the_data_order_alone(tmp_path):
+    """A save and load of the same state inside the loop (a rollback after a detour) changes
+    nothing in the data: the rest of the epoch and the next epoch come as in the run without it,
+    and as in accelerate 1.15's run with the same rollback; a later save records the loader's
+    true position. (Before, the loaded position was armed for the next epoch, which then replayed
+    the first one's order, and the later save recorded the loaded batch count.)"""
+    from accelerate import Accelerator as HFAccelerator
+
+    plain, _ = _epochs_with_a_rollback(Accelerator, tmp_path, None, "plain")
+    reset_all_states()
+    ours, second = _epochs_with_a_rollback(Accelerator, tmp_path, 0, "ours")
+    reset_all_states()
+    theirs, _ = _epochs_with_a_rollback(HFAccelerator, tmp_path, 0, "theirs")
+    reset_all_states()
+    for ref in (plain, theirs):
+        assert [len(e) for e in ours] == [len(e) for e in ref]
+        assert all(torch.equal(a, b) for e, f in zip(ours, ref) for a, b in zip(e, f))
+    st = json.loads((second / "dataloader_0.json").read_text())["state"]
+    assert st["iteration"] == 0 and st["batches_seen"] == 5 and st["mid_epoch"] is True, st
+
+
+def test_load_state_of_another_position_inside_the_loop_warns_and_goes_on(tmp_path):
+    """A checkpoint of another position loaded inside the loop cannot move the iterator: a
+    warning names the loader's position and the checkpoint's, and the epoch goes on as it was."""
+    path, _, rest, _ = _interrupted(tmp_path, k=3)  # saved at batch 3 of epoch 0
+    reset_all_states()
+    torch.manual_seed(11)
+    acc = Accelerator(cpu=True)
+    dl = acc.prepare(_loader())
+    it = iter(dl)
+    first = next(it)  # batch 1 of epoch 0 handed out
+    with pytest.warns(UserWarning, match=r"in epoch 0 \(batch 1 handed out\).*\(epoch 0, batch 3\)"):
+        acc.load_state(path)
+    got = [b[0] for b in it]
+    assert len(got) == len(dl) - 1 and not torch.equal(first[0], got[0])
+
+
 def test_a_checkpoint_after_the_last_batch_is_at_the_next_epoch(tmp_path):
     """Saved while the epoch's last batch is being trained on: the next epoch is where a resume
     starts (iteration 1, nothing to replay), and it draws its order from the RNG saved, as the

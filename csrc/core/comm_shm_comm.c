@@ -3,6 +3,7 @@
  * remembered; ac_comm_wait waits for all of them in order. An in-place all-reduce of memory in
  * the communicator's window becomes the window all-reduce (each rank reduces its slice straight
  * from every rank's region: no copy in or out), which is how the reducer's buckets travel. */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,14 +76,24 @@ static ac_result_t shm_all_reduce(ac_comm_t *base, const void *send, void *recv,
   AC_CHECK(shm_reduction(op, "ac_comm_all_reduce"));
   ac_shm_op_t o = {.kind = AC_SHM_OP_ALL_REDUCE, .send = send, .recv = recv, .count = count, .op = op};
   AC_CHECK(shm_type(dt, &o.dt));
-  if (c->w && send == recv && count) {
-    const char *lo = (const char *)ac_shm_window_base(c->w), *p = (const char *)recv;
-    size_t bytes = count * ac_dtype_size(dt);
-    if (p >= lo && (size_t)(p - lo) <= ac_shm_window_bytes(c->w) && bytes <= ac_shm_window_bytes(c->w) - (size_t)(p - lo) &&
-        (size_t)(p - lo) % ac_dtype_size(dt) == 0) {
+  if (c->w && count) {
+    /* addresses as integers: the buffer and the window are separate objects */
+    uintptr_t lo = (uintptr_t)ac_shm_window_base(c->w), wb = ac_shm_window_bytes(c->w), p = (uintptr_t)recv;
+    size_t es = ac_dtype_size(dt);
+    if (count > SIZE_MAX / es) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_all_reduce: %zu elements overflow", count);
+    uintptr_t bytes = count * es;
+    int inside = p >= lo && p - lo <= wb && bytes <= wb - (p - lo);
+    int overlaps = p < lo + wb && lo < p + bytes;
+    if (overlaps && (!inside || send != recv || (p - lo) % es != 0))
+      /* part of the window, or out of place into it: the window collective cannot take it, and
+       * the copy path would write past this rank's region into a peer's */
+      return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_all_reduce: a buffer of %zu bytes at offset %lld of the shared "
+                     "window (%zu bytes) must lie wholly inside it, in place and element-aligned", (size_t)bytes,
+                     (long long)((intptr_t)p - (intptr_t)lo), (size_t)wb);
+    if (inside) {
       o.kind = AC_SHM_OP_WINDOW_ALL_REDUCE; /* in place where every rank's gradients already are */
       o.window = c->w;
-      o.offset = (size_t)(p - lo) / ac_dtype_size(dt);
+      o.offset = (size_t)(p - lo) / es;
       o.send = o.recv = NULL;
     }
   }
@@ -137,7 +148,9 @@ static ac_result_t shm_wait(ac_comm_t *base) {
 
 static void shm_destroy(ac_comm_t *base) {
   shm_comm *c = (shm_comm *)base;
-  (void)shm_wait(base);
+  /* what is still queued reads and writes the caller's buffers: wait (a dead or silent peer
+   * fails it within the group's timeout); only a failure there sets this thread's message */
+  if (c->n) (void)shm_wait(base);
   free(c->reqs);
   free(c);
 }

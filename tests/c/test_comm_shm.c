@@ -771,6 +771,12 @@ static ac_result_t iface_rank(ac_shm_t *c, job_t *j, int rank) {
     bad[rank] += ac_comm_all_reduce(cm, x, x, N, AC_F32, AC_RED_SUM, (void *)1) != AC_ERR_INVALID_ARG;
     bad[rank] += strstr(ac_last_error(), "no stream") == NULL;
     bad[rank] += ac_comm_all_reduce(cm, x, x, N, AC_F32, AC_RED_PROD, NULL) != AC_ERR_UNSUPPORTED;
+    /* a buffer running past the end of this rank's window region (into a peer's), and a result
+     * written out of place into the window: neither is taken to the copy path */
+    float *g = ac_shm_window_base(w);
+    bad[rank] += ac_comm_all_reduce(cm, g + total - 4, g + total - 4, 8, AC_F32, AC_RED_SUM, NULL) != AC_ERR_INVALID_ARG;
+    bad[rank] += strstr(ac_last_error(), "wholly inside") == NULL;
+    bad[rank] += ac_comm_all_reduce(cm, x, g, 8, AC_F32, AC_RED_SUM, NULL) != AC_ERR_INVALID_ARG;
     bad[rank] += ac_comm_wait(cm) != AC_OK;
   }
   if (r == AC_OK) { /* the window path is the one taken: rank 0 all-reduces its window, the others
