@@ -767,6 +767,21 @@ static ac_result_t iface_rank(ac_shm_t *c, job_t *j, int rank) {
     for (int i = 0; r == AC_OK && i < K; i++) /* sum over ranks p of (p + rank*K + i) */
       bad[rank] += rs_out[i] != (float)(n * (n - 1) / 2 + n * (rank * K + i));
   }
+  if (r == AC_OK) { /* the 16-bit types through the interface: sums of every rank's values rounded once */
+    enum { H = 3001 };
+    static _Thread_local uint16_t h16[H], hb16[H];
+    for (int i = 0; i < H; i++) {
+      h16[i] = ac_f32_to_f16((float)value(rank, (size_t)i, 0));
+      hb16[i] = ac_f32_to_bf16((float)value(rank, (size_t)i, 0));
+    }
+    r = ac_comm_all_reduce(cm, h16, h16, H, AC_F16, AC_RED_SUM, NULL);
+    if (r == AC_OK) r = ac_comm_all_reduce(cm, hb16, hb16, H, AC_BF16, AC_RED_AVG, NULL);
+    if (r == AC_OK) r = ac_comm_wait(cm);
+    for (int i = 0; r == AC_OK && i < H; i++) {
+      bad[rank] += ac_f16_to_f32(h16[i]) != (float)expected(AC_SHM_F16, AC_RED_SUM, n, (size_t)i, 0);
+      bad[rank] += ac_bf16_to_f32(hb16[i]) != (float)expected(AC_SHM_BF16, AC_RED_AVG, n, (size_t)i, 0);
+    }
+  }
   if (r == AC_OK) { /* refused before anything is queued: a stream, a product */
     bad[rank] += ac_comm_all_reduce(cm, x, x, N, AC_F32, AC_RED_SUM, (void *)1) != AC_ERR_INVALID_ARG;
     bad[rank] += strstr(ac_last_error(), "no stream") == NULL;
