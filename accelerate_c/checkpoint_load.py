@@ -445,7 +445,6 @@ def _plan_load(acc, reader: _Reader, models: list, strict: bool, map_location) -
     for i, (dl, pos) in resumed.items():
         rec = epoch_starts[i] if pos["mid_epoch"] and i < len(epoch_starts) else None
         plan.applies.append(lambda dl=dl, rec=rec, pos=pos:
-                            None if dl.epoch_under_way() else  # inside the loop: see _loader_is_iterating
                             dl.resume_from(rec, pos["mid_epoch"], pos.get("batches_seen", 0)))
     if reader.marker is not None:
         saved = reader.marker.get("custom_objects", 0)

@@ -245,7 +245,11 @@ class EpochResume:
         """load_state: the next epoch of this loader (or of the loader skip_first_batches makes
         from it) is the resumed one; when ``epoch_start`` is a record (resume_position's, this
         process's), that epoch's iterator is re-created under it. Until that epoch begins,
-        resume_position says what the checkpoint said (a save right after a load loses nothing)."""
+        resume_position says what the checkpoint said (a save right after a load loses nothing).
+        Nothing while an epoch is under way (load_state inside the loop): the next epoch is the
+        next one (checkpoint_load._loader_is_iterating)."""
+        if self.epoch_under_way():
+            return
         self._resume = {"epoch_start": epoch_start,
                         "position": {"batches_seen": int(batches_seen), "mid_epoch": bool(mid_epoch),
                                      "epoch_start": epoch_start}}

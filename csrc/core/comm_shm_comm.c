@@ -29,11 +29,6 @@ static ac_result_t shm_type(ac_dtype_t dt, ac_shm_dtype_t *out) {
   return AC_FAIL(AC_ERR_INVALID_ARG, "no shared-memory type for dtype code %d", (int)dt);
 }
 
-static ac_result_t shm_reduction(ac_redop_t op, const char *what) {
-  if (op == AC_RED_PROD) return AC_FAIL(AC_ERR_UNSUPPORTED, "%s: the shared-memory collectives have no product", what);
-  return AC_OK;
-}
-
 static ac_result_t no_stream(const void *stream, const char *what) {
   if (stream) return AC_FAIL(AC_ERR_INVALID_ARG, "%s: the shared-memory backend takes host buffers and no stream", what);
   return AC_OK;
@@ -73,7 +68,6 @@ static ac_result_t shm_all_reduce(ac_comm_t *base, const void *send, void *recv,
                                   ac_redop_t op, void *stream) {
   shm_comm *c = (shm_comm *)base;
   AC_CHECK(no_stream(stream, "ac_comm_all_reduce"));
-  AC_CHECK(shm_reduction(op, "ac_comm_all_reduce"));
   ac_shm_op_t o = {.kind = AC_SHM_OP_ALL_REDUCE, .send = send, .recv = recv, .count = count, .op = op};
   AC_CHECK(shm_type(dt, &o.dt));
   if (c->w && count) {
@@ -124,7 +118,6 @@ static ac_result_t shm_all_gather(ac_comm_t *base, const void *send, void *recv,
 static ac_result_t shm_reduce_scatter(ac_comm_t *base, const void *send, void *recv, size_t count, ac_dtype_t dt,
                                       ac_redop_t op, void *stream) {
   AC_CHECK(no_stream(stream, "ac_comm_reduce_scatter"));
-  AC_CHECK(shm_reduction(op, "ac_comm_reduce_scatter"));
   ac_shm_op_t o = {.kind = AC_SHM_OP_REDUCE_SCATTER, .send = send, .recv = recv, .count = count, .op = op};
   AC_CHECK(shm_type(dt, &o.dt));
   return issue((shm_comm *)base, &o);

@@ -160,7 +160,7 @@ void ac_shm_queue_destroy(ac_shm_queue_t *q);
 
 /* ---- the group as an ac/comm.h communicator (csrc/core/comm_shm_comm.c) -----------------------
  * The host-progressed backend of the communicator interface: fp32/fp16/bf16 host buffers (the
- * shm dtypes beyond those stay with the functions above), no stream (NULL), no product. Each
+ * shm dtypes beyond those stay with the functions above), no stream (NULL). Each
  * operation is submitted to `q` and runs on its progress thread; ac_comm_wait waits for all of
  * them and returns the first failure. An in-place all-reduce of a range inside `w` (may be NULL)
  * is the window all-reduce; a buffer overlapping the window otherwise (partly inside, out of
