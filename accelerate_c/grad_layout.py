@@ -13,7 +13,9 @@ the subclass's and the gradient strategy's (grads.GradGroup, strategies/).
 after zero_grad() (set_to_none). Whether a parameter has a gradient is never stored apart:
 after resync() it is exactly `p.grad is view`. A hook copies the gradient that backward produced
 into the range and points `.grad` at it (what torch DDP's reducer does): one copy, cheaper than
-zeroing the buffer and accumulating into zeros; later micro-batches accumulate in place.
+zeroing the buffer and accumulating into zeros; later micro-batches accumulate in place. For a
+plain CPU gradient the copy is made in C, measured for clip on the way (_C.Reducer.bump);
+_copy_in is the path for the rest.
 """
 from __future__ import annotations
 
@@ -76,6 +78,9 @@ class GradLayout:
         self.order = list(order)
         self.reducer = _C.Reducer([p.numel() for p in self.params], self.order, esize, first_cap, cap, ALIGN,
                                   self.on_first, self.on_buckets, self._copy_in)
+        # the hooks copy plain CPU gradients in C (and measure them on the way), bumping the
+        # view's version with torch's own counter as copy_ would; _copy_in takes the rest
+        self.reducer.bump = torch._C._increment_version
         offsets, _ = self.reducer.layout()
         self.offsets = offsets
         self.flat = self.alloc_buffer(self.reducer.total())

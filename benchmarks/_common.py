@@ -81,8 +81,10 @@ def run_interleaved(
     timer: Callable[[], float] = time.perf_counter,
 ) -> Dict[str, List[float]]:
     """Runs `warmup` untimed rounds, then `repeats` timed rounds; each round runs every
-    contender once, in the order given. Returns {name: [seconds per repeat]}. The garbage
-    collector is paused while timing so a collection cannot land inside one contender's call."""
+    contender once. The order rotates from round to round (round r starts with contender r mod
+    k), so no contender always runs first after the others or last before them. Returns {name:
+    [seconds per repeat]}, index i of every list from the same round. The garbage collector is
+    paused while timing so a collection cannot land inside one contender's call."""
     names = [c.name for c in contenders]
     if len(set(names)) != len(names):
         raise ValueError(f"contender names must be unique: {names}")
@@ -91,8 +93,9 @@ def run_interleaved(
     gc.collect()
     gc.disable()
     try:
+        k = len(contenders)
         for r in range(warmup + repeats):
-            for c in contenders:
+            for c in (contenders[(r + j) % k] for j in range(k)):
                 if c.setup is not None:
                     c.setup()
                 t0 = timer()

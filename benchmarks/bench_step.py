@@ -484,7 +484,7 @@ def main(argv=None):
     ap.add_argument("--settings", default=",".join(_settings.SETTINGS),
                     help="process settings to time, one table each: defaults, tuned (default both)")
     ap.add_argument("--skip-clip", action="store_true", help="skip the clip-in-a-real-loop benchmark")
-    ap.add_argument("--clip-repeats", type=int, default=15, help="repeats of the clip-in-a-real-loop benchmark")
+    ap.add_argument("--clip-repeats", type=int, default=25, help="repeats of the clip-in-a-real-loop benchmark")
     ap.add_argument("--clip-child", action="store_true", help=argparse.SUPPRESS)  # internal: the clip part only
     ap.add_argument("--one-repeat", choices=["torch", "accelerate", "accelerate_c"], default=None,
                     help=argparse.SUPPRESS)  # internal: one contender's timed repeat, printed as JSON

@@ -50,7 +50,7 @@ static ac_result_t check_buf(ac_dtype_t dt, const void *p, size_t n, const char 
   return AC_OK;
 }
 
-enum op { OP_STATS, OP_SUMSQ, OP_SCALE, OP_SCALE_STATS, OP_CAST };
+enum op { OP_STATS, OP_SUMSQ, OP_SCALE, OP_SCALE_STATS, OP_CAST, OP_COPY_IN };
 
 typedef struct {
   enum op op;
@@ -79,6 +79,14 @@ static void run_chunk(job_t *j, size_t task) {
       j->t->cast[j->dt][j->dst_dt]((const char *)j->src + lo * es,
                                    (char *)j->data + lo * ac_dtype_size(j->dst_dt), len);
       break;
+    case OP_COPY_IN: {
+      char *d = (char *)j->data + lo * es;
+      memcpy(d, (const char *)j->src + lo * es, len * es);
+      if (j->f != 1.0f) j->t->scale[j->dt](d, len, j->f);
+      /* the same chunks as ac_sumsq's, combined in the same order: the same bits */
+      if (j->partial) j->t->sumsq[j->dt](d, len, &j->partial[task]);
+      break;
+    }
   }
 }
 
@@ -182,6 +190,27 @@ ac_result_t ac_scale_stats(ac_dtype_t dt, void *data, size_t n, float factor, ac
   }
   job_t j = {.op = OP_SCALE_STATS, .t = table_get(), .dt = dt, .data = data, .n = n, .f = factor};
   return run_job(&j, out);
+}
+
+ac_result_t ac_copy_in(ac_dtype_t dt, const void *src, void *dst, size_t n, float factor, double *sumsq,
+                       int *nonfinite) {
+  AC_CHECK(check_buf(dt, src, n, "ac_copy_in (source)"));
+  AC_CHECK(check_buf(dt, dst, n, "ac_copy_in (destination)"));
+  if (!sumsq != !nonfinite)
+    return AC_FAIL(AC_ERR_INVALID_ARG, "ac_copy_in: sumsq and nonfinite must both be NULL or both be given");
+  const char *s = src, *d = dst;
+  size_t nb = n * ac_dtype_size(dt);
+  if (n > 0 && s < d + nb && d < s + nb) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_copy_in: source and destination overlap");
+  ac_stats_t st = {0.0, 0.0f, 0};
+  if (n > 0) {
+    job_t j = {.op = OP_COPY_IN, .t = table_get(), .dt = dt, .src = src, .data = dst, .n = n, .f = factor};
+    AC_CHECK(run_job(&j, sumsq ? &st : NULL));
+  }
+  if (sumsq) {
+    *sumsq = st.sumsq;
+    *nonfinite = st.nonfinite;
+  }
+  return AC_OK;
 }
 
 ac_result_t ac_cast(ac_dtype_t src_dt, const void *src, ac_dtype_t dst_dt, void *dst, size_t n) {

@@ -4,8 +4,10 @@
  * The hot path of a hook (the gradient already is the parameter's view of the flat buffer)
  * never runs Python bytecode: one attribute read, one C call that marks the gradient ready,
  * and, when buckets became launchable on a sync step, one call of the launch function the
- * Python glue registered. Rare cases (a new gradient tensor to copy in, a model cast after
- * prepare) go to the glue's copy-in function. On one process, once clip has asked for a 2-norm,
+ * Python glue registered. A new gradient tensor (the first backward after zero_grad set `.grad`
+ * to None) is copied into the view here too (fast_copy_in), once the glue has set the reducer's
+ * `bump`; rare cases (CUDA buffers, a gradient with a graph, a model cast after prepare) go to
+ * the glue's copy-in function. On one process, once clip has asked for a 2-norm,
  * the hook also measures the range it just saw written (after the copy-in, or after autograd's
  * in-place accumulation, which bumps the version before the hook runs), for Reducer.sums. The
  * core itself never calls Python (docs/architecture.md, "Layers"); the calls back into Python
@@ -52,12 +54,18 @@ typedef struct {
   size_t nhave;       /* slots valid in the current chain */
   long long last_version; /* the buffer's version after the last measurement */
   PyObject *version_name; /* interned "_version" */
+  /* bump((tensor,)): torch's version-counter increment, set by the glue; the copy-in in C (see
+   * fast_copy_in) writes the view through its pointer and bumps the version as torch's own
+   * copy_ would. NULL: every copy-in goes to the glue's slow path. */
+  PyObject *bump;
 } ReducerObject;
 
 typedef struct {
   PyObject_HEAD
   PyObject *reducer; /* ReducerObject */
   PyObject *view;    /* the parameter's range of the flat buffer, shaped like it */
+  PyObject *views1;  /* (view,): the argument of the reducer's bump */
+  PyObject *dtype;   /* view.dtype, the dtype a gradient copied in C must have */
   size_t index;
 } HookObject;
 
@@ -187,6 +195,7 @@ static int reducer_traverse(PyObject *op, visitproc visit, void *arg) {
   Py_VISIT(self->on_first);
   Py_VISIT(self->launch);
   Py_VISIT(self->slow);
+  Py_VISIT(self->bump);
   return 0;
 }
 
@@ -197,6 +206,7 @@ static int reducer_clear(PyObject *op) {
   Py_CLEAR(self->on_first);
   Py_CLEAR(self->launch);
   Py_CLEAR(self->slow);
+  Py_CLEAR(self->bump);
   return 0;
 }
 
@@ -335,7 +345,25 @@ static PyObject *reducer_hook(PyObject *op, PyObject *const *a, Py_ssize_t n) {
   if (!h) return NULL;
   h->reducer = Py_NewRef(op);
   h->view = Py_NewRef(a[1]);
+  h->views1 = PyTuple_Pack(1, a[1]);
+  h->dtype = NULL;
   h->index = i;
+  if (!h->views1) {
+    PyObject_GC_Track((PyObject *)h);
+    Py_DECREF(h);
+    return NULL;
+  }
+  /* a stand-in that is no tensor (ZeRO-2's shards: no gradient is ever a view) has no dtype:
+   * the copy in C is then never taken */
+  h->dtype = PyObject_GetAttrString(a[1], "dtype");
+  if (!h->dtype) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      PyObject_GC_Track((PyObject *)h);
+      Py_DECREF(h);
+      return NULL;
+    }
+    PyErr_Clear();
+  }
   PyObject_GC_Track((PyObject *)h);
   return (PyObject *)h;
 }
@@ -461,14 +489,31 @@ static void forget_sums(ReducerObject *self) {
   self->nhave = 0;
 }
 
-/* Gradient i's range was just written (autograd accumulated into it, or the copy-in filled
- * it): its sum of squares and non-finite flag, while it is in cache. The version is read
- * before the sum, so a write by another thread while the GIL is released shows as a change. */
-static int measure_slot(ReducerObject *self, size_t i, PyObject *view) {
+/* Keeps gradient i's measurement, taken when the buffer's version was `ver`. */
+static void record_sums(ReducerObject *self, size_t i, double sq, int nf, long long ver) {
+  self->sq[i] = sq;
+  self->nf[i] = (unsigned char)(nf != 0);
+  if (!self->have[i]) {
+    self->have[i] = 1;
+    self->nhave++;
+  }
+  self->last_version = ver;
+}
+
+/* The buffer's version counter, read through a view (-1 with an exception set on failure). */
+static long long view_version(ReducerObject *self, PyObject *view) {
   PyObject *vo = PyObject_GetAttr(view, self->version_name);
   if (!vo) return -1;
   long long ver = PyLong_AsLongLong(vo);
   Py_DECREF(vo);
+  return ver;
+}
+
+/* Gradient i's range was just written (autograd accumulated into it, or the copy-in filled
+ * it): its sum of squares and non-finite flag, while it is in cache. The version is read
+ * before the sum, so a write by another thread while the GIL is released shows as a change. */
+static int measure_slot(ReducerObject *self, size_t i, PyObject *view) {
+  long long ver = view_version(self, view);
   if (ver == -1 && PyErr_Occurred()) return -1;
   /* one write since the last measurement: this gradient's own; none: nothing changed */
   if (self->nhave && ver != self->last_version && ver != self->last_version + 1) forget_sums(self);
@@ -490,14 +535,95 @@ static int measure_slot(ReducerObject *self, size_t i, PyObject *view) {
     pyac_raise(pyac_module_of((PyObject *)self), r);
     return -1;
   }
-  self->sq[i] = sq;
-  self->nf[i] = (unsigned char)(nf != 0);
-  if (!self->have[i]) {
-    self->have[i] = 1;
-    self->nhave++;
-  }
-  self->last_version = ver;
+  record_sums(self, i, sq, nf, ver);
   return 0;
+}
+
+/* ---- the copy-in in C ----------------------------------------------------------------------- */
+
+/* 1 when obj.name is true, 0 when false, -1 with an exception set */
+static int attr_true(PyObject *obj, const char *name) {
+  PyObject *v = PyObject_GetAttrString(obj, name);
+  if (!v) return -1;
+  int t = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  return t;
+}
+
+/* An integer result of obj.name() (-1 with an exception set, or when it is not one). */
+static long long call_int(PyObject *obj, const char *name) {
+  PyObject *r = PyObject_CallMethod(obj, name, NULL);
+  if (!r) return -1;
+  long long v = PyLong_AsLongLong(r);
+  Py_DECREF(r);
+  return v;
+}
+
+/* The common copy-in (a new gradient after zero_grad set `.grad` to None): done here instead of
+ * in the glue's Python (GradLayout._copy_in), with the measurement for clip fused into the copy
+ * (ac_copy_in measures each piece right after writing it, in cache, and gives the bits a later
+ * read pass of the range gives). Taken only for what the slow path would do the same way: a
+ * plain tensor of the buffer's exact type, dtype, CPU, contiguous, of the range's size, not
+ * requiring grad, not overlapping the buffer; everything else (a cast parameter, a gradient with
+ * a graph, CUDA buffers) returns 0 and goes to the slow path. On success the view holds the
+ * gradient times the reducer's prescale (as the slow path's torch.mul), its version is bumped as
+ * torch's copy_ would, and `.grad` points at it. Returns 1 done, 0 not taken, -1 error. */
+static int fast_copy_in(ReducerObject *red, HookObject *h, PyObject *param, PyObject *g, int *measured) {
+  *measured = 0;
+  if (!red->bump || !red->base || red->on_cuda || !h->dtype || Py_TYPE(g) != Py_TYPE(h->view)) return 0;
+  size_t n = red->numel[h->index];
+  PyObject *dt = PyObject_GetAttrString(g, "dtype");
+  if (!dt) return -1;
+  int same = dt == h->dtype;
+  Py_DECREF(dt);
+  if (!same) return 0;
+  int t = attr_true(g, "requires_grad");
+  if (t != 0) return t < 0 ? -1 : 0;
+  if ((t = attr_true(g, "is_cpu")) != 1) return t < 0 ? -1 : 0;
+  PyObject *c = PyObject_CallMethod(g, "is_contiguous", NULL);
+  if (!c) return -1;
+  t = PyObject_IsTrue(c);
+  Py_DECREF(c);
+  if (t != 1) return t < 0 ? -1 : 0;
+  long long numel = call_int(g, "numel");
+  if (numel == -1 && PyErr_Occurred()) return -1;
+  if (numel < 0 || (size_t)numel != n) return 0;
+  long long ptr = call_int(g, "data_ptr");
+  if (ptr == -1 && PyErr_Occurred()) return -1;
+  size_t off, bucket, es = ac_dtype_size(red->dt);
+  if (ac_bucket_param(red->plan, h->index, &off, &bucket) != AC_OK) return 0;
+  char *dst = (char *)red->base + off * es;
+  const char *src = (const char *)(uintptr_t)ptr;
+  if (n && (!src || (src < dst + n * es && dst < src + n * es))) return 0;
+  double sq = 0.0;
+  int nf = 0, want = red->measure;
+  float f = red->prescale;
+  ac_result_t r;
+  if (n >= MEASURE_NOGIL_MIN) {
+    /* `g` and the view stay referenced by this frame: their memory outlives the copy */
+    Py_BEGIN_ALLOW_THREADS r = ac_copy_in(red->dt, src, dst, n, f, want ? &sq : NULL, want ? &nf : NULL);
+    Py_END_ALLOW_THREADS
+  } else {
+    r = ac_copy_in(red->dt, src, dst, n, f, want ? &sq : NULL, want ? &nf : NULL);
+  }
+  if (r != AC_OK) {
+    forget_sums(red);
+    pyac_raise(pyac_module_of((PyObject *)red), r);
+    return -1;
+  }
+  PyObject *b = PyObject_CallOneArg(red->bump, h->views1);
+  if (!b) return -1;
+  Py_DECREF(b);
+  if (PyObject_SetAttr(param, red->grad_name, h->view) < 0) return -1;
+  if (want) {
+    long long ver = view_version(red, h->view);
+    if (ver == -1 && PyErr_Occurred()) return -1;
+    /* one write since the last measurement (this one): the chain goes on; else it starts over */
+    if (red->nhave && ver != red->last_version + 1) forget_sums(red);
+    record_sums(red, h->index, sq, nf, ver);
+    *measured = 1;
+  }
+  return 1;
 }
 
 static PyObject *reducer_measure_now(PyObject *op, PyObject *const *a, Py_ssize_t n) {
@@ -596,6 +722,22 @@ static PyMethodDef reducer_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *reducer_get_bump(PyObject *op, void *c) {
+  (void)c;
+  PyObject *b = ((ReducerObject *)op)->bump;
+  return Py_NewRef(b ? b : Py_None);
+}
+
+static int reducer_set_bump(PyObject *op, PyObject *v, void *c) {
+  (void)c;
+  if (v && v != Py_None && !PyCallable_Check(v)) {
+    PyErr_SetString(PyExc_TypeError, "Reducer.bump must be callable or None");
+    return -1;
+  }
+  Py_XSETREF(((ReducerObject *)op)->bump, v && v != Py_None ? Py_NewRef(v) : NULL);
+  return 0;
+}
+
 static PyGetSetDef reducer_getset[] = {
     {"launching", reducer_get_flag, reducer_set_flag,
      "whether hooks call launch() for buckets that become complete (sync steps of multi-process runs)",
@@ -612,6 +754,10 @@ static PyGetSetDef reducer_getset[] = {
      "hooks measure each gradient's range (sum of squares, non-finite) right after it was written, for "
      "sums() (CPU buffers)", FLAG(measure)},
     {"measured", reducer_get_measured, NULL, "gradients with a valid measurement (see sums())", NULL},
+    {"bump", reducer_get_bump, reducer_set_bump,
+     "bump((tensor,)): torch's version-counter increment (torch._C._increment_version). Set, the hooks copy "
+     "a new CPU gradient into its view in C (measured on the way when `measure`) and bump the view's "
+     "version; None: every copy-in goes to the slow path", NULL},
     {"prescale", reducer_get_prescale, reducer_set_prescale,
      "on launching backwards, a gradient that already is its view is multiplied by this in place when it "
      "becomes ready (1/world: the all-reduce's sum is then the average)", NULL},
@@ -660,9 +806,11 @@ static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwds) {
   }
   PyObject *g = PyObject_GetAttr(param, red->grad_name);
   if (!g) return NULL;
-  int is_view = g == h->view;
+  int is_view = g == h->view, measured = 0, fast = 0;
+  if (!is_view) fast = fast_copy_in(red, h, param, g, &measured);
   Py_DECREF(g);
-  if (!is_view) {
+  if (fast < 0) return NULL;
+  if (!is_view && !fast) {
     if (!red->slow) {
       PyErr_SetString(PyExc_RuntimeError, "GradHook: the gradient is not the buffer's view and no slow path is set");
       return NULL;
@@ -688,9 +836,9 @@ static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwds) {
                         : ac_scale(red->dt, p, red->numel[h->index], red->prescale);
     if (rs != AC_OK) return pyac_raise(pyac_module_of(h->reducer), rs);
   }
-  if (red->measure && !red->on_cuda && red->base) {
+  if (red->measure && !red->on_cuda && red->base && !measured) {
     /* after the copy-in, the gradient is the view unless it was kept (create_graph) */
-    int now_view = is_view;
+    int now_view = is_view || fast;
     if (!now_view) {
       PyObject *g2 = PyObject_GetAttr(param, red->grad_name);
       if (!g2) return NULL;
@@ -721,6 +869,8 @@ static int hook_traverse(PyObject *op, visitproc visit, void *arg) {
   Py_VISIT(Py_TYPE(op));
   Py_VISIT(h->reducer);
   Py_VISIT(h->view);
+  Py_VISIT(h->views1);
+  Py_VISIT(h->dtype);
   return 0;
 }
 
@@ -728,6 +878,8 @@ static int hook_clear(PyObject *op) {
   HookObject *h = (HookObject *)op;
   Py_CLEAR(h->reducer);
   Py_CLEAR(h->view);
+  Py_CLEAR(h->views1);
+  Py_CLEAR(h->dtype);
   return 0;
 }
 

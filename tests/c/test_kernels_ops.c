@@ -1,5 +1,5 @@
 /* test_kernels_ops.c — csrc/include/ac/kernels.h: which instruction set is in use (default,
- * AC_KERNELS_ISA, ac_kernels_set_isa); stats, scale, scale_stats, nonfinite and cast on every
+ * AC_KERNELS_ISA, ac_kernels_set_isa); stats, scale, scale_stats, nonfinite, copy_in and cast on every
  * dtype, size and ISA against the reference of kernels_test_util.h, on finite data and on
  * arbitrary bit patterns, with AVX2 equal to scalar (NaN payloads included); and every argument
  * error. */
@@ -51,6 +51,31 @@ TEST(dtype_size_and_name) {
 
 static const float FACTORS[] = {0.37f, 3.0e4f, 0x1p-20f};
 #define NFACTORS 3
+
+/* ac_copy_in of `data` into `work` with `factor`: the values written are `want` bit for bit,
+ * nothing past the end is touched, and the sums it reports are bitwise those of ac_sumsq over
+ * what it wrote (the hooks' measurements must equal a later read pass); without sums, the same
+ * values. */
+static void copy_in_case(ac_dtype_t dt, size_t n, const void *data, unsigned char *work, float factor,
+                         const void *want, const char *isa, int nan_ok) {
+  size_t es = dsize(dt);
+  char what[160];
+  snprintf(what, sizeof what, "%s copy_in x%g %s n=%zu", isa, (double)factor, ac_dtype_name(dt), n);
+  unsigned char *dst = xmalloc(n * es + 8);
+  memset(dst, 0x5A, n * es + 8);
+  double sq = -1.0, sq2 = -2.0;
+  int nf = -1, nf2 = -2;
+  CHECK_OK(ac_copy_in(dt, data, dst, n, factor, &sq, &nf));
+  CMP_BUFS(dt, dst, want, n, nan_ok, what);
+  for (size_t b = 0; b < 8; b++) CHECK_MSG(dst[n * es + b] == 0x5A, "%s wrote past the end", what);
+  CHECK_OK(ac_sumsq(dt, dst, n, &sq2, &nf2));
+  CHECK_MSG(memcmp(&sq, &sq2, sizeof sq) == 0 && nf == nf2, "%s: sums %.17g/%d, a read pass after it %.17g/%d",
+            what, sq, nf, sq2, nf2);
+  memset(work, 0, n * es);
+  CHECK_OK(ac_copy_in(dt, data, work, n, factor, NULL, NULL));
+  CMP_BUFS(dt, work, want, n, nan_ok, what);
+  free(dst);
+}
 
 /* For one dtype and size: every kernel on every ISA against the reference; AVX2 vs scalar.
  * Finite input data. */
@@ -104,7 +129,10 @@ static void kernels_case(ac_dtype_t dt, size_t n, uint64_t seed) {
       CMP_BUFS(dt, work, ref_scaled[f], n, 0, what);
       CHECK_STATS(ss, ref_scaled_stats[f], what);
       isa_ss[k][f] = ss;
+
+      copy_in_case(dt, n, data, work, FACTORS[f], ref_scaled[f], isa, 0);
     }
+    copy_in_case(dt, n, data, work, 1.0f, data, isa, 0);
 
     for (int d = 0; d < NDT; d++) {
       ac_dtype_t dst = DTYPES[d];
@@ -170,6 +198,7 @@ TEST(kernels_random_bits_both_isas) {
         for (size_t i = 0; i < n; i++) ref_store(dt, want, i, ref_load(dt, data, i) * 0.5f);
         CMP_BUFS(dt, work[k], want, n, 1, what);
         CHECK_STATS(ss[k], ref_stats(dt, want, n), what);
+        copy_in_case(dt, n, data, want, 0.5f, work[k], ISAS[k], 1); /* NaN/Inf from any bits */
         for (int e = 0; e < NDT; e++) {
           CHECK_OK(ac_cast(dt, data, DTYPES[e], cast[k][e], n));
           for (size_t i = 0; i < n; i++) ref_store(DTYPES[e], want, i, ref_load(dt, data, i));
@@ -321,6 +350,20 @@ TEST(errors) {
   float copy[3] = {0};
   CHECK_OK(ac_cast(AC_F32, same, AC_F32, copy, 3));
   CHECK(memcmp(copy, same, sizeof same) == 0);
+
+  /* ac_copy_in: overlapping buffers, one of the two sums pointers, NULL data */
+  {
+    float cbuf[16] = {0};
+    double csq;
+    int cnf;
+    CHECK_RC(ac_copy_in(AC_F32, cbuf, cbuf + 4, 8, 1.0f, NULL, NULL), AC_ERR_INVALID_ARG);
+    CHECK_CONTAINS(ac_last_error(), "overlap");
+    CHECK_RC(ac_copy_in(AC_F32, cbuf, cbuf + 8, 8, 1.0f, &csq, NULL), AC_ERR_INVALID_ARG);
+    CHECK_RC(ac_copy_in(AC_F32, NULL, cbuf, 8, 1.0f, &csq, &cnf), AC_ERR_INVALID_ARG);
+    CHECK_RC(ac_copy_in((ac_dtype_t)9, cbuf, cbuf + 8, 8, 1.0f, NULL, NULL), AC_ERR_INVALID_ARG);
+    CHECK_OK(ac_copy_in(AC_F32, NULL, NULL, 0, 1.0f, &csq, &cnf));
+    CHECK_MSG(csq == 0.0 && cnf == 0, "empty copy_in: %g %d", csq, cnf);
+  }
 
   /* ISA names */
   const char *isa_before = ac_kernels_isa();

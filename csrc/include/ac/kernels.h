@@ -53,6 +53,14 @@ ac_result_t ac_nonfinite(ac_dtype_t dt, const void *data, size_t n, int *found);
  * non-finite flag sees overflow caused by the scaling itself). One read and one write. */
 ac_result_t ac_scale_stats(ac_dtype_t dt, void *data, size_t n, float factor, ac_stats_t *out);
 
+/* A gradient brought into its range of a flat buffer: dst[i] = src[i] * factor (factor 1: a
+ * copy; otherwise ac_scale's arithmetic), and, when sumsq is not NULL, *sumsq and *nonfinite of
+ * the values written, bitwise what ac_sumsq(dt, dst, n, ...) gives afterwards: each piece is
+ * measured right after it was written, while it is in cache, instead of a second pass over
+ * memory. sumsq and nonfinite are both NULL or both not. The buffers must not overlap. */
+ac_result_t ac_copy_in(ac_dtype_t dt, const void *src, void *dst, size_t n, float factor, double *sumsq,
+                       int *nonfinite);
+
 /* dst[i] = (dst_dt) src[i]. Same dtype is a copy. Buffers must not overlap, except when
  * src == dst with the same dtype (a no-op). */
 ac_result_t ac_cast(ac_dtype_t src_dt, const void *src, ac_dtype_t dst_dt, void *dst, size_t n);
