@@ -68,12 +68,18 @@ def _fp32_master(shards, group):
     return master if master is not None and master.dtype == torch.float32 else None
 
 
+def _model_index(acc) -> dict:
+    """id(prepared model) -> its index among the Accelerator's models: what a plan names a
+    shard group's model by (two models stepped by one optimizer may share parameter names)."""
+    return {id(m): k for k, m in enumerate(acc._models)}
+
+
 def plan_doc(acc, strategy) -> dict:
     optimizers = []
     for opt in acc._optimizers:
         book = strategy.optimizers[id(opt.optimizer)]
         index = {id(p): k for k, p in enumerate(book.originals)}
-        model_index = {id(m): k for k, m in enumerate(acc._models)}
+        model_index = _model_index(acc)
         groups = []
         for key, group, params, shards in strategy.optimizer_groups(book):
             groups.append({"plan": plan_spec(group.plan), "dtype": str(group.dtype).replace("torch.", ""),
@@ -413,7 +419,7 @@ def plan_load(acc, strategy, files):
         for g, gdoc in enumerate(odoc["groups"]):
             for j, name in enumerate(gdoc["names"]):
                 saved[(gdoc.get("model"), name)] = (g, j)
-        model_index = {id(m): k for k, m in enumerate(acc._models)}
+        model_index = _model_index(acc)
         shards = _read_shards(files, i, old_world, odoc["num_params"], len(torch_opt.param_groups))
         old_files = [f for f, _, _ in shards]
         index = {id(p): k for k, p in enumerate(book.originals)}

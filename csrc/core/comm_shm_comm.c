@@ -135,8 +135,9 @@ static ac_result_t shm_wait(ac_comm_t *base) {
     }
   }
   c->n = 0;
-  if (first != AC_OK) ac_set_error(first, __FILE__, __LINE__, NULL, "%s", msg);
-  return first;
+  /* the first failure is the one reported, as it was worded (a later one may have overwritten
+   * this thread's message meanwhile) */
+  return first != AC_OK ? ac_restore_error(first, msg) : AC_OK;
 }
 
 static void shm_destroy(ac_comm_t *base) {

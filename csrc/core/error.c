@@ -30,6 +30,11 @@ const char *ac_last_error(void) { return tls_msg; }
 
 void ac_clear_error(void) { tls_msg[0] = '\0'; }
 
+ac_result_t ac_restore_error(ac_result_t code, const char *saved) {
+  snprintf(tls_msg, sizeof tls_msg, "%s", saved ? saved : "");
+  return code;
+}
+
 ac_result_t ac_set_error(ac_result_t code, const char *file, int line, const char *hint,
                          const char *fmt, ...) {
   const char *base = strrchr(file, '/');

@@ -52,6 +52,17 @@ TEST(clear_error_empties) {
   ac_clear_error();
 }
 
+TEST(restore_error_puts_a_saved_message_back_as_it_was) {
+  AC_FAIL(AC_ERR_TIMEOUT, "rank %d is silent", 3);
+  char saved[1024];
+  snprintf(saved, sizeof saved, "%s", ac_last_error());
+  AC_FAIL(AC_ERR_STATE, "a later failure");
+  CHECK_EQ_INT(ac_restore_error(AC_ERR_TIMEOUT, saved), AC_ERR_TIMEOUT);
+  CHECK_STREQ(ac_last_error(), saved); /* no second file:line prefix */
+  CHECK_EQ_INT(ac_restore_error(AC_ERR_IO, NULL), AC_ERR_IO);
+  CHECK_STREQ(ac_last_error(), "");
+}
+
 TEST(long_message_is_truncated_safely) {
   /* Far longer than the 1024-byte buffer: must truncate, stay NUL-terminated, not overflow
    * (ASan watches the writes). */
@@ -184,6 +195,7 @@ static const tu_test_t tests[] = {
     TU_CASE(fail_hint_appends_hint),
     TU_CASE(set_error_direct_and_no_hint),
     TU_CASE(clear_error_empties),
+    TU_CASE(restore_error_puts_a_saved_message_back_as_it_was),
     TU_CASE(long_message_is_truncated_safely),
     TU_CASE(check_macros_propagate),
     TU_CASE(result_strings),

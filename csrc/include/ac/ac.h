@@ -44,6 +44,10 @@ ac_result_t ac_set_error(ac_result_t code, const char *file, int line, const cha
 /* Clears this thread's message. */
 void ac_clear_error(void);
 
+/* Puts back, as it was, a message copied earlier from ac_last_error (a caller that runs more
+ * work after a first failure and reports that first one); returns `code`. */
+ac_result_t ac_restore_error(ac_result_t code, const char *saved);
+
 #define AC_FAIL(code, ...) ac_set_error((code), __FILE__, __LINE__, NULL, __VA_ARGS__)
 #define AC_FAIL_HINT(code, hint, ...) ac_set_error((code), __FILE__, __LINE__, (hint), __VA_ARGS__)
 
