@@ -82,7 +82,7 @@ class ModelShards:
         self.views: dict = {}  # id(group) -> the parameters' views of its flat buffer
         for group in layout:
             params = [trainable[j] for j in group.indices]
-            flat = torch.zeros(group.plan.total, dtype=group.dtype, device=group.device)
+            flat = _param_buffer(group)
             views = group.param_views(flat)
             with torch.no_grad():
                 for p, v in zip(params, views):
@@ -101,6 +101,19 @@ class ModelShards:
             m = self.masters[id(group)] = group.load_shard(
                 params, torch.zeros(group.plan.shard_numel, dtype=torch.float32, device=group.device))
         return m
+
+
+def _param_buffer(group) -> torch.Tensor:
+    """A zeroed flat buffer for a shard group's parameters. On CPU processes whose collectives go
+    through shared memory it lives in a shared window (collectives.shared_buffer, a collective:
+    every process prepares the same models in the same order), so that the all-gather after each
+    step reads the other processes' chunks where their optimizer wrote them, with no copy in
+    (docs/collectives.md, "Windows")."""
+    if torch.device(group.device).type == "cpu":
+        shared = collectives.shared_buffer(group.plan.total, group.dtype)
+        if shared is not None:
+            return shared
+    return torch.zeros(group.plan.total, dtype=group.dtype, device=group.device)
 
 
 class ShardedOptimizer:

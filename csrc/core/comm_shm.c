@@ -396,7 +396,8 @@ static ac_result_t barrier(ac_shm_t *c) {
   return AC_OK;
 }
 
-enum { K_ALL_REDUCE = 1, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_BARRIER, K_WINDOW_ALL_REDUCE };
+enum { K_ALL_REDUCE = 1, K_REDUCE_SCATTER, K_ALL_GATHER, K_BROADCAST, K_BARRIER, K_WINDOW_ALL_REDUCE,
+       K_WINDOW_ALL_GATHER };
 
 /* Starts a collective: publishes what this rank is calling, so that the first barrier can check
  * that every rank calls the same thing. */
@@ -709,6 +710,33 @@ ac_result_t ac_shm_window_all_reduce(ac_shm_t *c, ac_shm_window_t *w, size_t off
       if (q != c->rank) memcpy(ac_shm_window_region(w, q) + at, mine, m * es);
   }
   return barrier(c); /* every slice is everywhere; no rank touches the range before this */
+}
+
+ac_result_t ac_shm_window_all_gather(ac_shm_t *c, ac_shm_window_t *w, size_t offset, size_t chunk,
+                                     ac_shm_dtype_t dt) {
+  size_t es = ac_shm_dtype_size(dt);
+  if (es == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "window all_gather: invalid dtype code %d", (int)dt);
+  if (!c || !w) return AC_FAIL(AC_ERR_INVALID_ARG, "window all_gather: communicator or window is NULL");
+  if (w->nranks != c->nranks || w->rank != c->rank)
+    return AC_FAIL(AC_ERR_INVALID_ARG, "window all_gather: the window is rank %d of %d, the group rank %d of %d",
+                   w->rank, w->nranks, c->rank, c->nranks);
+  int n = c->nranks;
+  size_t room = w->usable_bytes / es;
+  if (offset > room || chunk > (room - offset) / (size_t)n)
+    return AC_FAIL(AC_ERR_INVALID_ARG, "window all_gather: %d chunks of %zu elements at %zu of %s are outside the "
+                   "window's %zu bytes", n, chunk, offset, dtype_name(dt), w->usable_bytes);
+  AC_CHECK(begin(c, "window all_gather", K_WINDOW_ALL_GATHER, chunk, (uint64_t)dt | ((uint64_t)w->serial << 16),
+                 offset));
+  if (chunk == 0) return empty(c);
+  AC_CHECK(first_barrier(c)); /* every rank's chunk is in its region */
+  unsigned char *mine = ac_shm_window_region(w, c->rank) + offset * es;
+  /* starting after this rank's own chunk, so ranks do not all read rank 0's chunk at once */
+  for (int k = 1; k < n; k++) {
+    int q = (c->rank + k) % n;
+    size_t at = (size_t)q * chunk * es;
+    memcpy(mine + at, ac_shm_window_region(w, q) + offset * es + at, chunk * es);
+  }
+  return barrier(c); /* every chunk was read where it is; its owner may write it again */
 }
 
 ac_result_t ac_shm_barrier(ac_shm_t *c) {

@@ -388,6 +388,18 @@ static PyObject *shm_all_gather(PyObject *op, PyObject *args, PyObject *kwds) {
   }
   ac_shm_op_t o = {.kind = AC_SHM_OP_ALL_GATHER, .send = v[1].data, .recv = v[0].data, .dt = v[0].dt,
                    .counts = counts};
+  size_t es = ac_shm_dtype_size(v[0].dt), at;
+  ac_shm_window_t *w;
+  if (counts_o == Py_None && v[1].n && (const char *)v[1].data == (const char *)v[0].data + (size_t)me * v[1].n * es &&
+      pyac_shm_window_find(((ShmObject *)op)->q, v[0].data, v[0].n * es, &w, &at) && at % es == 0) {
+    /* an in-place all-gather of a tensor in a shared window (this rank's chunk already at its
+     * place): every rank copies the others' chunks from their regions, with no copy in (every
+     * rank's must be in place in the window: a rank whose is not is named by the argument check) */
+    o.kind = AC_SHM_OP_WINDOW_ALL_GATHER;
+    o.window = w;
+    o.offset = at / es;
+    o.count = v[1].n;
+  }
   return submit_keeping(op, &o, v, 2, o_, t, async);
 }
 
@@ -518,7 +530,8 @@ static PyMethodDef shm_methods[] = {
      "(nranks x out)"},
     {"all_gather", (PyCFunction)(void (*)(void))shm_all_gather, METH_VARARGS | METH_KEYWORDS,
      "all_gather(out, tensor, counts=None, async_op=False): out = every rank's tensor concatenated in rank order "
-     "(counts: the element count of each rank's tensor, when they differ)"},
+     "(counts: the element count of each rank's tensor, when they differ); `out` in a shared window with `tensor` "
+     "its own chunk in place is gathered in the window, with no copy in"},
     {"broadcast", (PyCFunction)(void (*)(void))shm_broadcast, METH_VARARGS | METH_KEYWORDS,
      "broadcast(tensor, root, async_op=False): tensor on every rank = tensor of root"},
     {"barrier", shm_barrier, METH_NOARGS, "barrier(): returns when every rank has called it"},

@@ -583,6 +583,56 @@ TEST(window_all_reduce_matches_the_reference_in_every_region) {
         }
 }
 
+/* An in-place all-gather in a window: each rank writes its chunk (a pattern of its rank and
+ * the element's index) at its place; afterwards every region holds every chunk bit for bit,
+ * and the bytes around the range are untouched. */
+typedef struct {
+  ac_shm_dtype_t dt;
+  size_t chunk, offset;
+  long bad[8], outside[8];
+} window_gather_case_t;
+
+static unsigned char gather_byte(int q, size_t b) { return (unsigned char)(q * 37 + b * 11 + 1); }
+
+static ac_result_t window_gather_rank(ac_shm_t *c, job_t *j, int rank) {
+  window_gather_case_t *w = j->arg;
+  int n = j->nranks;
+  size_t es = ac_shm_dtype_size(w->dt), span = w->chunk * es, total = (w->offset + w->chunk * (size_t)n + 3) * es;
+  ac_shm_window_t *win = NULL;
+  AC_CHECK(ac_shm_window_create(&win, c, total));
+  unsigned char *base = ac_shm_window_base(win), *range = base + w->offset * es;
+  memset(base, 0x5a, total);
+  for (size_t b = 0; b < span; b++) range[(size_t)rank * span + b] = gather_byte(rank, b);
+  ac_result_t r = ac_shm_window_all_gather(c, win, w->offset, w->chunk, w->dt);
+  long bad = 0, outside = 0;
+  for (int q = 0; r == AC_OK && q < n; q++)
+    for (size_t b = 0; b < span; b++) bad += range[(size_t)q * span + b] != gather_byte(q, b);
+  for (size_t b = 0; b < total; b++)
+    if ((b < w->offset * es || b >= w->offset * es + span * (size_t)n) && base[b] != 0x5a) outside++;
+  w->bad[rank] = bad;
+  w->outside[rank] = outside;
+  ac_shm_window_destroy(win);
+  return r;
+}
+
+TEST(window_all_gather_puts_every_chunk_in_every_region) {
+  static const ac_shm_dtype_t dts[] = {AC_SHM_F32, AC_SHM_BF16, AC_SHM_I64};
+  static const size_t chunks[] = {0, 1, 17, 70001};
+  for (int nr = 2; nr <= 4; nr++)
+    for (size_t d = 0; d < 3; d++)
+      for (size_t s = 0; s < 4; s++) {
+        window_gather_case_t w = {dts[d], chunks[s], s % 2 ? 7 : 0, {0}, {0}};
+        job_t j = {.nranks = nr, .fn = window_gather_rank, .arg = &w};
+        int failed = run_job(&j);
+        CHECK_MSG(failed == 0, "%d ranks, dtype %d, chunk %zu: %s", nr, (int)dts[d], chunks[s], j.error[0]);
+        for (int r = 0; r < nr; r++) {
+          CHECK_MSG(w.bad[r] == 0, "%d ranks, dtype %d, chunk %zu at %zu: rank %d has %ld wrong bytes", nr,
+                    (int)dts[d], chunks[s], w.offset, r, w.bad[r]);
+          CHECK_MSG(w.outside[r] == 0, "rank %d: %ld bytes outside the range changed", r, w.outside[r]);
+        }
+      }
+}
+
 static ac_result_t window_mismatch_rank(ac_shm_t *c, job_t *j, int rank) {
   ac_shm_window_t *win = NULL, *other = NULL;
   AC_CHECK(ac_shm_window_create(&win, c, 4096));
@@ -623,6 +673,9 @@ TEST(window_mismatch_and_bad_ranges_are_refused) {
   CHECK_EQ_INT(ac_shm_window_create(&w, c, 256), AC_OK);
   CHECK_EQ_INT(ac_shm_window_all_reduce(c, w, 60, 5, AC_SHM_F32, AC_RED_SUM), AC_ERR_INVALID_ARG);
   CHECK(strstr(ac_last_error(), "outside the window") != NULL);
+  CHECK_EQ_INT(ac_shm_window_all_gather(c, w, 0, 65, AC_SHM_F32), AC_ERR_INVALID_ARG);
+  CHECK(strstr(ac_last_error(), "outside the window") != NULL);
+  CHECK_EQ_INT(ac_shm_window_all_gather(c, w, 0, 1, (ac_shm_dtype_t)99), AC_ERR_INVALID_ARG);
   CHECK_EQ_INT(ac_shm_window_all_reduce(c, w, 60, 4, AC_SHM_F32, AC_RED_SUM), AC_OK);
   ac_shm_window_destroy(w);
   ac_shm_destroy(c);
@@ -847,6 +900,7 @@ static const tu_test_t tests[] = {
     TU_CASE(a_peer_that_arrives_then_exits_completes_the_collective),
     TU_CASE(the_comm_interface_launches_buckets_and_runs_every_collective),
     TU_CASE(window_all_reduce_matches_the_reference_in_every_region),
+    TU_CASE(window_all_gather_puts_every_chunk_in_every_region),
     TU_CASE(window_mismatch_and_bad_ranges_are_refused),
     TU_CASE(async_requests_run_in_order_and_close_fails_what_is_left),
     TU_CASE(all_reduce_matches_the_reference),

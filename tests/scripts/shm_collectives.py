@@ -11,7 +11,8 @@ torch in the same processes, over gloo:
 - reduce_scatter, all_gather (equal and unequal sizes) and broadcast from every root, exactly;
 - windows (ShmGroup.window_tensor): views of a tensor living in shared memory all-reduced in place
   (the zero-copy path) against the same rank-order reference, with what lies outside each view
-  untouched; the window path is really taken: a window tensor on one rank against a plain one on
+  untouched; in-place all-gathers of a window tensor's chunks against torch's all_gather; the window
+  path is really taken (all-reduce and all-gather): a window tensor on one rank against a plain one on
   the other is refused as a different collective;
 - subgroups (3+ processes): accelerate_c's collectives with group= a new_group of ranks {0, 1} and
   of the rest, in flight together with the world group's, each against gloo's on the same group;
@@ -168,17 +169,39 @@ def check_windows():
                 rest = torch.cat([win[:lo], win[lo + n:]])
                 if not same(rest, torch.cat([fill[:lo], fill[lo + n:]])):
                     fails.append(f"rank {rank}: window all_reduce {op} {dtype} changed elements outside [{lo}:{lo + n}]")
+        # an in-place all-gather of chunks of a window tensor (ZeRO's parameter buffers): every
+        # rank's chunk at its place, gathered in the window, against torch's all_gather of them
+        for lo, chunk in ((0, (total // world) - 3), (7, 1), (3, 0)):
+            seed += 1
+            fill = data(dtype, total, seed)
+            win.copy_(fill)
+            full = win[lo:lo + chunk * world]
+            mine = full[rank * chunk:(rank + 1) * chunk]
+            want = gathered(mine.clone()).reshape(-1) if chunk else full.clone()
+            shm.all_gather(full, mine)
+            if not same(full, want):
+                fails.append(f"rank {rank}: window all_gather {dtype} chunk {chunk} at {lo} differs from torch's")
+            rest = torch.cat([win[:lo], win[lo + chunk * world:]])
+            if not same(rest, torch.cat([fill[:lo], fill[lo + chunk * world:]])):
+                fails.append(f"rank {rank}: window all_gather {dtype} changed elements outside its range")
     # every rank's view must be in a window: one rank's tensor outside it is named, not misread
-    # (a mismatch breaks the group, so this is checked on a group of its own)
-    other = ShmGroup.create(slot_bytes=SLOT, timeout_s=20)
-    w = other.window_tensor(1000, torch.float32)
-    try:
-        other.all_reduce(w if rank == 0 else torch.zeros(1000))
-        fails.append(f"rank {rank}: a window all_reduce against a plain one returned")
-    except RuntimeError as e:
-        if "different" not in str(e):
-            fails.append(f"rank {rank}: window/plain mismatch message: {e}")
-    other.close()
+    # (a mismatch breaks the group, so this is checked on a group of its own); for the all-gather
+    # too, which shows that its window path is the one taken
+    for what in ("all_reduce", "all_gather"):
+        other = ShmGroup.create(slot_bytes=SLOT, timeout_s=20)
+        w = other.window_tensor(1000, torch.float32)
+        t = w if rank == 0 else torch.zeros(1000)
+        try:
+            if what == "all_reduce":
+                other.all_reduce(t)
+            else:
+                c = 1000 // world
+                other.all_gather(t[:c * world], t[rank * c:(rank + 1) * c])
+            fails.append(f"rank {rank}: a window {what} against a plain one returned")
+        except RuntimeError as e:
+            if "different" not in str(e):
+                fails.append(f"rank {rank}: window/plain {what} mismatch message: {e}")
+        other.close()
 
 
 def check_subgroups():

@@ -11,7 +11,8 @@ optimizer, unsharded, clipped by torch.nn.utils.clip_grad_norm_, and its schedul
 accelerate steps a torch scheduler under DeepSpeed (once per process per step).
 Checked: the parameters after every optimizer step, the norms clip returned (and that it left the
 gradients as they were), the learning rates;
-that each process keeps optimizer state for its owned elements only (summed over processes, the
+that over shared memory (the default on one host) the parameters live in shared windows; that
+each process keeps optimizer state for its owned elements only (summed over processes, the
 whole model once); the bytes each process holds against the stage's formula; under stage 2 that
 no full gradient is left in p.grad after a backward; and the refusals.
 """
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from accelerate_c import Accelerator
+from accelerate_c import Accelerator, collectives
 from accelerate.utils import DeepSpeedPlugin  # accelerate's own plugin, as a moved script keeps it
 
 STAGE = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 1
@@ -128,6 +129,11 @@ def subject(rank, world):
     acc = Accelerator(cpu=True, deepspeed_plugin=plugin)
     model, opt, sched = build()
     model, opt, sched = acc.prepare(model, opt, sched)
+    if collectives.cpu_comm() == "shm":
+        # over shared memory the trainable parameters live in shared windows, so the all-gather
+        # after each step reads the other processes' chunks in place (its window path)
+        assert all(collectives.in_shared_buffer(p) for p in model.parameters() if p.requires_grad), \
+            "a ZeRO parameter buffer is not in a shared window"
     trace = []
     for x, y in batches(rank):
         with acc.accumulate(model):

@@ -99,6 +99,13 @@ void ac_shm_window_destroy(ac_shm_window_t *w);
  * everyone's data is in place; everyone's slice is reduced and written everywhere. */
 ac_result_t ac_shm_window_all_reduce(ac_shm_t *c, ac_shm_window_t *w, size_t offset, size_t count,
                                      ac_shm_dtype_t dt, ac_redop_t op);
+/* An in-place all-gather in a window: rank q's elements [offset + q * chunk, offset + (q + 1) *
+ * chunk) of dtype `dt` in its own region are copied into that range of every other rank's region
+ * (every rank passes the same window, offset, chunk and dtype: checked). Two barriers: every
+ * rank's chunk is in place; every rank has copied every chunk (so no rank overwrites its own
+ * before the others read it). No copy in: each rank reads the others' chunks where they are. */
+ac_result_t ac_shm_window_all_gather(ac_shm_t *c, ac_shm_window_t *w, size_t offset, size_t chunk,
+                                     ac_shm_dtype_t dt);
 
 /* Makes every collective of `c` that is running or starts later fail at once with AC_ERR_STATE
  * (a communicator being closed while its progress thread waits on a peer). Thread-safe. */
@@ -115,11 +122,13 @@ typedef enum {
   AC_SHM_OP_ALL_GATHER = 2,
   AC_SHM_OP_BROADCAST = 3,
   AC_SHM_OP_BARRIER = 4,
-  AC_SHM_OP_WINDOW_ALL_REDUCE = 5
+  AC_SHM_OP_WINDOW_ALL_REDUCE = 5,
+  AC_SHM_OP_WINDOW_ALL_GATHER = 6
 } ac_shm_kind_t;
 
 /* One collective's arguments, as the blocking functions above take them (all_gather: counts;
- * broadcast: recv is the buffer, root; window all-reduce: window, offset, count, op; the rest:
+ * broadcast: recv is the buffer, root; window all-reduce: window, offset, count, op; window
+ * all-gather: window, offset, count (each rank's chunk), dt; the rest:
  * send, recv, count, op). The buffers (and the window) must stay valid until the request is
  * waited for; counts is copied. */
 typedef struct {
