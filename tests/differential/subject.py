@@ -7,10 +7,11 @@ when the case evaluates, what gather_for_metrics collected over the evaluation s
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
-from accelerate_c import Accelerator
+from accelerate_c import Accelerator, collectives
 from accelerate.utils import DeepSpeedPlugin  # accelerate's own plugins, as a moved script keeps them
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate_c.utils import DataLoaderConfiguration, DistributedDataParallelKwargs
@@ -94,6 +95,11 @@ def run(case: dict) -> dict:
         acc._grads.strategy.prefetch = False
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     trace = {"steps": []}
+    if case.get("sharding") in ("zero1", "zero2") and collectives.cpu_comm() == "shm" and \
+            os.environ.get("ACCELERATE_C_SHM_WINDOWS", "1") != "0":
+        # over shared memory ZeRO's parameter buffers live in windows (the all-gather after each
+        # step reads the chunks in place): the worker checks it was so for every parameter
+        trace["params_in_windows"] = all(collectives.in_shared_buffer(p) for p in params)
     with acc.join_uneven_inputs(models) if case["uneven"] else contextlib.nullcontext():
         _train(case, acc, models, params, opts, dl, sched, trace)
     # after a join every rank holds the model of one that ran to the end

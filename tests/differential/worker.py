@@ -52,6 +52,8 @@ def main(cases_path: str, out_path: str) -> int:
             if os.environ.get("ACCELERATE_C_COMM") == "shm" and dist.is_initialized() and \
                     collectives.cpu_comm() != "shm":  # the shm axis (run.py --comm shm) must really run over shm
                 raise RuntimeError("ACCELERATE_C_COMM=shm, but the CPU collectives went through gloo")
+            if sub.get("params_in_windows") is False:
+                raise RuntimeError("over shared memory, a ZeRO parameter buffer was not placed in a shared window")
             if os.environ.get("ACCELERATE_C_SHM_WINDOWS") == "0" and collectives.windows_used():
                 raise RuntimeError("ACCELERATE_C_SHM_WINDOWS=0, but a gradient buffer was placed in a shared window")
             if os.environ.get("AC_DIFF_HOSTS") and dist.is_initialized() and dist.get_world_size() > 1 and \
