@@ -64,32 +64,42 @@ ac_result_t ac_shm_comm_create(ac_comm_t **out, ac_shm_queue_t *q, ac_shm_window
   return AC_OK;
 }
 
+/* Where a result buffer of `count` elements (`recv`) lies against the window: 0 outside it, 1
+ * wholly inside and element-aligned with its offset (in elements) in *offset, or an error for a
+ * buffer partly inside, or inside but `in_place` false (the window collectives work in place; the
+ * copy path would write past this rank's region into a peer's). */
+static ac_result_t window_place(const shm_comm *c, const char *what, const void *recv, size_t count, ac_dtype_t dt,
+                                int in_place, int *inside, size_t *offset) {
+  *inside = 0;
+  if (!c->w || !count) return AC_OK;
+  /* addresses as integers: the buffer and the window are separate objects */
+  uintptr_t lo = (uintptr_t)ac_shm_window_base(c->w), wb = ac_shm_window_bytes(c->w), p = (uintptr_t)recv;
+  size_t es = ac_dtype_size(dt);
+  if (count > SIZE_MAX / es) return AC_FAIL(AC_ERR_INVALID_ARG, "%s: %zu elements overflow", what, count);
+  uintptr_t bytes = count * es;
+  int in = p >= lo && p - lo <= wb && bytes <= wb - (p - lo);
+  int overlaps = p < lo + wb && lo < p + bytes;
+  if (overlaps && (!in || !in_place || (p - lo) % es != 0))
+    return AC_FAIL(AC_ERR_INVALID_ARG, "%s: a buffer of %zu bytes at offset %lld of the shared window (%zu bytes) "
+                   "must lie wholly inside it, in place and element-aligned", what, (size_t)bytes,
+                   (long long)((intptr_t)p - (intptr_t)lo), (size_t)wb);
+  *inside = in;
+  *offset = in ? (size_t)(p - lo) / es : 0;
+  return AC_OK;
+}
+
 static ac_result_t shm_all_reduce(ac_comm_t *base, const void *send, void *recv, size_t count, ac_dtype_t dt,
                                   ac_redop_t op, void *stream) {
   shm_comm *c = (shm_comm *)base;
   AC_CHECK(no_stream(stream, "ac_comm_all_reduce"));
   ac_shm_op_t o = {.kind = AC_SHM_OP_ALL_REDUCE, .send = send, .recv = recv, .count = count, .op = op};
   AC_CHECK(shm_type(dt, &o.dt));
-  if (c->w && count) {
-    /* addresses as integers: the buffer and the window are separate objects */
-    uintptr_t lo = (uintptr_t)ac_shm_window_base(c->w), wb = ac_shm_window_bytes(c->w), p = (uintptr_t)recv;
-    size_t es = ac_dtype_size(dt);
-    if (count > SIZE_MAX / es) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_all_reduce: %zu elements overflow", count);
-    uintptr_t bytes = count * es;
-    int inside = p >= lo && p - lo <= wb && bytes <= wb - (p - lo);
-    int overlaps = p < lo + wb && lo < p + bytes;
-    if (overlaps && (!inside || send != recv || (p - lo) % es != 0))
-      /* part of the window, or out of place into it: the window collective cannot take it, and
-       * the copy path would write past this rank's region into a peer's */
-      return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_all_reduce: a buffer of %zu bytes at offset %lld of the shared "
-                     "window (%zu bytes) must lie wholly inside it, in place and element-aligned", (size_t)bytes,
-                     (long long)((intptr_t)p - (intptr_t)lo), (size_t)wb);
-    if (inside) {
-      o.kind = AC_SHM_OP_WINDOW_ALL_REDUCE; /* in place where every rank's gradients already are */
-      o.window = c->w;
-      o.offset = (size_t)(p - lo) / es;
-      o.send = o.recv = NULL;
-    }
+  int inside;
+  AC_CHECK(window_place(c, "ac_comm_all_reduce", recv, count, dt, send == recv, &inside, &o.offset));
+  if (inside) {
+    o.kind = AC_SHM_OP_WINDOW_ALL_REDUCE; /* in place where every rank's gradients already are */
+    o.window = c->w;
+    o.send = o.recv = NULL;
   }
   return issue(c, &o);
 }
@@ -105,6 +115,17 @@ static ac_result_t shm_all_gather(ac_comm_t *base, const void *send, void *recv,
                                   void *stream) {
   shm_comm *c = (shm_comm *)base;
   AC_CHECK(no_stream(stream, "ac_comm_all_gather"));
+  int inside;
+  size_t offset, n = (size_t)c->base.nranks, es = ac_dtype_size(dt);
+  if (es && count > SIZE_MAX / es / n) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_comm_all_gather: %zu elements overflow", count);
+  /* in place: this rank's chunk already at its place in the result */
+  int in_place = (const char *)send == (const char *)recv + (size_t)c->base.rank * count * es;
+  AC_CHECK(window_place(c, "ac_comm_all_gather", recv, count * n, dt, in_place, &inside, &offset));
+  if (inside) { /* every rank reads the others' chunks where they are: no copy in */
+    ac_shm_op_t o = {.kind = AC_SHM_OP_WINDOW_ALL_GATHER, .count = count, .window = c->w, .offset = offset};
+    AC_CHECK(shm_type(dt, &o.dt));
+    return issue(c, &o);
+  }
   size_t *counts = malloc(sizeof(size_t) * (size_t)c->base.nranks);
   if (!counts) return AC_FAIL(AC_ERR_NOMEM, "ac_comm_all_gather: counts");
   for (int i = 0; i < c->base.nranks; i++) counts[i] = count;

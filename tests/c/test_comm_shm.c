@@ -774,8 +774,14 @@ TEST(a_peer_that_arrives_then_exits_completes_the_collective) {
  * The reducer's bucket launch (ac_comm_launch_buckets, the same function the NCCL path runs)
  * over a window, then the copy-path collectives through the interface, each against sums of
  * every rank's inputs computed here. */
+typedef struct {
+  long bad[8];
+  int mismatch; /* the collective whose window path is shown to be taken: 0 all-reduce, 1 all-gather */
+} iface_case_t;
+
 static ac_result_t iface_rank(ac_shm_t *c, job_t *j, int rank) {
-  long *bad = j->arg;
+  iface_case_t *ic = j->arg;
+  long *bad = ic->bad;
   int n = j->nranks;
   ac_shm_queue_t *q = NULL;
   ac_result_t r = ac_shm_queue_create(&q, c);
@@ -847,15 +853,29 @@ static ac_result_t iface_rank(ac_shm_t *c, job_t *j, int rank) {
     bad[rank] += ac_comm_all_reduce(cm, g + total - 4, g + total - 4, 8, AC_F32, AC_RED_SUM, NULL) != AC_ERR_INVALID_ARG;
     bad[rank] += strstr(ac_last_error(), "wholly inside") == NULL;
     bad[rank] += ac_comm_all_reduce(cm, x, g, 8, AC_F32, AC_RED_SUM, NULL) != AC_ERR_INVALID_ARG;
+    /* an all-gather into the window from a private buffer (out of place) is refused too */
+    bad[rank] += ac_comm_all_gather(cm, x, g, 4, AC_F32, NULL) != AC_ERR_INVALID_ARG;
     bad[rank] += ac_comm_wait(cm) != AC_OK;
   }
-  if (r == AC_OK) { /* the window path is the one taken: rank 0 all-reduces its window, the others
-                     * private memory of the same size; a window collective meets a copy-path one,
-                     * which every rank reports (the copy path alone would have succeeded) */
-    static _Thread_local float priv[4096];
+  if (r == AC_OK) { /* an in-place all-gather in the window (ZeRO's parameter buffers): each rank's
+                     * chunk at its place, every chunk in every region afterwards */
     float *g = ac_shm_window_base(w);
-    size_t count = total < 4096 ? total : 4096;
-    ac_result_t m = ac_comm_all_reduce(cm, rank == 0 ? g : priv, rank == 0 ? g : priv, count, AC_F32, AC_RED_SUM, NULL);
+    size_t chunk = total / (size_t)n;
+    for (size_t i = 0; i < chunk; i++) g[(size_t)rank * chunk + i] = (float)(rank * 100000 + (int)i);
+    r = ac_comm_all_gather(cm, g + (size_t)rank * chunk, g, chunk, AC_F32, NULL);
+    if (r == AC_OK) r = ac_comm_wait(cm);
+    for (int q2 = 0; r == AC_OK && q2 < n; q2++)
+      for (size_t i = 0; i < chunk; i++) bad[rank] += g[(size_t)q2 * chunk + i] != (float)(q2 * 100000 + (int)i);
+  }
+  if (r == AC_OK) { /* the window path is the one taken: rank 0 all-reduces (all-gathers) in its
+                     * window, the others in private memory of the same size; a window collective
+                     * meets a copy-path one, which every rank reports (the copy path alone would
+                     * have succeeded); it breaks the group, so one collective per run */
+    static _Thread_local float priv[4096];
+    float *g = ac_shm_window_base(w), *buf = rank == 0 ? g : priv;
+    size_t count = total < 4096 ? total : 4096, chunk = count / (size_t)n;
+    ac_result_t m = ic->mismatch ? ac_comm_all_gather(cm, buf + (size_t)rank * chunk, buf, chunk, AC_F32, NULL)
+                                 : ac_comm_all_reduce(cm, buf, buf, count, AC_F32, AC_RED_SUM, NULL);
     if (m == AC_OK) m = ac_comm_wait(cm);
     bad[rank] += m == AC_OK;
   }
@@ -878,9 +898,11 @@ static void *iface_main(void *p) {
 }
 
 TEST(the_comm_interface_launches_buckets_and_runs_every_collective) {
-  for (int nr = 2; nr <= 4; nr++) {
-    long bad[8] = {0};
-    job_t j = {.nranks = nr, .slot = SLOT, .timeout_ms = 20000, .arg = bad};
+  for (int run = 0; run < 6; run++) {
+    int nr = 2 + run / 2;
+    iface_case_t ic = {{0}, run % 2};
+    long *bad = ic.bad;
+    job_t j = {.nranks = nr, .slot = SLOT, .timeout_ms = 20000, .arg = &ic};
     fresh_name(j.name, sizeof j.name);
     pthread_t th[4];
     rank_arg_t args[4];
@@ -891,7 +913,8 @@ TEST(the_comm_interface_launches_buckets_and_runs_every_collective) {
     for (int r = 0; r < nr; r++) pthread_join(th[r], NULL);
     for (int r = 0; r < nr; r++) {
       CHECK_MSG(j.result[r] == AC_OK, "%d ranks, rank %d: %s", nr, r, j.error[r]);
-      CHECK_MSG(bad[r] == 0, "%d ranks, rank %d: %ld wrong", nr, r, bad[r]);
+      CHECK_MSG(bad[r] == 0, "%d ranks (window path shown by the %s), rank %d: %ld wrong", nr,
+                ic.mismatch ? "all-gather" : "all-reduce", r, bad[r]);
     }
   }
 }

@@ -172,8 +172,9 @@ void ac_shm_queue_destroy(ac_shm_queue_t *q);
  * shm dtypes beyond those stay with the functions above), no stream (NULL). Each
  * operation is submitted to `q` and runs on its progress thread; ac_comm_wait waits for all of
  * them and returns the first failure. An in-place all-reduce of a range inside `w` (may be NULL)
- * is the window all-reduce; a buffer overlapping the window otherwise (partly inside, out of
- * place, misaligned) is refused. q and w are borrowed: both outlive the communicator, which is
+ * is the window all-reduce, and an all-gather into a range inside it whose send buffer is this
+ * rank's chunk in place the window all-gather; a result buffer overlapping the window otherwise
+ * (partly inside, out of place, misaligned) is refused. q and w are borrowed: both outlive the communicator, which is
  * destroyed first (ac_comm_destroy waits for what is still queued). Not thread-safe: one thread
  * at a time issues, waits and destroys. */
 ac_result_t ac_shm_comm_create(ac_comm_t **out, ac_shm_queue_t *q, ac_shm_window_t *w);
