@@ -229,6 +229,15 @@ def in_shared_buffer(t) -> bool:
     return cpu_comm() == "shm" and t.device.type == "cpu" and _SHM.in_window(t)
 
 
+def window_ops() -> int:
+    """How many collectives of the default group took a shared window's zero-copy path so far in
+    this process (0 when its CPU collectives do not go through shared memory); tests and
+    benchmarks read it to see that the path they mean is the one taken."""
+    if cpu_comm() != "shm":
+        return 0
+    return _SHM.window_ops()
+
+
 def barrier():
     """Every rank of the default group has reached this point."""
     if cpu_comm() == "shm":

@@ -32,6 +32,7 @@ from . import collectives
 from .shard_plan import ShardGroup
 
 MAX_INFLIGHT = 2
+WINDOW_SLOTS = MAX_INFLIGHT + 1  # staging buffers in a shared window (over shared memory)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -46,10 +47,12 @@ class GradShard:
     """The gradient shard of one ShardGroup, the hooks that fill it and its bookkeeping."""
 
     def __init__(self, group: ShardGroup, params, names, find_unused: bool, model_key=None, dtype=None,
-                 shard_dtype=None):
+                 shard_dtype=None, windows: bool = False):
         """`dtype`: the gradients' dtype as backward delivers them, the staging buffers' and the
         reduce-scatter's (default: the group's); `shard_dtype`: the gradient shard's, where the
-        sums accumulate (default: `dtype`; full sharding keeps fp32 shards of 16-bit gradients)."""
+        sums accumulate (default: `dtype`; full sharding keeps fp32 shards of 16-bit gradients).
+        `windows`: stage buckets in a shared window when the CPU collectives go through shared
+        memory (a collective: every process builds its shards in the same order)."""
         plan = group.plan
         self.group = group
         self.params = list(params)  # in plan parameter order (group.indices)
@@ -98,6 +101,17 @@ class GradShard:
                       for i, p in enumerate(self.params)]
         self.on_launched = None  # callable(last bucket launched): the reduce-scatters of buckets were launched
         self.keep_free = MAX_INFLIGHT + 1  # staging buffers kept between backwards
+        # Over shared memory, WINDOW_SLOTS staging buffers live in a shared window: bucket b takes
+        # slot b % WINDOW_SLOTS when it is free, so that its reduce-scatter reads every process's
+        # bucket where its hooks wrote it (no copy in or out). A bucket whose slot is taken (its
+        # gradients arrived while an earlier bucket of that slot was still open) stages privately;
+        # processes that staged one bucket differently agree inside the collective to take the
+        # slots (csrc/core/comm_shm.c, reduce_scatter_at), so that costs speed, never correctness.
+        self.slot_numel = max((c for _, c, *_ in self.buckets), default=0) * self.world
+        self.window = None
+        if windows and not self.is_cuda and self.slot_numel:
+            self.window = collectives.shared_buffer(WINDOW_SLOTS * self.slot_numel, self.dtype)
+        self.slot_bucket = [None] * WINDOW_SLOTS  # bucket staged in each window slot, or None
 
     # ---- what the hooks call -------------------------------------------------------------
     def _on_first(self):
@@ -122,6 +136,13 @@ class GradShard:
                 self._finish(self.works.pop(0))
             start, chunk = self.buckets[b][0], self.buckets[b][1]
             n = chunk * self.world
+            k = b % WINDOW_SLOTS
+            if self.window is not None and self.slot_bucket[k] is None:
+                self.slot_bucket[k] = b
+                buf = self.window[k * self.slot_numel:k * self.slot_numel + n]
+                buf.zero_()
+                self.staging[b] = buf
+                return buf
             buf = next((t for t in self.free if t.numel() >= n), None)
             if buf is None:
                 buf = torch.empty(max(n, max((c for _, c, *_ in self.buckets), default=0) * self.world),
@@ -182,8 +203,16 @@ class GradShard:
             self.shard[local:local + chunk].copy_(summed)
         else:
             self.shard[local:local + chunk].add_(summed)
-        del self.staging[b]
-        self.free.append(staging._base if staging._base is not None else staging)
+        self._release(b)
+
+    def _release(self, b):
+        """Bucket b's staging buffer is free again: its window slot, or back to the pool."""
+        buf = self.staging.pop(b)
+        k = b % WINDOW_SLOTS
+        if self.window is not None and self.slot_bucket[k] == b:
+            self.slot_bucket[k] = None
+            return
+        self.free.append(buf._base if buf._base is not None else buf)
 
     def _where(self, b) -> str:
         names = [self.names(self.params[i]) for i, wb in enumerate(self.where) if wb == b]
@@ -260,8 +289,7 @@ class GradShard:
                 pass
         self.works = []
         for b in list(self.staging):
-            buf = self.staging.pop(b)
-            self.free.append(buf._base if buf._base is not None else buf)
+            self._release(b)
 
     # ---- what the step reads ---------------------------------------------------------------
     def run(self, i):

@@ -173,6 +173,10 @@ class ShmGroup:
         (asked of the extension's own registry, the one all_reduce consults)."""
         return self.supports(t) and self.comm.in_window(t.detach())
 
+    def window_ops(self) -> int:
+        """Collectives of this group that took a window's zero-copy path so far."""
+        return self.comm.window_ops()
+
     def barrier(self) -> None:
         self.comm.barrier()
 

@@ -164,6 +164,9 @@ class HierGroup:
     def in_window(self, t) -> bool:
         return self.local.in_window(t)
 
+    def window_ops(self) -> int:
+        return self.local.window_ops()
+
     def close(self) -> None:
         self._worker.shutdown(wait=True)
         self.local.close()

@@ -57,7 +57,8 @@ class Zero2Strategy(Zero1Strategy):
                 names = ", ".join(self.manager.name_of(p) for p in params if id(p) in self.held)
                 raise NotImplementedError(f"ZeRO stage 2: parameters {names} belong to a model prepared before and "
                                           "to this one; prepare models that share parameters as one module")
-            self.hold(GradShard(group, params, self.manager.name_of, self.find_unused, model_key=id(model)))
+            self.hold(GradShard(group, params, self.manager.name_of, self.find_unused, model_key=id(model),
+                                windows=True))
         self.hook_model_zero_grad(model)
 
     def hold(self, gs) -> None:

@@ -57,8 +57,11 @@
 typedef struct {
   _Atomic uint64_t arrive; /* barriers this rank has arrived at */
   _Atomic uint64_t tag;    /* (collective number << 24) | a hash of its kind and arguments */
+  /* a reduce-scatter's input: 0 in private memory, else (window serial + 1) << 40 | its offset
+   * in the window (elements); read by the others after the collective's first barrier */
+  _Atomic uint64_t where;
   _Atomic int32_t pid;
-  char pad[64 - 2 * sizeof(uint64_t) - sizeof(int32_t)];
+  char pad[64 - 3 * sizeof(uint64_t) - sizeof(int32_t)];
 } rank_line_t;
 
 typedef struct {
@@ -86,6 +89,7 @@ struct ac_shm {
   _Atomic int aborted; /* ac_shm_abort: fail at once */
   const char *what; /* the collective now running, for messages */
   unsigned nwindows; /* windows made so far (ac_shm_next_window_name; not the progress thread's) */
+  _Atomic uint64_t window_ops; /* collectives that took a window path (ac_shm_window_ops) */
   char name[AC_SHM_NAME_MAX];
 };
 
@@ -589,29 +593,69 @@ ac_result_t ac_shm_all_reduce(ac_shm_t *c, const void *send, void *recv, size_t 
   return barrier(c);
 }
 
-ac_result_t ac_shm_reduce_scatter(ac_shm_t *c, const void *send, void *recv, size_t count, ac_shm_dtype_t dt,
-                                  ac_redop_t op) {
+/* A reduce-scatter, whose input may lie in a window (w, offset: then `send` is this rank's region
+ * at `offset`). Every rank first says where its input is and passes one barrier (which also
+ * checks that all call the same); when every rank's input is at the same place of the same
+ * window, each reduces its chunk from every region where it is (no copy in or out: one barrier
+ * more); otherwise, whatever mix the ranks brought (a staging buffer is taken during backward,
+ * where ranks need not agree), all take the slots. */
+static ac_result_t reduce_scatter_at(ac_shm_t *c, ac_shm_window_t *w, size_t offset, const void *send, void *recv,
+                                     size_t count, ac_shm_dtype_t dt, ac_redop_t op) {
   reduce_fn fn;
   AC_CHECK(begin_reduction(c, "reduce_scatter", K_REDUCE_SCATTER, send, recv, count, dt, op, &fn));
   size_t es = ac_shm_dtype_size(dt);
   int n = c->nranks;
   const void *src[AC_SHM_MAX_RANKS];
+  uint64_t where = w ? (((uint64_t)w->serial + 1) << 40) | (uint64_t)offset : 0;
+  atomic_store(&c->h->ranks[c->rank].where, where);
   if (count == 0) return empty(c);
   size_t piece = piece_elems(c, es, (size_t)n);
   if (piece == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "shm slot of %zu bytes is too small for %d ranks",
                                  c->half_bytes * 2, n);
+  AC_CHECK(first_barrier(c)); /* every rank's `where` is published; no rank moves on before all read it */
+  int together = where != 0;
+  for (int q = 0; together && q < n; q++) together = atomic_load(&c->h->ranks[q].where) == where;
+  if (together) {
+    /* Only this rank writes its chunk (of its own region or of recv) until the last barrier, and
+     * the sources are read block by block before that block of recv is written (recv may be
+     * this rank's chunk of its own region: in place). */
+    for (int q = 0; q < n; q++) src[q] = ac_shm_window_region(w, q) + (offset + (size_t)c->rank * count) * es;
+    fn(recv, src, n, count, op);
+    atomic_fetch_add(&c->window_ops, 1);
+    return barrier(c); /* every chunk is reduced; no region is written before every rank has read it */
+  }
   for (size_t off = 0; off < count; off += piece) {
     size_t m = count - off < piece ? count - off : piece;
     int hf = c->half;
     unsigned char *mine = slot(c, c->rank, hf);
     for (int q = 0; q < n; q++)
       memcpy(mine + (size_t)q * m * es, (const unsigned char *)send + ((size_t)q * count + off) * es, m * es);
-    AC_CHECK(off == 0 ? first_barrier(c) : barrier(c));
+    AC_CHECK(barrier(c));
     for (int q = 0; q < n; q++) src[q] = slot(c, q, hf) + (size_t)c->rank * m * es;
     fn((unsigned char *)recv + off * es, src, n, m, op);
     c->half ^= 1;
   }
   return barrier(c);
+}
+
+ac_result_t ac_shm_reduce_scatter(ac_shm_t *c, const void *send, void *recv, size_t count, ac_shm_dtype_t dt,
+                                  ac_redop_t op) {
+  return reduce_scatter_at(c, NULL, 0, send, recv, count, dt, op);
+}
+
+ac_result_t ac_shm_window_reduce_scatter(ac_shm_t *c, ac_shm_window_t *w, size_t offset, void *recv, size_t count,
+                                         ac_shm_dtype_t dt, ac_redop_t op) {
+  size_t es = ac_shm_dtype_size(dt);
+  if (es == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "window reduce_scatter: invalid dtype code %d", (int)dt);
+  if (!c || !w) return AC_FAIL(AC_ERR_INVALID_ARG, "window reduce_scatter: communicator or window is NULL");
+  if (w->nranks != c->nranks || w->rank != c->rank)
+    return AC_FAIL(AC_ERR_INVALID_ARG, "window reduce_scatter: the window is rank %d of %d, the group rank %d of %d",
+                   w->rank, w->nranks, c->rank, c->nranks);
+  size_t room = w->usable_bytes / es;
+  if (offset > room || count > (room - offset) / (size_t)c->nranks || offset >= ((uint64_t)1 << 40))
+    return AC_FAIL(AC_ERR_INVALID_ARG, "window reduce_scatter: %d chunks of %zu elements at %zu of %s are outside the "
+                   "window's %zu bytes", c->nranks, count, offset, dtype_name(dt), w->usable_bytes);
+  return reduce_scatter_at(c, w, offset, ac_shm_window_region(w, c->rank) + offset * es, recv, count, dt, op);
 }
 
 ac_result_t ac_shm_all_gather(ac_shm_t *c, const void *send, void *recv, const size_t *counts, ac_shm_dtype_t dt) {
@@ -695,6 +739,7 @@ ac_result_t ac_shm_window_all_reduce(ac_shm_t *c, ac_shm_window_t *w, size_t off
   if (count == 0) return empty(c);
   int n = c->nranks;
   AC_CHECK(first_barrier(c)); /* every rank's range is in its region */
+  atomic_fetch_add(&c->window_ops, 1);
   size_t lo, hi;
   slice_of(count, n, c->rank, &lo, &hi);
   /* Only this rank reads or writes its slice of the range in any region until the next barrier
@@ -729,6 +774,7 @@ ac_result_t ac_shm_window_all_gather(ac_shm_t *c, ac_shm_window_t *w, size_t off
                  offset));
   if (chunk == 0) return empty(c);
   AC_CHECK(first_barrier(c)); /* every rank's chunk is in its region */
+  atomic_fetch_add(&c->window_ops, 1);
   unsigned char *mine = ac_shm_window_region(w, c->rank) + offset * es;
   /* starting after this rank's own chunk, so ranks do not all read rank 0's chunk at once */
   for (int k = 1; k < n; k++) {
@@ -738,6 +784,8 @@ ac_result_t ac_shm_window_all_gather(ac_shm_t *c, ac_shm_window_t *w, size_t off
   }
   return barrier(c); /* every chunk was read where it is; its owner may write it again */
 }
+
+uint64_t ac_shm_window_ops(const ac_shm_t *c) { return c ? atomic_load(&c->window_ops) : 0; }
 
 ac_result_t ac_shm_barrier(ac_shm_t *c) {
   AC_CHECK(begin(c, "barrier", K_BARRIER, 0, 0, 0));

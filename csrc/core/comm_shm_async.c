@@ -50,6 +50,8 @@ static ac_result_t run(ac_shm_t *c, const ac_shm_op_t *o) {
     case AC_SHM_OP_BARRIER: return ac_shm_barrier(c);
     case AC_SHM_OP_WINDOW_ALL_REDUCE: return ac_shm_window_all_reduce(c, o->window, o->offset, o->count, o->dt, o->op);
     case AC_SHM_OP_WINDOW_ALL_GATHER: return ac_shm_window_all_gather(c, o->window, o->offset, o->count, o->dt);
+    case AC_SHM_OP_WINDOW_REDUCE_SCATTER:
+      return ac_shm_window_reduce_scatter(c, o->window, o->offset, o->recv, o->count, o->dt, o->op);
   }
   return AC_FAIL(AC_ERR_INVALID_ARG, "unknown collective kind %d", (int)o->kind);
 }

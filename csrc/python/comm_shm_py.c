@@ -336,6 +336,17 @@ static PyObject *shm_reduce_scatter(PyObject *op, PyObject *args, PyObject *kwds
   }
   ac_shm_op_t o = {.kind = AC_SHM_OP_REDUCE_SCATTER, .send = v[1].data, .recv = v[0].data, .count = v[0].n,
                    .dt = v[0].dt, .op = rop};
+  size_t es = ac_shm_dtype_size(v[1].dt), at;
+  ac_shm_window_t *w;
+  if (v[1].n && pyac_shm_window_find(((ShmObject *)op)->q, v[1].data, v[1].n * es, &w, &at) && at % es == 0) {
+    /* the input lives in a shared window: where every rank's does (at the same place), each
+     * reduces its chunk from every region with no copy in or out; otherwise the ranks agree
+     * inside the collective to take the slots (ac_shm_window_reduce_scatter) */
+    o.kind = AC_SHM_OP_WINDOW_REDUCE_SCATTER;
+    o.window = w;
+    o.offset = at / es;
+    o.send = NULL;
+  }
   return submit_keeping(op, &o, v, 2, o_, t, async);
 }
 
@@ -445,6 +456,13 @@ static PyObject *shm_window(PyObject *op, PyObject *arg) {
   return pyac_shm_window_wrap(op, q, w);
 }
 
+static PyObject *shm_window_ops(PyObject *op, PyObject *unused) {
+  (void)unused;
+  ac_shm_queue_t *q = open_queue(op);
+  if (!q) return NULL;
+  return PyLong_FromUnsignedLongLong((unsigned long long)ac_shm_window_ops(ac_shm_queue_comm(q)));
+}
+
 static PyObject *shm_in_window(PyObject *op, PyObject *arg) {
   ac_shm_queue_t *q = ((ShmObject *)op)->q;
   if (!q) Py_RETURN_FALSE;
@@ -538,6 +556,9 @@ static PyMethodDef shm_methods[] = {
     {"window", shm_window, METH_O,
      "window(nbytes): a ShmWindow, this rank's region of nbytes in memory every rank maps (a collective: every rank "
      "makes its windows in the same order); a tensor in it (torch.frombuffer) is all-reduced there, with no copy"},
+    {"window_ops", shm_window_ops, METH_NOARGS,
+     "window_ops(): how many collectives so far took a window path (no copy in or out): all-reduces and "
+     "all-gathers in a window, reduce-scatters whose every rank's input was at one place of one window"},
     {"in_window", shm_in_window, METH_O,
      "in_window(tensor): whether all_reduce(tensor) takes the window path (the tensor lies in a window of this "
      "communicator)"},

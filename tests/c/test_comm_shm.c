@@ -633,6 +633,71 @@ TEST(window_all_gather_puts_every_chunk_in_every_region) {
       }
 }
 
+/* A reduce-scatter whose input lies in a window: every rank's at one place (the window path:
+ * each chunk reduced from every region where it is), rank 0's in private memory, or the ranks'
+ * at different offsets; whatever the mix, every rank gets its chunk of the sum (integer-valued
+ * fp32: exact), in place in its region or into a private result, and only the case where all
+ * agree counts as a window collective (ac_shm_window_ops). */
+typedef struct {
+  int mode; /* 0: all in the window, 1: rank 0 private, 2: rank 1 at another offset */
+  int in_place;
+  size_t count;
+  long bad[8];
+  uint64_t window_ops[8];
+} window_rs_case_t;
+
+static float rs_value(int q, size_t i) { return (float)((q + 1) * 1000 + (long)(i % 997)); }
+
+static ac_result_t window_rs_rank(ac_shm_t *c, job_t *j, int rank) {
+  window_rs_case_t *k = j->arg;
+  int n = j->nranks;
+  size_t full = k->count * (size_t)n, offset = (k->mode == 2 && rank == 1) ? 64 : 32;
+  ac_shm_window_t *win = NULL;
+  AC_CHECK(ac_shm_window_create(&win, c, (full + 64 + 32) * sizeof(float)));
+  float *base = ac_shm_window_base(win), *in = base + offset;
+  float *priv = malloc((full + 1) * sizeof(float)), *out = malloc((k->count + 1) * sizeof(float));
+  int private_input = k->mode == 1 && rank == 0;
+  float *src = private_input ? priv : in;
+  for (size_t i = 0; i < full; i++) src[i] = rs_value(rank, i);
+  float *recv = k->in_place && !private_input ? in + (size_t)rank * k->count : out;
+  uint64_t before = ac_shm_window_ops(c);
+  ac_result_t r = private_input ? ac_shm_reduce_scatter(c, src, recv, k->count, AC_SHM_F32, AC_RED_SUM)
+                                : ac_shm_window_reduce_scatter(c, win, offset, recv, k->count, AC_SHM_F32, AC_RED_SUM);
+  long bad = 0;
+  for (size_t i = 0; r == AC_OK && i < k->count; i++) {
+    double want = 0;
+    for (int q = 0; q < n; q++) want += rs_value(q, (size_t)rank * k->count + i);
+    bad += recv[i] != (float)want;
+  }
+  k->bad[rank] = bad;
+  k->window_ops[rank] = ac_shm_window_ops(c) - before;
+  free(priv);
+  free(out);
+  ac_shm_window_destroy(win);
+  return r;
+}
+
+TEST(window_reduce_scatter_agrees_inside_the_collective) {
+  static const size_t counts[] = {0, 1, 333, 70001};
+  for (int nr = 2; nr <= 4; nr++)
+    for (int mode = 0; mode < 3; mode++)
+      for (int in_place = 0; in_place < 2; in_place++)
+        for (size_t s = 0; s < 4; s++) {
+          window_rs_case_t k = {mode, in_place, counts[s], {0}, {0}};
+          job_t j = {.nranks = nr, .fn = window_rs_rank, .arg = &k};
+          int failed = run_job(&j);
+          CHECK_MSG(failed == 0, "%d ranks, mode %d, %zu elements: %s", nr, mode, counts[s], j.error[0]);
+          for (int r = 0; r < nr; r++) {
+            CHECK_MSG(k.bad[r] == 0, "%d ranks, mode %d, in place %d, %zu elements: rank %d has %ld wrong", nr, mode,
+                      in_place, counts[s], r, k.bad[r]);
+            uint64_t want = mode == 0 && counts[s] > 0 ? 1 : 0;
+            CHECK_MSG(k.window_ops[r] == want, "%d ranks, mode %d, %zu elements: rank %d counted %llu window ops, "
+                      "expected %llu", nr, mode, counts[s], r, (unsigned long long)k.window_ops[r],
+                      (unsigned long long)want);
+          }
+        }
+}
+
 static ac_result_t window_mismatch_rank(ac_shm_t *c, job_t *j, int rank) {
   ac_shm_window_t *win = NULL, *other = NULL;
   AC_CHECK(ac_shm_window_create(&win, c, 4096));
@@ -924,6 +989,7 @@ static const tu_test_t tests[] = {
     TU_CASE(the_comm_interface_launches_buckets_and_runs_every_collective),
     TU_CASE(window_all_reduce_matches_the_reference_in_every_region),
     TU_CASE(window_all_gather_puts_every_chunk_in_every_region),
+    TU_CASE(window_reduce_scatter_agrees_inside_the_collective),
     TU_CASE(window_mismatch_and_bad_ranges_are_refused),
     TU_CASE(async_requests_run_in_order_and_close_fails_what_is_left),
     TU_CASE(all_reduce_matches_the_reference),

@@ -11,7 +11,9 @@ torch in the same processes, over gloo:
 - reduce_scatter, all_gather (equal and unequal sizes) and broadcast from every root, exactly;
 - windows (ShmGroup.window_tensor): views of a tensor living in shared memory all-reduced in place
   (the zero-copy path) against the same rank-order reference, with what lies outside each view
-  untouched; in-place all-gathers of a window tensor's chunks against torch's all_gather; the window
+  untouched; in-place all-gathers of a window tensor's chunks against torch's all_gather;
+  reduce-scatters of a window range (every rank's in the window: the window path, counted; rank
+  0's in private memory: the slots, agreed inside the collective) against the rank-order sums; the window
   path is really taken (all-reduce and all-gather): a window tensor on one rank against a plain one on
   the other is refused as a different collective;
 - subgroups (3+ processes): accelerate_c's collectives with group= a new_group of ranks {0, 1} and
@@ -184,6 +186,27 @@ def check_windows():
             rest = torch.cat([win[:lo], win[lo + chunk * world:]])
             if not same(rest, torch.cat([fill[:lo], fill[lo + chunk * world:]])):
                 fails.append(f"rank {rank}: window all_gather {dtype} changed elements outside its range")
+        # a reduce-scatter whose input is a window tensor's range (ZeRO-2's staging buffers), in
+        # place into this rank's chunk; then with rank 0's input in private memory: the ranks agree
+        # inside the collective to take the slots, and the sums are the same
+        if dtype.is_floating_point:
+            chunk = (total // world) - 5
+            for mixed in (False, True):
+                seed += 1
+                fill = data(dtype, total, seed)
+                win.copy_(fill)
+                full = win[2:2 + chunk * world]
+                if mixed and rank == 0:
+                    full = full.clone()
+                ops = shm.window_ops()
+                want = rank_order(gathered(full.clone()), "sum", dtype)[rank * chunk:(rank + 1) * chunk]
+                out = full[rank * chunk:(rank + 1) * chunk]
+                shm.reduce_scatter(out, full)
+                if not same(out, want):
+                    fails.append(f"rank {rank}: window reduce_scatter {dtype} (mixed {mixed}) differs")
+                took = shm.window_ops() - ops
+                if took != (0 if mixed else 1):
+                    fails.append(f"rank {rank}: window reduce_scatter (mixed {mixed}) took the window path {took} times")
     # every rank's view must be in a window: one rank's tensor outside it is named, not misread
     # (a mismatch breaks the group, so this is checked on a group of its own); for the all-gather
     # too, which shows that its window path is the one taken

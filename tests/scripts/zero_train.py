@@ -137,7 +137,11 @@ def subject(rank, world):
     trace = []
     for x, y in batches(rank):
         with acc.accumulate(model):
+            ops = collectives.window_ops()
             acc.backward(torch.nn.functional.cross_entropy(model(x), y))
+            if STAGE == 2 and collectives.cpu_comm() == "shm":
+                # the buckets were staged in the shared window and reduce-scattered there
+                assert collectives.window_ops() > ops, "no ZeRO-2 reduce-scatter took the window path"
             if STAGE == 2:  # only a shard of the gradients exists, as with DeepSpeed
                 assert all(p.grad is None for p in model.parameters()), "ZeRO-2 left a full gradient in p.grad"
             norm = None

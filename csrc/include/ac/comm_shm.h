@@ -106,6 +106,18 @@ ac_result_t ac_shm_window_all_reduce(ac_shm_t *c, ac_shm_window_t *w, size_t off
  * before the others read it). No copy in: each rank reads the others' chunks where they are. */
 ac_result_t ac_shm_window_all_gather(ac_shm_t *c, ac_shm_window_t *w, size_t offset, size_t chunk,
                                      ac_shm_dtype_t dt);
+/* ac_shm_reduce_scatter of the nranks * count elements at `offset` of this rank's region of `w`
+ * into recv (which may be this rank's chunk of that range: in place). Where every rank passes
+ * the same window and offset, each rank reduces its chunk from every region where it is (two
+ * barriers, no copy in or out); where some rank's input is elsewhere (another place, or private
+ * memory through ac_shm_reduce_scatter: every reduce-scatter says where its input is), all ranks
+ * take the slots, as ac_shm_reduce_scatter. The ranks agree on that inside the collective. */
+/* How many collectives of `c` took a window path so far (all-reduce and all-gather in a window,
+ * reduce-scatters whose ranks all had their input at one place of one window): for tests and
+ * benchmarks to see that the zero-copy path is the one taken. Thread-safe. */
+uint64_t ac_shm_window_ops(const ac_shm_t *c);
+ac_result_t ac_shm_window_reduce_scatter(ac_shm_t *c, ac_shm_window_t *w, size_t offset, void *recv, size_t count,
+                                         ac_shm_dtype_t dt, ac_redop_t op);
 
 /* Makes every collective of `c` that is running or starts later fail at once with AC_ERR_STATE
  * (a communicator being closed while its progress thread waits on a peer). Thread-safe. */
@@ -123,12 +135,14 @@ typedef enum {
   AC_SHM_OP_BROADCAST = 3,
   AC_SHM_OP_BARRIER = 4,
   AC_SHM_OP_WINDOW_ALL_REDUCE = 5,
-  AC_SHM_OP_WINDOW_ALL_GATHER = 6
+  AC_SHM_OP_WINDOW_ALL_GATHER = 6,
+  AC_SHM_OP_WINDOW_REDUCE_SCATTER = 7
 } ac_shm_kind_t;
 
 /* One collective's arguments, as the blocking functions above take them (all_gather: counts;
  * broadcast: recv is the buffer, root; window all-reduce: window, offset, count, op; window
- * all-gather: window, offset, count (each rank's chunk), dt; the rest:
+ * all-gather: window, offset, count (each rank's chunk), dt; window reduce-scatter: window, offset,
+ * recv, count (each rank's chunk), dt, op; the rest:
  * send, recv, count, op). The buffers (and the window) must stay valid until the request is
  * waited for; counts is copied. */
 typedef struct {
