@@ -27,6 +27,20 @@ from torch.autograd.graph import increment_version
 from . import _C
 
 ALIGN = 32  # elements; each range starts on a 64-byte boundary or better
+
+
+def _version_bump():
+    """torch's version-counter increment as the C hooks call it, with a 1-tuple of tensors:
+    torch._C._increment_version takes one since torch 2.5; before, only a single tensor."""
+    probe = torch.zeros(1)
+    try:
+        torch._C._increment_version((probe,))
+        return torch._C._increment_version
+    except TypeError:
+        return lambda views: torch._C._increment_version(views[0])
+
+
+_BUMP = _version_bump()
 HUGE_PAGE = 2 << 20
 
 
@@ -80,7 +94,7 @@ class GradLayout:
                                   self.on_first, self.on_buckets, self._copy_in)
         # the hooks copy plain CPU gradients in C (and measure them on the way), bumping the
         # view's version with torch's own counter as copy_ would; _copy_in takes the rest
-        self.reducer.bump = torch._C._increment_version
+        self.reducer.bump = _BUMP
         offsets, _ = self.reducer.layout()
         self.offsets = offsets
         self.flat = self.alloc_buffer(self.reducer.total())

@@ -161,9 +161,10 @@ class ShmGroup:
         if not room[0]:
             if not self._warned_room:
                 self._warned_room = True
-                warnings.warn(f"/dev/shm has {(_shm_free_bytes() or 0) >> 20} MiB free, too little for shared "
-                              f"gradient buffers of {self.size} x {nbytes >> 20} MiB: they are reduced through "
-                              "copies instead (slower). Enlarge /dev/shm (docker: --shm-size) to avoid it.",
+                warnings.warn(f"/dev/shm has {(_shm_free_bytes() or 0) >> 20} MiB free, too little for a shared "
+                              f"buffer (gradients, ZeRO's parameters or staging) of {self.size} x {nbytes >> 20} "
+                              "MiB: its collectives go through copies instead (slower). Enlarge /dev/shm "
+                              "(docker: --shm-size) to avoid it.",
                               stacklevel=3)
             return None
         return torch.frombuffer(self.comm.window(nbytes), dtype=dtype)

@@ -136,3 +136,69 @@ def test_gradients_the_c_copy_must_not_take_reach_python(fresh_state, slow_calls
     assert slow_calls, "a parameter cast after prepare() did not reach the Python copy-in"
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_gradient_with_the_negative_bit_is_copied_as_it_reads(fresh_state, slow_calls):  # noqa: F811
+    """A `.grad` assigned as a lazily negated view keeps its bit when backward accumulates into
+    it: its memory holds the negated values, so a raw copy would flip the sign (copy_ resolves
+    the bit). The gradient must equal torch's."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(model)
+    x = torch.randn(8, 24)
+    for m in (model, ref):
+        for p in m.parameters():
+            p.grad = torch._neg_view(torch.ones_like(p))
+    accelerator.backward(model(x).square().mean())
+    ref(x).square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_parameter_cast_after_prepare_keeps_its_gradient_dtype_check(fresh_state, slow_calls):  # noqa: F811
+    """torch's grad_dtype lets a bf16 parameter take fp32 gradients: the gradient then matches
+    the buffer's dtype while the parameter no longer does; the buffer must still be rebuilt for
+    the parameter (the Python path), not fed behind its back."""
+    if not hasattr(torch.nn.Parameter(torch.zeros(1)), "grad_dtype"):
+        pytest.skip("this torch has no Parameter.grad_dtype")
+    torch.manual_seed(0)
+    model = Net()
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(model)
+    (group,) = accelerator._grads.groups
+    p = model.a.weight
+    with torch.no_grad():
+        p.data = p.data.bfloat16()
+    p.grad_dtype = torch.float32
+    model.a.weight = p
+    x = torch.randn(8, 24)
+    out = torch.nn.functional.linear(x, p.float(), model.a.bias)
+    accelerator.backward(model.c(torch.tanh(model.b(torch.relu(out)))).square().mean())
+    assert group.broken, "a parameter cast after prepare() was fed by the C copy-in"
+
+
+def test_the_version_bump_works_with_a_torch_that_takes_only_one_tensor(monkeypatch):
+    """torch before 2.5 refuses a tuple in _increment_version (pyproject allows torch >= 2.4): the
+    bump the C hooks call with (view,) must then pass the tensor alone, and move its version by
+    exactly one, as torch's copy_ does."""
+    from accelerate_c import grad_layout
+
+    real = torch._C._increment_version
+
+    def one_tensor_only(t):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("increment_version expect a Tensor as input")
+        real((t,))
+
+    monkeypatch.setattr(torch._C, "_increment_version", one_tensor_only)
+    bump = grad_layout._version_bump()
+    t = torch.zeros(3)
+    before = t._version
+    bump((t,))
+    assert t._version == before + 1
+    monkeypatch.setattr(torch._C, "_increment_version", real)
+    t2 = torch.zeros(3)
+    grad_layout._version_bump()((t2,))
+    assert t2._version == 1

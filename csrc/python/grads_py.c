@@ -10,11 +10,11 @@
 
 /* grad_views(params, views, ptrs, dtype, device_index) -> list of indices, or None.
  *
- * None: the group is broken (a parameter was cast or moved after prepare(): a `.grad` that still
- * is its view has had its storage swapped underneath, as module._apply does with
- * `param.grad.data = ...` beside `param.data = ...`; or a parameter whose `.grad` is not its view
- * has a dtype other than `dtype`, or is not on the group's device: the CPU for device_index -1
- * (p.is_cpu), else CUDA device `device_index` (p.is_cuda and p.get_device())). Otherwise: the indices i whose params[i].grad is not views[i]
+ * None: the group is broken (a parameter was cast or moved after prepare(): its dtype is not
+ * `dtype`, or it is not on the group's device: the CPU for device_index -1 (p.is_cpu), else CUDA
+ * device `device_index` (p.is_cuda and p.get_device()), or a `.grad` that still is
+ * its view has had its storage swapped underneath, as module._apply does with
+ * `param.grad.data = ...`). Otherwise: the indices i whose params[i].grad is not views[i]
  * (None or an assigned tensor), which the caller resyncs; an empty list is the common case. */
 enum { GV_VIEW = 0, GV_LOOSE = 1, GV_BROKEN = 2 };
 
@@ -41,26 +41,7 @@ static int attr_is_true(PyObject *obj, PyObject *name) {
   return t;
 }
 
-/* The `.grad` first: after a backward it is the view for (nearly) every parameter, and then
- * the view's data pointer alone tells whether the parameter was cast or moved (module._apply
- * swaps `param.grad.data` together with `param.data`), so an intact parameter costs two
- * attribute reads. Every object here is cold after a backward streamed the gradients through
- * the cache; each read saved is a few cache misses per parameter at the step's first entry
- * point. A `.grad` that is not the view (None after zero_grad, or assigned) is checked against
- * the group's dtype and device, which say whether the group must be rebuilt. */
 static int grad_view_state(PyObject *p, PyObject *v, PyObject *ptr0, PyObject *dtype, long dev) {
-  PyObject *g = PyObject_GetAttr(p, s_grad);
-  if (!g) return -1;
-  int is_view = g == v;
-  Py_DECREF(g);
-  if (is_view) {
-    PyObject *ptr = PyObject_CallMethodNoArgs(v, s_data_ptr);
-    if (!ptr) return -1;
-    int moved = PyObject_RichCompareBool(ptr, ptr0, Py_NE);
-    Py_DECREF(ptr);
-    if (moved < 0) return -1;
-    return moved ? GV_BROKEN : GV_VIEW;
-  }
   PyObject *dt = PyObject_GetAttr(p, s_dtype);
   if (!dt) return -1;
   int same_dtype = dt == dtype;
@@ -78,7 +59,17 @@ static int grad_view_state(PyObject *p, PyObject *v, PyObject *ptr0, PyObject *d
     if (pd == -1 && PyErr_Occurred()) return -1;
     if (pd != dev) return GV_BROKEN;
   }
-  return GV_LOOSE;
+  PyObject *g = PyObject_GetAttr(p, s_grad);
+  if (!g) return -1;
+  int is_view = g == v;
+  Py_DECREF(g);
+  if (!is_view) return GV_LOOSE;
+  PyObject *ptr = PyObject_CallMethodNoArgs(v, s_data_ptr);
+  if (!ptr) return -1;
+  int moved = PyObject_RichCompareBool(ptr, ptr0, Py_NE);
+  Py_DECREF(ptr);
+  if (moved < 0) return -1;
+  return moved ? GV_BROKEN : GV_VIEW;
 }
 
 static PyObject *py_grad_views(PyObject *mod, PyObject *const *a, Py_ssize_t n) {

@@ -563,8 +563,9 @@ static long long call_int(PyObject *obj, const char *name) {
  * in the glue's Python (GradLayout._copy_in), with the measurement for clip fused into the copy
  * (ac_copy_in measures each piece right after writing it, in cache, and gives the bits a later
  * read pass of the range gives). Taken only for what the slow path would do the same way: a
- * plain tensor of the buffer's exact type, dtype, CPU, contiguous, of the range's size, not
- * requiring grad, not overlapping the buffer; everything else (a cast parameter, a gradient with
+ * plain tensor of the buffer's exact type and dtype (the parameter's too), CPU, contiguous,
+ * without a negative or conjugate bit, of the range's size, not requiring grad, not overlapping
+ * the buffer; everything else (a cast parameter, a gradient with
  * a graph, CUDA buffers) returns 0 and goes to the slow path. On success the view holds the
  * gradient times the reducer's prescale (as the slow path's torch.mul), its version is bumped as
  * torch's copy_ would, and `.grad` points at it. Returns 1 done, 0 not taken, -1 error. */
@@ -572,14 +573,29 @@ static int fast_copy_in(ReducerObject *red, HookObject *h, PyObject *param, PyOb
   *measured = 0;
   if (!red->bump || !red->base || red->on_cuda || !h->dtype || Py_TYPE(g) != Py_TYPE(h->view)) return 0;
   size_t n = red->numel[h->index];
-  PyObject *dt = PyObject_GetAttrString(g, "dtype");
-  if (!dt) return -1;
-  int same = dt == h->dtype;
-  Py_DECREF(dt);
-  if (!same) return 0;
+  /* the gradient's dtype and the parameter's (torch >= 2.9's grad_dtype lets them differ: a
+   * parameter cast after prepare() must still reach the slow path, which rebuilds the buffer) */
+  PyObject *objs[2] = {g, param};
+  for (int k = 0; k < 2; k++) {
+    PyObject *dt = PyObject_GetAttrString(objs[k], "dtype");
+    if (!dt) return -1;
+    int same = dt == h->dtype;
+    Py_DECREF(dt);
+    if (!same) return 0;
+  }
   int t = attr_true(g, "requires_grad");
   if (t != 0) return t < 0 ? -1 : 0;
   if ((t = attr_true(g, "is_cpu")) != 1) return t < 0 ? -1 : 0;
+  /* the memory must hold the values as they read: no lazy negation or conjugation (copy_
+   * resolves those bits; a raw copy would not) */
+  static const char *const must_be_false[] = {"is_neg", "is_conj"};
+  for (int k = 0; k < 2; k++) {
+    PyObject *b = PyObject_CallMethod(g, must_be_false[k], NULL);
+    if (!b) return -1;
+    t = PyObject_IsTrue(b);
+    Py_DECREF(b);
+    if (t != 0) return t < 0 ? -1 : 0;
+  }
   PyObject *c = PyObject_CallMethod(g, "is_contiguous", NULL);
   if (!c) return -1;
   t = PyObject_IsTrue(c);
@@ -611,13 +627,21 @@ static int fast_copy_in(ReducerObject *red, HookObject *h, PyObject *param, PyOb
     pyac_raise(pyac_module_of((PyObject *)red), r);
     return -1;
   }
+  /* the view was written: from here a failure also drops the hooks' measurements, which could
+   * otherwise describe memory that changed without a version bump */
   PyObject *b = PyObject_CallOneArg(red->bump, h->views1);
-  if (!b) return -1;
+  if (!b || PyObject_SetAttr(param, red->grad_name, h->view) < 0) {
+    Py_XDECREF(b);
+    forget_sums(red);
+    return -1;
+  }
   Py_DECREF(b);
-  if (PyObject_SetAttr(param, red->grad_name, h->view) < 0) return -1;
   if (want) {
     long long ver = view_version(red, h->view);
-    if (ver == -1 && PyErr_Occurred()) return -1;
+    if (ver == -1 && PyErr_Occurred()) {
+      forget_sums(red);
+      return -1;
+    }
     /* one write since the last measurement (this one): the chain goes on; else it starts over */
     if (red->nhave && ver != red->last_version + 1) forget_sums(red);
     record_sums(red, h->index, sq, nf, ver);
