@@ -370,9 +370,13 @@ class GradShard:
         return full[off - start:off - start + n].view(self.shapes[i]).clone()
 
     def nbytes(self) -> int:
-        """Bytes this object holds: the shard and the staging buffers (whole, not the views in use)."""
+        """Bytes this object holds: the shard and the staging buffers (whole, not the views in use;
+        the shared window's slots once, whether or not a bucket is staged there)."""
         bufs = [self.shard, *self.free, *((t._base if t._base is not None else t) for t in self.staging.values())]
-        return sum(t.numel() * t.element_size() for t in bufs)
+        if self.window is not None:
+            bufs.append(self.window)
+        distinct = {t.data_ptr(): t.numel() * t.element_size() for t in bufs}
+        return sum(distinct.values())
 
     def remove(self):
         for h in self.hooks:
