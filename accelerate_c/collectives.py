@@ -204,12 +204,17 @@ def all_gather(outs, t):
         return dist.all_gather(outs, t)
 
 
-def shared_buffer(numel: int, dtype):
+def shared_buffer(numel: int, dtype, zero_copy_only: bool = False):
     """A zeroed CPU tensor in memory every rank of the default group maps (a shared window: the
     all-reduces below then reduce it in place with no copy), or None when the CPU collectives do
-    not go through shared memory or /dev/shm lacks the room. A collective of the default group."""
+    not go through shared memory or /dev/shm lacks the room. A collective of the default group.
+    `zero_copy_only`: the buffer is wanted only for the window paths of the all-gather and
+    reduce-scatter, which a group spanning hosts does not take (its all-reduce does): None there,
+    so that /dev/shm keeps its room for the buffers that gain from it."""
     if cpu_comm() != "shm" or not _SHM.supports(torch.empty(0, dtype=dtype)) or \
             os.environ.get(ENV_SHM_WINDOWS, "1").strip() == "0":
+        return None
+    if zero_copy_only and hierarchical():
         return None
     t = _SHM.window_tensor(numel, dtype)
     _WINDOWS_MADE[0] += t is not None

@@ -110,8 +110,10 @@ class GradShard:
         self.slot_numel = max((c for _, c, *_ in self.buckets), default=0) * self.world
         self.window = None
         if windows and not self.is_cuda and self.slot_numel:
-            self.window = collectives.shared_buffer(WINDOW_SLOTS * self.slot_numel, self.dtype)
+            self.window = collectives.shared_buffer(WINDOW_SLOTS * self.slot_numel, self.dtype, zero_copy_only=True)
         self.slot_bucket = [None] * WINDOW_SLOTS  # bucket staged in each window slot, or None
+        if self.window is not None:
+            self.keep_free = 0  # a private buffer is the exception then: not kept beside the slots
 
     # ---- what the hooks call -------------------------------------------------------------
     def _on_first(self):
@@ -137,7 +139,13 @@ class GradShard:
             start, chunk = self.buckets[b][0], self.buckets[b][1]
             n = chunk * self.world
             k = b % WINDOW_SLOTS
-            if self.window is not None and self.slot_bucket[k] is None:
+            if self.window is not None and self.slot_bucket[k] is not None and n and \
+                    any(item[0] == self.slot_bucket[k] for item in self.works):
+                # the slot's bucket is reducing: wait for it (and the ones launched before it)
+                # rather than stage privately, which would send this bucket through the slots
+                while self.slot_bucket[k] is not None and self.works:
+                    self._finish(self.works.pop(0))
+            if self.window is not None and self.slot_bucket[k] is None and n:  # an empty bucket is never launched
                 self.slot_bucket[k] = b
                 buf = self.window[k * self.slot_numel:k * self.slot_numel + n]
                 buf.zero_()

@@ -110,7 +110,7 @@ def _param_buffer(group) -> torch.Tensor:
     step reads the other processes' chunks where their optimizer wrote them, with no copy in
     (docs/collectives.md, "Windows")."""
     if torch.device(group.device).type == "cpu":
-        shared = collectives.shared_buffer(group.plan.total, group.dtype)
+        shared = collectives.shared_buffer(group.plan.total, group.dtype, zero_copy_only=True)
         if shared is not None:
             return shared
     return torch.zeros(group.plan.total, dtype=group.dtype, device=group.device)

@@ -39,7 +39,7 @@
 #include "half.h"
 
 #define SHM_MAGIC 0x3176636d68735f61ULL /* "a_shmcv1" */
-#define SHM_VERSION 1u
+#define SHM_VERSION 2u /* 2: rank_line_t.where */
 #define SPIN_CHECK 64  /* spin turns between clock reads */
 #define SPIN_S 20e-6    /* spin this long */
 /* The fuzz target (tests/c/fuzz_shm_header.c, which includes this file) shortens these two, so
@@ -593,12 +593,21 @@ ac_result_t ac_shm_all_reduce(ac_shm_t *c, const void *send, void *recv, size_t 
   return barrier(c);
 }
 
+/* The copy path's piece [off, off + m) of every rank's chunk of `send` into this rank's slot half
+ * now in use, chunk q at q * m. */
+static void copy_rs_piece(ac_shm_t *c, const void *send, size_t count, size_t off, size_t m, size_t es) {
+  unsigned char *mine = slot(c, c->rank, c->half);
+  for (int q = 0; q < c->nranks; q++)
+    memcpy(mine + (size_t)q * m * es, (const unsigned char *)send + ((size_t)q * count + off) * es, m * es);
+}
+
 /* A reduce-scatter, whose input may lie in a window (w, offset: then `send` is this rank's region
  * at `offset`). Every rank first says where its input is and passes one barrier (which also
  * checks that all call the same); when every rank's input is at the same place of the same
  * window, each reduces its chunk from every region where it is (no copy in or out: one barrier
  * more); otherwise, whatever mix the ranks brought (a staging buffer is taken during backward,
- * where ranks need not agree), all take the slots. */
+ * where ranks need not agree), all take the slots: one barrier more than a reduce-scatter whose
+ * every rank's input is private, which pays none. */
 static ac_result_t reduce_scatter_at(ac_shm_t *c, ac_shm_window_t *w, size_t offset, const void *send, void *recv,
                                      size_t count, ac_shm_dtype_t dt, ac_redop_t op) {
   reduce_fn fn;
@@ -612,9 +621,17 @@ static ac_result_t reduce_scatter_at(ac_shm_t *c, ac_shm_window_t *w, size_t off
   size_t piece = piece_elems(c, es, (size_t)n);
   if (piece == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "shm slot of %zu bytes is too small for %d ranks",
                                  c->half_bytes * 2, n);
+  /* A private input's first piece goes into the slot before the first barrier, as it always did,
+   * so that a reduce-scatter where no rank has a window pays no barrier more. */
+  size_t m0 = count < piece ? count : piece;
+  if (!w) copy_rs_piece(c, send, count, 0, m0, es);
   AC_CHECK(first_barrier(c)); /* every rank's `where` is published; no rank moves on before all read it */
-  int together = where != 0;
-  for (int q = 0; together && q < n; q++) together = atomic_load(&c->h->ranks[q].where) == where;
+  int together = where != 0, all_private = 1;
+  for (int q = 0; q < n; q++) {
+    uint64_t theirs = atomic_load(&c->h->ranks[q].where);
+    together = together && theirs == where;
+    all_private = all_private && theirs == 0;
+  }
   if (together) {
     /* Only this rank writes its chunk (of its own region or of recv) until the last barrier, and
      * the sources are read block by block before that block of recv is written (recv may be
@@ -624,13 +641,18 @@ static ac_result_t reduce_scatter_at(ac_shm_t *c, ac_shm_window_t *w, size_t off
     atomic_fetch_add(&c->window_ops, 1);
     return barrier(c); /* every chunk is reduced; no region is written before every rank has read it */
   }
+  if (!all_private) { /* a mix: the window ranks' first piece goes in now, then every rank waits for it */
+    if (w) copy_rs_piece(c, send, count, 0, m0, es);
+    AC_CHECK(barrier(c));
+  }
+  /* every rank computes the same all_private and together: the same barriers everywhere */
   for (size_t off = 0; off < count; off += piece) {
     size_t m = count - off < piece ? count - off : piece;
     int hf = c->half;
-    unsigned char *mine = slot(c, c->rank, hf);
-    for (int q = 0; q < n; q++)
-      memcpy(mine + (size_t)q * m * es, (const unsigned char *)send + ((size_t)q * count + off) * es, m * es);
-    AC_CHECK(barrier(c));
+    if (off > 0) {
+      copy_rs_piece(c, send, count, off, m, es);
+      AC_CHECK(barrier(c));
+    }
     for (int q = 0; q < n; q++) src[q] = slot(c, q, hf) + (size_t)c->rank * m * es;
     fn((unsigned char *)recv + off * es, src, n, m, op);
     c->half ^= 1;

@@ -338,7 +338,13 @@ static PyObject *shm_reduce_scatter(PyObject *op, PyObject *args, PyObject *kwds
                    .dt = v[0].dt, .op = rop};
   size_t es = ac_shm_dtype_size(v[1].dt), at;
   ac_shm_window_t *w;
-  if (v[1].n && pyac_shm_window_find(((ShmObject *)op)->q, v[1].data, v[1].n * es, &w, &at) && at % es == 0) {
+  /* the result private, or exactly this rank's chunk of the input (in place): any other place
+   * in the input would be written while a peer reads it (the copy path copies first) */
+  const char *in = v[1].data, *res = v[0].data;
+  size_t rb = v[0].n * es;
+  int out_ok = res + rb <= in || res >= in + v[1].n * es || res == in + (size_t)((ShmObject *)op)->rank * rb;
+  if (v[1].n && out_ok && pyac_shm_window_find(((ShmObject *)op)->q, v[1].data, v[1].n * es, &w, &at) &&
+      at % es == 0) {
     /* the input lives in a shared window: where every rank's does (at the same place), each
      * reduces its chunk from every region with no copy in or out; otherwise the ranks agree
      * inside the collective to take the slots (ac_shm_window_reduce_scatter) */
@@ -410,6 +416,7 @@ static PyObject *shm_all_gather(PyObject *op, PyObject *args, PyObject *kwds) {
     o.window = w;
     o.offset = at / es;
     o.count = v[1].n;
+    o.counts = NULL; /* the caller's stack array: only the copy path's request copies it */
   }
   return submit_keeping(op, &o, v, 2, o_, t, async);
 }

@@ -96,7 +96,7 @@ def run(case: dict) -> dict:
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     trace = {"steps": []}
     if case.get("sharding") in ("zero1", "zero2") and collectives.cpu_comm() == "shm" and \
-            os.environ.get("ACCELERATE_C_SHM_WINDOWS", "1") != "0":
+            not collectives.hierarchical() and os.environ.get("ACCELERATE_C_SHM_WINDOWS", "1") != "0":
         # over shared memory ZeRO's parameter buffers live in windows (the all-gather after each
         # step reads the chunks in place): the worker checks it was so for every parameter
         trace["params_in_windows"] = all(collectives.in_shared_buffer(p) for p in params)

@@ -112,12 +112,12 @@ ac_result_t ac_shm_window_all_gather(ac_shm_t *c, ac_shm_window_t *w, size_t off
  * barriers, no copy in or out); where some rank's input is elsewhere (another place, or private
  * memory through ac_shm_reduce_scatter: every reduce-scatter says where its input is), all ranks
  * take the slots, as ac_shm_reduce_scatter. The ranks agree on that inside the collective. */
+ac_result_t ac_shm_window_reduce_scatter(ac_shm_t *c, ac_shm_window_t *w, size_t offset, void *recv, size_t count,
+                                         ac_shm_dtype_t dt, ac_redop_t op);
 /* How many collectives of `c` took a window path so far (all-reduce and all-gather in a window,
  * reduce-scatters whose ranks all had their input at one place of one window): for tests and
  * benchmarks to see that the zero-copy path is the one taken. Thread-safe. */
 uint64_t ac_shm_window_ops(const ac_shm_t *c);
-ac_result_t ac_shm_window_reduce_scatter(ac_shm_t *c, ac_shm_window_t *w, size_t offset, void *recv, size_t count,
-                                         ac_shm_dtype_t dt, ac_redop_t op);
 
 /* Makes every collective of `c` that is running or starts later fail at once with AC_ERR_STATE
  * (a communicator being closed while its progress thread waits on a peer). Thread-safe. */
