@@ -26,6 +26,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,11 +58,12 @@
 typedef struct {
   _Atomic uint64_t arrive; /* barriers this rank has arrived at */
   _Atomic uint64_t tag;    /* (collective number << 24) | a hash of its kind and arguments */
+  _Atomic int32_t pid;     /* at byte 16 (tests/c/test_comm_shm.c writes a peer's by hand) */
+  int32_t unused;
   /* a reduce-scatter's input: 0 in private memory, else (window serial + 1) << 40 | its offset
    * in the window (elements); read by the others after the collective's first barrier */
   _Atomic uint64_t where;
-  _Atomic int32_t pid;
-  char pad[64 - 3 * sizeof(uint64_t) - sizeof(int32_t)];
+  char pad[64 - 4 * sizeof(uint64_t)];
 } rank_line_t;
 
 typedef struct {
@@ -94,6 +96,7 @@ struct ac_shm {
 };
 
 _Static_assert(sizeof(rank_line_t) == 64, "one cache line per rank");
+_Static_assert(offsetof(rank_line_t, pid) == 16, "the pid where the tests' hand-written peers put it");
 _Static_assert(sizeof(shm_header_t) == 64, "the header's fixed part is one cache line");
 
 size_t ac_shm_dtype_size(ac_shm_dtype_t dt) {
