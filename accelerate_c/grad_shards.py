@@ -153,7 +153,7 @@ class GradShard:
                 return buf
             buf = next((t for t in self.free if t.numel() >= n), None)
             if buf is None:
-                buf = torch.empty(max(n, max((c for _, c, *_ in self.buckets), default=0) * self.world),
+                buf = torch.empty(max(n, self.slot_numel),
                                   dtype=self.dtype, device=self.device)
             else:
                 self.free.remove(buf)

@@ -33,6 +33,15 @@ class Net(nn.Module):
         return self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
 
 
+def _prepared_beside_a_copy():
+    """(torch's model, the same weights prepared on one CPU process, its Accelerator)."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    accelerator = Accelerator(cpu=True)
+    return ref, accelerator.prepare(model), accelerator
+
+
 @pytest.fixture
 def slow_calls(monkeypatch):
     """Counts the Python copy-ins (the reducer binds GradLayout._copy_in when a buffer is built,
@@ -114,11 +123,7 @@ def test_gradients_the_c_copy_must_not_take_reach_python(fresh_state, slow_calls
     """A gradient with a graph (backward(create_graph=True)) stays as it is until the step, and a
     parameter cast after prepare() rebuilds the buffer: both are the Python path's, and the
     results are still torch's."""
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    accelerator = Accelerator(cpu=True)
-    model = accelerator.prepare(model)
+    ref, model, accelerator = _prepared_beside_a_copy()
     x = torch.randn(8, 24)
     accelerator.backward(model(x).square().mean(), create_graph=True)
     ref(x).square().mean().backward(create_graph=True)
@@ -142,11 +147,7 @@ def test_a_gradient_with_the_negative_bit_is_copied_as_it_reads(fresh_state, slo
     """A `.grad` assigned as a lazily negated view keeps its bit when backward accumulates into
     it: its memory holds the negated values, so a raw copy would flip the sign (copy_ resolves
     the bit). The gradient must equal torch's."""
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    accelerator = Accelerator(cpu=True)
-    model = accelerator.prepare(model)
+    ref, model, accelerator = _prepared_beside_a_copy()
     x = torch.randn(8, 24)
     for m in (model, ref):
         for p in m.parameters():

@@ -663,6 +663,23 @@ static ac_result_t reduce_scatter_at(ac_shm_t *c, ac_shm_window_t *w, size_t off
   return barrier(c);
 }
 
+/* The arguments every window collective checks before it starts: a valid dtype, a window of this
+ * group and rank, and `chunks` runs of `count` elements from `offset` inside the window. */
+static ac_result_t window_args(const ac_shm_t *c, const ac_shm_window_t *w, const char *what, ac_shm_dtype_t dt,
+                               size_t offset, size_t chunks, size_t count) {
+  size_t es = ac_shm_dtype_size(dt);
+  if (es == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "%s: invalid dtype code %d", what, (int)dt);
+  if (!c || !w) return AC_FAIL(AC_ERR_INVALID_ARG, "%s: communicator or window is NULL", what);
+  if (w->nranks != c->nranks || w->rank != c->rank)
+    return AC_FAIL(AC_ERR_INVALID_ARG, "%s: the window is rank %d of %d, the group rank %d of %d", what, w->rank,
+                   w->nranks, c->rank, c->nranks);
+  size_t room = w->usable_bytes / es;
+  if (offset > room || count > (room - offset) / chunks)
+    return AC_FAIL(AC_ERR_INVALID_ARG, "%s: %zu run(s) of %zu elements at %zu of %s are outside the window's %zu bytes",
+                   what, chunks, count, offset, dtype_name(dt), w->usable_bytes);
+  return AC_OK;
+}
+
 ac_result_t ac_shm_reduce_scatter(ac_shm_t *c, const void *send, void *recv, size_t count, ac_shm_dtype_t dt,
                                   ac_redop_t op) {
   return reduce_scatter_at(c, NULL, 0, send, recv, count, dt, op);
@@ -670,16 +687,10 @@ ac_result_t ac_shm_reduce_scatter(ac_shm_t *c, const void *send, void *recv, siz
 
 ac_result_t ac_shm_window_reduce_scatter(ac_shm_t *c, ac_shm_window_t *w, size_t offset, void *recv, size_t count,
                                          ac_shm_dtype_t dt, ac_redop_t op) {
+  AC_CHECK(window_args(c, w, "window reduce_scatter", dt, offset, c ? (size_t)c->nranks : 1, count));
+  if (offset >= ((uint64_t)1 << 40)) /* `where` keeps 40 bits of it */
+    return AC_FAIL(AC_ERR_INVALID_ARG, "window reduce_scatter: offset %zu is too large", offset);
   size_t es = ac_shm_dtype_size(dt);
-  if (es == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "window reduce_scatter: invalid dtype code %d", (int)dt);
-  if (!c || !w) return AC_FAIL(AC_ERR_INVALID_ARG, "window reduce_scatter: communicator or window is NULL");
-  if (w->nranks != c->nranks || w->rank != c->rank)
-    return AC_FAIL(AC_ERR_INVALID_ARG, "window reduce_scatter: the window is rank %d of %d, the group rank %d of %d",
-                   w->rank, w->nranks, c->rank, c->nranks);
-  size_t room = w->usable_bytes / es;
-  if (offset > room || count > (room - offset) / (size_t)c->nranks || offset >= ((uint64_t)1 << 40))
-    return AC_FAIL(AC_ERR_INVALID_ARG, "window reduce_scatter: %d chunks of %zu elements at %zu of %s are outside the "
-                   "window's %zu bytes", c->nranks, count, offset, dtype_name(dt), w->usable_bytes);
   return reduce_scatter_at(c, w, offset, ac_shm_window_region(w, c->rank) + offset * es, recv, count, dt, op);
 }
 
@@ -749,14 +760,8 @@ ac_result_t ac_shm_window_all_reduce(ac_shm_t *c, ac_shm_window_t *w, size_t off
                                      ac_shm_dtype_t dt, ac_redop_t op) {
   reduce_fn fn;
   AC_CHECK(check_op(dt, op, &fn));
-  if (!c || !w) return AC_FAIL(AC_ERR_INVALID_ARG, "window all_reduce: communicator or window is NULL");
+  AC_CHECK(window_args(c, w, "window all_reduce", dt, offset, 1, count));
   size_t es = ac_shm_dtype_size(dt);
-  if (w->nranks != c->nranks || w->rank != c->rank)
-    return AC_FAIL(AC_ERR_INVALID_ARG, "window all_reduce: the window is rank %d of %d, the group rank %d of %d",
-                   w->rank, w->nranks, c->rank, c->nranks);
-  if (offset > w->usable_bytes / es || count > w->usable_bytes / es - offset)
-    return AC_FAIL(AC_ERR_INVALID_ARG, "window all_reduce: elements [%zu, %zu) of %s are outside the window's %zu "
-                   "bytes", offset, offset + count, dtype_name(dt), w->usable_bytes);
   /* the window's serial is part of what every rank must agree on: two windows reduced at the
    * same offset would otherwise each be half-reduced */
   AC_CHECK(begin(c, "window all_reduce", K_WINDOW_ALL_REDUCE, count,
@@ -784,17 +789,9 @@ ac_result_t ac_shm_window_all_reduce(ac_shm_t *c, ac_shm_window_t *w, size_t off
 
 ac_result_t ac_shm_window_all_gather(ac_shm_t *c, ac_shm_window_t *w, size_t offset, size_t chunk,
                                      ac_shm_dtype_t dt) {
+  AC_CHECK(window_args(c, w, "window all_gather", dt, offset, c ? (size_t)c->nranks : 1, chunk));
   size_t es = ac_shm_dtype_size(dt);
-  if (es == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "window all_gather: invalid dtype code %d", (int)dt);
-  if (!c || !w) return AC_FAIL(AC_ERR_INVALID_ARG, "window all_gather: communicator or window is NULL");
-  if (w->nranks != c->nranks || w->rank != c->rank)
-    return AC_FAIL(AC_ERR_INVALID_ARG, "window all_gather: the window is rank %d of %d, the group rank %d of %d",
-                   w->rank, w->nranks, c->rank, c->nranks);
   int n = c->nranks;
-  size_t room = w->usable_bytes / es;
-  if (offset > room || chunk > (room - offset) / (size_t)n)
-    return AC_FAIL(AC_ERR_INVALID_ARG, "window all_gather: %d chunks of %zu elements at %zu of %s are outside the "
-                   "window's %zu bytes", n, chunk, offset, dtype_name(dt), w->usable_bytes);
   AC_CHECK(begin(c, "window all_gather", K_WINDOW_ALL_GATHER, chunk, (uint64_t)dt | ((uint64_t)w->serial << 16),
                  offset));
   if (chunk == 0) return empty(c);
