@@ -175,6 +175,24 @@ def test_fsdp_bf16_is_held_to_fp32_roundings_where_both_sides_round_alike():
     assert any("not reduced in bf16" in e for e in errors), errors
 
 
+def test_fsdp_bf16_a_clip_at_max_norm_on_one_side_only_is_not_taken_for_an_fp32_reduction():
+    """Soak case 6427397151: three ranks' bf16 sums one ulp apart put the subject's inf-norm at
+    exactly max_norm (torch's coefficient 0.5 / (0.5 + 1e-6) scales it by 1 - 2e-6) and the
+    reference's one ulp below (unscaled, a bf16 value widened). Within the tolerance that is no
+    defect; the same gradient with the subject's norm below max_norm still is."""
+    case = _case(1, world=3, mp="bf16", sharding="fsdp", ga=1, clip="norminf", max_norm=0.5)
+    g = torch.linspace(-0.5, 0.5, 12).to(torch.bfloat16).float()
+    scaled = g * (0.5 / (0.5 + 1e-6))
+    ref = _fsdp_trace(g)
+    ref["steps"][0]["norm"] = 0.498046875
+    at_max = _fsdp_trace(scaled)
+    at_max["steps"][0]["norm"] = 0.5
+    assert not compare.compare(case, at_max, ref)
+    below = _fsdp_trace(scaled)
+    below["steps"][0]["norm"] = 0.498046875
+    assert any("not reduced in bf16" in e for e in compare.compare(case, below, ref))
+
+
 def test_fsdp_bf16_parameters_are_bounded_by_their_gradients_bound_carried_through_sgd():
     """FSDP under bf16 where the sides round apart (compare._fsdp_param_slack): the parameters
     may differ by every step's gradient rounding bound (_fsdp_bound x the terms) carried through

@@ -228,10 +228,15 @@ def _clipped_indices(case: dict, n: int) -> list:
 
 
 def _ref_clipped(case: dict, ref_step: dict) -> bool:
-    """The reference's norm clip scaled the gradients at this step (its norm above max_norm)."""
-    norm = ref_step.get("norm")
+    """The reference's norm clip scaled the gradients at this step."""
+    return _norm_clipped(case, ref_step.get("norm"))
+
+
+def _norm_clipped(case: dict, norm) -> bool:
+    """A norm clip that reported `norm` scaled the gradients: torch's coefficient
+    max_norm / (norm + 1e-6) is below 1 (a norm equal to max_norm too, by 1e-6 / max_norm)."""
     return case["clip"] in ("norm2", "norminf") and norm is not None and math.isfinite(norm) and \
-        norm > case["max_norm"]
+        norm + 1e-6 > case["max_norm"]
 
 
 def _bf16_widened(t: torch.Tensor) -> bool:
@@ -364,9 +369,14 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
                 why = _close(a, b, grtol, floor, extra)
                 if why:
                     errors.append(f"step {k}: gradient {j} {tuple(b.shape)}: {why}")
-                elif fsdp_bf16(case) and r.get("micro_batches") == 1 and _bf16_widened(b) and not _bf16_widened(a):
+                elif fsdp_bf16(case) and r.get("micro_batches") == 1 and _bf16_widened(b) and not _bf16_widened(a) \
+                        and not _norm_clipped(case, s["norm"]):
                     # one micro-batch, unclipped: FSDP2's gradient shard is its bf16 reduce-scatter's
-                    # output widened, whichever order a collective sums in (reduce_dtype = bf16)
+                    # output widened, whichever order a collective sums in (reduce_dtype = bf16).
+                    # Not where the subject's clip scaled it and torch's did not: a norm one bf16
+                    # ulp apart (three ranks' sums in another order) can sit at max_norm on one side
+                    # (scaled by 1 - 2e-6) and below it on the other (soak case 6427397151: an
+                    # inf-norm of exactly 0.5 = max_norm); the tolerance above still holds there
                     errors.append(f"step {k}: gradient {j} {tuple(b.shape)} is not a bf16 value widened: "
                                   "not reduced in bf16 (reduce_dtype)")
         before = ref["steps"][k - 1]["params"] if k > 0 else ref.get("initial")
