@@ -100,6 +100,9 @@ class GradShard:
         self.hooks = [p.register_post_accumulate_grad_hook(self.reducer.hook(i, self._never))
                       for i, p in enumerate(self.params)]
         self.on_launched = None  # callable(last bucket launched): the reduce-scatters of buckets were launched
+        # callable(shard) at the start of each backward: True when its buckets wait for
+        # finish_backward, called by the strategy in its shards' order (zero2.py, _shard_begins)
+        self.begin_hook = None
         self.keep_free = MAX_INFLIGHT + 1  # staging buffers kept between backwards
         # Over shared memory, WINDOW_SLOTS staging buffers live in a shared window: bucket b takes
         # slot b % WINDOW_SLOTS when it is free, so that its reduce-scatter reads every process's
@@ -126,9 +129,15 @@ class GradShard:
         if self.reducer.requeue:
             self.reducer.requeue = False
         else:
-            self.reducer.launching = True
-            self.seen = [False] * len(self.params)
+            self.begin_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def begin_backward(self):
+        """_on_first's start of a backward; the strategy calls it for a shard that got no
+        gradient in a backward of its model that every shard takes part in."""
+        self.reducer.launching = True
+        self.seen = [False] * len(self.params)
+        self.reducer.defer = bool(self.begin_hook is not None and self.begin_hook(self))
 
     def _stage(self, b):
         """Bucket b's staging buffer (zeroed: its padding must read as zeros in the sum)."""
@@ -231,7 +240,7 @@ class GradShard:
     def _end_of_backward(self):
         """The autograd engine's callback: finishes the backward unless gradients are still
         missing (then it may be a checkpointed segment's end: the shard waits, see _on_first)."""
-        if self.reducer.launching and self.reducer.pending():
+        if self.reducer.launching and (self.reducer.pending() or self.reducer.defer):
             self.reducer.requeue = True
             return
         self.finish_backward()
@@ -258,7 +267,11 @@ class GradShard:
                 b = self.where[i]
                 self._stage(b)
                 first, last = self.reducer.mark_ready(i)
-                self._launch(first, last)
+                if not self.reducer.defer:
+                    self._launch(first, last)
+            if self.reducer.defer:  # every bucket now, in order
+                self.reducer.defer = False
+                self._launch(0, len(self.buckets))
             while self.works:
                 self._finish(self.works.pop(0))
             self.empty = False
@@ -289,6 +302,7 @@ class GradShard:
         """Forgets what a backward half did, so the next one starts clean."""
         self.reducer.launching = False
         self.reducer.requeue = False
+        self.reducer.defer = False
         self.reducer.reset()
         for item in self.works:
             try:

@@ -59,6 +59,12 @@ class GradGroup(GradLayout):
             self.reducer.requeue = False
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             return
+        self.begin_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def begin_backward(self):
+        """on_first's work without its callback; finish_awaiting calls it directly for a group
+        that got no gradient on this process in a backward its model reduces (find_unused)."""
         if not self.needs_unscale:  # first gradient since the last unscale: a new step
             self.needs_unscale = True
             self.found_inf = False
@@ -72,7 +78,6 @@ class GradGroup(GradLayout):
         # the hook, or folded into the copy-in): the all-reduce's sum is then the average
         self.reducer.prescale = strategy.prescale if launching else 1.0
         self.pending_sync = self.pending_sync or launching
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def on_buckets(self, first, last):
         self.manager.strategy.buckets_ready(self, first, last)
@@ -85,8 +90,9 @@ class GradGroup(GradLayout):
         still missing on a reduced backward, the group waits: the next of its hooks queues this
         again on the task then running, and finish_awaiting() (after Accelerator.backward, or
         before the step reads gradients) completes a backward that delivers no more."""
-        if self.reducer.launching and not self.broken and self.reducer.pending():
-            self.reducer.requeue = True  # the group waits for its next hook
+        if self.reducer.launching and not self.broken and (
+                self.reducer.pending() or self.manager.strategy.finishes_in_order(self)):
+            self.reducer.requeue = True  # the group waits for its next hook, or finish_awaiting
             return
         self.finish_backward()
 
@@ -290,6 +296,9 @@ class GradManager:
         same point: the end of Accelerator.backward, and prepare_step for a raw loss.backward()."""
         for g in list(self.groups):
             if g.reducer.requeue:
+                g.finish_backward()
+            elif self.strategy.missed_backward(g):
+                g.begin_backward()
                 g.finish_backward()
         self.strategy.finish_awaiting()
 

@@ -84,6 +84,16 @@ class GradStrategy:
     def abort_backward(self, group) -> None:
         """A backward raised: forget what it started."""
 
+    def finishes_in_order(self, group) -> bool:
+        """Whether the backward now running in `group` ends in GradManager.finish_awaiting, with
+        its model's other groups in the manager's order, rather than in its own callback."""
+        return False
+
+    def missed_backward(self, group) -> bool:
+        """Whether `group` got no gradient on this process in a backward its model reduces
+        and must take part in it anyway (finish_awaiting then begins and ends it)."""
+        return False
+
     def start_join(self, model, manager):
         """join_uneven_inputs(): torch's Joinable for `model`, or None when nothing is shadowed."""
         return None

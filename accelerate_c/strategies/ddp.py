@@ -138,6 +138,9 @@ class DDPStrategy(GradStrategy):
         self.finish_order: dict = {}
         self.joining: dict = {}  # id(model) -> ModelJoinable inside join_uneven_inputs()
         self._zeros: dict = {}  # shadow_zeros' buffers
+        # id(model) of the models whose reduced backward now running ends in finish_awaiting,
+        # group after group in the manager's order (_in_order)
+        self.ordered: set = set()
 
     def prepare_model(self, model, manager):
         broadcast_model(model)  # every replica starts from rank 0's weights
@@ -200,7 +203,39 @@ class DDPStrategy(GradStrategy):
         # the order the groups started (which it saw in its own backwards: _ShadowHook)
         g.reducer.defer = (self.joining.get(g.model_key) is not None
                            and len(self.manager.groups_of(g.model_key)) > 1)
+        if self._in_order(g.model_key):
+            g.reducer.defer = True
+            self.ordered.add(g.model_key)
         return True
+
+    def _in_order(self, model_key) -> bool:
+        """find_unused_parameters where a backward reduces several groups (a model with
+        several dtypes, or several prepared models): which groups get gradients may differ
+        from rank to rank (control flow that depends on the data), and so would the
+        interleaving of the groups' bucket launches, and a group with no gradient here would
+        launch nothing. (torch DDP keeps one sequence of buckets per model and, with
+        find_unused_parameters, marks the unused ones ready at the first gradient; two models'
+        sequences still interleave as each rank's autograd order has it.) Here every group
+        launches its buckets when the backward is over, in finish_awaiting, group after group in
+        the manager's order (the same on every rank), a group of a model whose backward this is
+        but without gradients here as zeros (missed_backward). What that costs: these
+        all-reduces do not overlap the backward. One group alone keeps its overlap: its buckets
+        launch in bucket order, the unused ones at the end."""
+        if not self.find_unused or self.joining.get(model_key) is not None:
+            return False
+        return len(self.manager.groups) > 1
+
+    def finishes_in_order(self, g) -> bool:
+        return g.model_key in self.ordered
+
+    def missed_backward(self, g) -> bool:
+        return g.model_key in self.ordered and not g.reducer.launching
+
+    def finish_awaiting(self):
+        self.ordered.clear()
+
+    def abort_held(self):
+        self.ordered.clear()
 
     def abort_backward(self, g):
         """A backward raised: the all-reduces it launched still finish (every process launched

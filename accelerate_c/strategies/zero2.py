@@ -57,9 +57,22 @@ class Zero2Strategy(Zero1Strategy):
                 names = ", ".join(self.manager.name_of(p) for p in params if id(p) in self.held)
                 raise NotImplementedError(f"ZeRO stage 2: parameters {names} belong to a model prepared before and "
                                           "to this one; prepare models that share parameters as one module")
-            self.hold(GradShard(group, params, self.manager.name_of, self.find_unused, model_key=id(model),
-                                windows=True))
+            gs = GradShard(group, params, self.manager.name_of, self.find_unused, model_key=id(model), windows=True)
+            gs.begin_hook = self._shard_begins
+            self.hold(gs)
         self.hook_model_zero_grad(model)
+
+    def _shard_begins(self, gs) -> bool:
+        """A backward starts in `gs`: whether its buckets wait for finish_awaiting, where every
+        shard of the backward's models is finished in turn (DDPStrategy._in_order's reasoning).
+        Only when find_unused_parameters=True was passed and there are several shards: the
+        shards then stage their whole gradient during the backward (no reduce-scatter overlaps
+        it), which DeepSpeed's ignore_unused_parameters alone (on by default) does not ask for;
+        there a backward must reach the same shards on every process (docs/sharding.md)."""
+        if not self.asked_find_unused or len(self.grad_shards) < 2:
+            return False
+        self.ordered.add(gs.model_key)
+        return True
 
     def hold(self, gs) -> None:
         """From now on the strategy keeps the gradients of `gs`'s parameters."""
@@ -86,6 +99,10 @@ class Zero2Strategy(Zero1Strategy):
         for gs in self.grad_shards:
             if gs.reducer.requeue:
                 gs.finish_backward()
+            elif gs.model_key in self.ordered and not gs.reducer.launching:
+                gs.begin_backward()  # no gradient here in a backward of its model: zeros
+                gs.finish_backward()
+        super().finish_awaiting()
 
     def clear_held(self) -> None:
         """GradManager.clear (free_memory()): the hooks go; a model prepared again gets new shards."""
@@ -183,6 +200,7 @@ class Zero2Strategy(Zero1Strategy):
         self._clear(optimizer, set_to_none)
 
     def abort_held(self) -> None:
+        super().abort_held()
         for gs in self.grad_shards:
             gs.abort()
 

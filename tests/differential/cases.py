@@ -217,6 +217,23 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     c["resume"] = r.randint(1, 2) if (r.random() < 0.3 and not c["uneven"]) else 0
     if resume and not c["uneven"]:  # run.py --resume: every case that can resume does
         c["resume"] = c["resume"] or 1
+    # rank-dependent control flow (drawn last): rank r leaves the middle layer out of its forward
+    # at micro-batch i when (i + r) % rank_skip == rank_skip - 1, so in a step some ranks give
+    # that layer a gradient and others none. torch DDP needs find_unused_parameters for it
+    # (`unused` without sharding; DeepSpeed's ignore_unused_parameters, on by default, under
+    # ZeRO-1/2); full sharding gathers units with every rank in step, where FSDP2 and DeepSpeed
+    # stage 3 hang. Under ZeRO-2 over shared memory a bucket then has gradients to stage on some
+    # ranks and none on others: the reduce-scatter's inputs sit in the window on some ranks and
+    # in private zeros on others (grad_shards.py, the window agreement). Under ZeRO-2 a backward
+    # over several gradient shards (two models, or fp32 and bf16 layers without mixed precision)
+    # takes it with find_unused_parameters=True only (zero2.py, _shard_begins). Not under
+    # join_uneven_inputs or reentrant checkpointing (as fsdp_skip)
+    c["rank_skip"] = 0
+    shards = 1 + c["two_models"] + (c["param_dtype"] == "mixed" and c["mp"] == "no")
+    if c["world"] > 1 and not c["uneven"] and not c["reentrant"] and r.random() < 0.3 and (
+            c["sharding"] == "zero1" or (c["sharding"] in ("none", "zero2") and c["unused"])
+            or (c["sharding"] == "zero2" and shards == 1)):
+        c["rank_skip"] = r.choice((2, 3))
     return c
 
 
@@ -228,7 +245,7 @@ def _case(seed: int, **overrides) -> dict:
          "comm_hook": "no", "tiny_buckets": False, "unused": False, "frozen": False, "zero_grad": "opt_none",
          "assign_grad": False, "two_models": False, "two_optimizers": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
-         "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0}
+         "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -267,6 +284,12 @@ REGRESSIONS = {
         _case(REGRESSION_SEED + 13, world=2, reentrant="separate", ga=2, sharding="zero2"),
     "save_state / load_state mid-run, two models stepped by one ZeRO optimizer (their parameters' names collided)":
         _case(REGRESSION_SEED + 14, world=2, two_models=True, sharding="zero2", resume=1),
+    "find_unused_parameters, a layer one rank leaves out, fp32 and bf16 layers (that rank's bf16 buffer reduced nothing)":
+        _case(REGRESSION_SEED + 15, world=2, param_dtype="mixed", unused=True, rank_skip=2, ga=2),
+    "ZeRO-1, two models, a layer one rank leaves out (the models' buckets launched in another order there)":
+        _case(REGRESSION_SEED + 16, world=2, two_models=True, sharding="zero1", rank_skip=3, batches=6),
+    "ZeRO-2, find_unused_parameters, a layer one rank leaves out, fp32 and bf16 layers (a shard reduced nothing)":
+        _case(REGRESSION_SEED + 17, world=3, param_dtype="mixed", unused=True, sharding="zero2", rank_skip=3, ga=3),
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
@@ -284,6 +307,8 @@ def describe(c: dict) -> str:
         parts.append(f"reentrant={c['reentrant']}")
     if c.get("sharding", "none") != "none":
         parts.append(f"sharding={c['sharding']}")
+    if c.get("rank_skip"):
+        parts.append(f"rank_skip={c['rank_skip']}")
     if c.get("sharding") == "zero3":
         parts.append(f"units={c['zero3_units']}")
     if c.get("sharding") == "fsdp":

@@ -79,7 +79,7 @@ def wrap(case, models, world):
     if world == 1:
         return models
     # (a forward that leaves out a layer on some steps needs find_unused_parameters under DDP)
-    kwargs = {"find_unused_parameters": case["unused"] or bool(case.get("fsdp_skip"))}
+    kwargs = {"find_unused_parameters": case["unused"] or bool(case.get("fsdp_skip") or case.get("rank_skip"))}
     if case["tiny_buckets"]:
         kwargs["bucket_cap_mb"] = W.bucket_cap_mb(case)
     wrapped = [DDP(m, **kwargs) for m in models]
@@ -136,7 +136,7 @@ def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world,
                         stack.enter_context(d.no_sync())
                 aux = _aux(case, nets[0], amp, x) if case.get("fsdp_aux") == "before" else 0.0
                 with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
-                    outs = [d(x, **W.forward_kwargs(case, i)) for d in nets]
+                    outs = [d(x, **W.forward_kwargs(case, i, rank)) for d in nets]
                 if case.get("fsdp_aux") == "after":
                     aux = _aux(case, nets[0], amp, x)
                 loss = (W.loss_of([o.float() for o in outs], y) + aux) / case["ga"]

@@ -55,7 +55,7 @@ def run(case: dict) -> dict:
                 if world > 1 and not window_end:
                     for d in nets:
                         stack.enter_context(d.no_sync())
-                outs = [d(x.to(dtype)) for d in nets]
+                outs = [d(x.to(dtype), **W.forward_kwargs(case, i, rank)) for d in nets]
                 loss = W.loss_of([o.float() for o in outs], y).float() / case["ga"]
                 if case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0:
                     loss = loss * float("inf")

@@ -172,7 +172,7 @@ def _micro(case, acc, models, params, opts, sched, x, y, i, epoch, window_end, t
                 ctx.enter_context(acc.no_sync(m))
     with ctx:
         aux = _aux(case, acc, models[0], x) if case.get("fsdp_aux") == "before" else 0.0
-        outs = [m(W.inputs(case, x), **W.forward_kwargs(case, i)).float() for m in models]
+        outs = [m(W.inputs(case, x), **W.forward_kwargs(case, i, rank)).float() for m in models]
         if case.get("fsdp_aux") == "after":
             aux = _aux(case, acc, models[0], x)
         loss = W.loss_of(outs, y) + aux

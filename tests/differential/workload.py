@@ -67,12 +67,16 @@ class Net(torch.nn.Module):
         return self.out(h.to(self.out.weight.dtype)).float()
 
 
-def forward_kwargs(case: dict, i: int) -> dict:
+def forward_kwargs(case: dict, i: int, rank: int = 0) -> dict:
     """What the loop passes the model's forward besides the inputs at micro-batch i of an epoch
-    (fsdp_skip: the middle layer left out at every fsdp_skip-th; the same on every process, whose
-    loaders are equally long)."""
+    on `rank`: the middle layer left out (skip_mid) at every fsdp_skip-th (the same on every
+    process, whose loaders are equally long), or under rank_skip at every rank_skip-th counted
+    from an offset of the rank (cases.py)."""
     period = case.get("fsdp_skip", 0)
-    return {"skip_mid": True} if period and i % period == period - 1 else {}
+    if period:
+        return {"skip_mid": True} if i % period == period - 1 else {}
+    period = case.get("rank_skip", 0)
+    return {"skip_mid": True} if period and (i + rank) % period == period - 1 else {}
 
 
 AUX_WEIGHT = 0.1
