@@ -63,8 +63,9 @@ class GradGroup(GradLayout):
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def begin_backward(self):
-        """on_first's work without its callback; finish_awaiting calls it directly for a group
-        that got no gradient on this process in a backward its model reduces (find_unused)."""
+        """on_first's work without its callback; the strategy calls it directly for a group
+        that got no gradient on this process in a backward its model reduces (find_unused:
+        DDPStrategy.finish_ordered_groups)."""
         if not self.needs_unscale:  # first gradient since the last unscale: a new step
             self.needs_unscale = True
             self.found_inf = False
@@ -294,11 +295,9 @@ class GradManager:
         delivered no more (GradGroup._end_of_backward): the missing ones are then really unused
         (an error without find_unused_parameters, zeros with it). Every rank calls this at the
         same point: the end of Accelerator.backward, and prepare_step for a raw loss.backward()."""
+        self.strategy.finish_ordered()
         for g in list(self.groups):
             if g.reducer.requeue:
-                g.finish_backward()
-            elif self.strategy.missed_backward(g):
-                g.begin_backward()
                 g.finish_backward()
         self.strategy.finish_awaiting()
 

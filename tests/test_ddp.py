@@ -41,3 +41,14 @@ def test_bucketed_reducer_matches_torch_ddp(n):
                   os.path.join(SCRIPTS, "reducer.py")], timeout=wait_s(600))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert f"reducer OK on {n} processes" in res.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_control_flow_that_differs_between_ranks_over_two_gradient_groups_matches_torch_ddp(n):
+    """tests/scripts/ddp_rank_flow.py: find_unused_parameters, a bf16 layer one rank leaves out,
+    beside a second model: raw backwards (twice in a step), .grad right after, no_sync, against
+    torch DDP (strategies/ddp.py, _in_order)."""
+    res = launch(["--num_processes", str(n), "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "ddp_rank_flow.py")], timeout=wait_s(300))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    assert f"rank flow OK on {n} processes" in res.stdout

@@ -85,14 +85,13 @@ class GradStrategy:
         """A backward raised: forget what it started."""
 
     def finishes_in_order(self, group) -> bool:
-        """Whether the backward now running in `group` ends in GradManager.finish_awaiting, with
-        its model's other groups in the manager's order, rather than in its own callback."""
+        """Whether the backward now running in `group` is ended by the strategy, with the other
+        groups of that backward in a fixed order, rather than by the group's own callback."""
         return False
 
-    def missed_backward(self, group) -> bool:
-        """Whether `group` got no gradient on this process in a backward its model reduces
-        and must take part in it anyway (finish_awaiting then begins and ends it)."""
-        return False
+    def finish_ordered(self) -> None:
+        """GradManager.finish_awaiting, first: what an in-order backward (finishes_in_order)
+        left when it raised before its end."""
 
     def start_join(self, model, manager):
         """join_uneven_inputs(): torch's Joinable for `model`, or None when nothing is shadowed."""

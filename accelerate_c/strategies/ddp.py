@@ -127,6 +127,9 @@ class DDPStrategy(GradStrategy):
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         self.find_unused = bool(handler.find_unused_parameters) if handler is not None else False
+        # the flag as passed (ZeRO counts DeepSpeed's ignore_unused_parameters into find_unused
+        # too; in-order backwards follow the flag alone: _in_order)
+        self.asked_find_unused = self.find_unused
         self.broadcast_buffers = handler is None or bool(handler.broadcast_buffers)
         self.hook_dtype = _comm_hook_dtype(handler)
         # gradients are divided by the world size before the sum; the 16-bit hooks divide their
@@ -138,9 +141,10 @@ class DDPStrategy(GradStrategy):
         self.finish_order: dict = {}
         self.joining: dict = {}  # id(model) -> ModelJoinable inside join_uneven_inputs()
         self._zeros: dict = {}  # shadow_zeros' buffers
-        # id(model) of the models whose reduced backward now running ends in finish_awaiting,
-        # group after group in the manager's order (_in_order)
+        # id(model) of the models whose reduced backward now running ends in _finish_ordered,
+        # group after group in the manager's order (_in_order), and whether that is queued
         self.ordered: set = set()
+        self._ordered_queued = False
 
     def prepare_model(self, model, manager):
         broadcast_model(model)  # every replica starts from rank 0's weights
@@ -205,37 +209,66 @@ class DDPStrategy(GradStrategy):
                            and len(self.manager.groups_of(g.model_key)) > 1)
         if self._in_order(g.model_key):
             g.reducer.defer = True
-            self.ordered.add(g.model_key)
+            self.order(g.model_key)
         return True
 
     def _in_order(self, model_key) -> bool:
-        """find_unused_parameters where a backward reduces several groups (a model with
+        """find_unused_parameters=True where a backward reduces several groups (a model with
         several dtypes, or several prepared models): which groups get gradients may differ
         from rank to rank (control flow that depends on the data), and so would the
         interleaving of the groups' bucket launches, and a group with no gradient here would
         launch nothing. (torch DDP keeps one sequence of buckets per model and, with
         find_unused_parameters, marks the unused ones ready at the first gradient; two models'
         sequences still interleave as each rank's autograd order has it.) Here every group
-        launches its buckets when the backward is over, in finish_awaiting, group after group in
-        the manager's order (the same on every rank), a group of a model whose backward this is
-        but without gradients here as zeros (missed_backward). What that costs: these
-        all-reduces do not overlap the backward. One group alone keeps its overlap: its buckets
-        launch in bucket order, the unused ones at the end."""
-        if not self.find_unused or self.joining.get(model_key) is not None:
+        launches its buckets when the backward is over (_finish_ordered, the autograd engine's
+        callback), group after group in the manager's order (the same on every rank), a group of
+        a model whose backward this is but without gradients here as zeros. What that costs:
+        these all-reduces do not overlap the backward. One group alone keeps its overlap: its
+        buckets launch in bucket order, the unused ones at the end. Every rank must run some
+        backward through each model in it (torch DDP needs that too). Keyed on the flag as
+        passed, not on DeepSpeed's ignore_unused_parameters, so that a ZeRO run without the
+        flag keeps its overlap (there the same groups must get gradients on every rank)."""
+        if not self.asked_find_unused or self.joining.get(model_key) is not None:
             return False
         return len(self.manager.groups) > 1
+
+    def order(self, model_key) -> None:
+        """`model_key`'s backward now running ends in _finish_ordered (queued once per backward,
+        on the graph task of its first gradient)."""
+        self.ordered.add(model_key)
+        if not self._ordered_queued:
+            self._ordered_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_ordered)
+
+    def _finish_ordered(self) -> None:
+        try:
+            self.finish_ordered_groups()
+        finally:
+            self.ordered.clear()
+            self._ordered_queued = False
+
+    def finish_ordered_groups(self) -> None:
+        """Every group of the models in `ordered`, in the manager's order: the ones that began
+        finish (their deferred buckets launch), the ones that got no gradient here begin and
+        finish (zeros, or what earlier no_sync micro-batches accumulated)."""
+        for g in list(self.manager.groups):
+            if g.model_key not in self.ordered or g.broken:
+                continue
+            if not g.reducer.launching:
+                g.begin_backward()
+            g.finish_backward()
 
     def finishes_in_order(self, g) -> bool:
         return g.model_key in self.ordered
 
-    def missed_backward(self, g) -> bool:
-        return g.model_key in self.ordered and not g.reducer.launching
-
-    def finish_awaiting(self):
-        self.ordered.clear()
+    def finish_ordered(self):
+        if self.ordered:  # the backward raised before its callback ran: already aborted
+            self.ordered.clear()
+            self._ordered_queued = False
 
     def abort_held(self):
         self.ordered.clear()
+        self._ordered_queued = False
 
     def abort_backward(self, g):
         """A backward raised: the all-reduces it launched still finish (every process launched

@@ -141,9 +141,6 @@ class Zero1Strategy(DDPStrategy):
 
     def __init__(self, manager, handler=None, fp32_masters: bool = False, ignore_unused: bool = False):
         super().__init__(manager, handler)
-        # find_unused_parameters=True passed in DistributedDataParallelKwargs (ZeRO-2 keys its
-        # in-order backwards on it: zero2.py, _shard_begins)
-        self.asked_find_unused = self.find_unused
         # DeepSpeed's zero_optimization.ignore_unused_parameters (its default: True): a parameter
         # that gets no gradient counts as zeros, as find_unused_parameters makes DDP count it
         self.find_unused = self.find_unused or ignore_unused

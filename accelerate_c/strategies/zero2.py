@@ -71,8 +71,17 @@ class Zero2Strategy(Zero1Strategy):
         there a backward must reach the same shards on every process (docs/sharding.md)."""
         if not self.asked_find_unused or len(self.grad_shards) < 2:
             return False
-        self.ordered.add(gs.model_key)
+        self.order(gs.model_key)
         return True
+
+    def finish_ordered_groups(self) -> None:
+        super().finish_ordered_groups()
+        for gs in self.grad_shards:
+            if gs.model_key not in self.ordered:
+                continue
+            if not gs.reducer.launching:
+                gs.begin_backward()  # no gradient here in a backward of its model: zeros
+            gs.finish_backward()
 
     def hold(self, gs) -> None:
         """From now on the strategy keeps the gradients of `gs`'s parameters."""
@@ -99,10 +108,6 @@ class Zero2Strategy(Zero1Strategy):
         for gs in self.grad_shards:
             if gs.reducer.requeue:
                 gs.finish_backward()
-            elif gs.model_key in self.ordered and not gs.reducer.launching:
-                gs.begin_backward()  # no gradient here in a backward of its model: zeros
-                gs.finish_backward()
-        super().finish_awaiting()
 
     def clear_held(self) -> None:
         """GradManager.clear (free_memory()): the hooks go; a model prepared again gets new shards."""

@@ -224,15 +224,16 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # ZeRO-1/2); full sharding gathers units with every rank in step, where FSDP2 and DeepSpeed
     # stage 3 hang. Under ZeRO-2 over shared memory a bucket then has gradients to stage on some
     # ranks and none on others: the reduce-scatter's inputs sit in the window on some ranks and
-    # in private zeros on others (grad_shards.py, the window agreement). Under ZeRO-2 a backward
-    # over several gradient shards (two models, or fp32 and bf16 layers without mixed precision)
-    # takes it with find_unused_parameters=True only (zero2.py, _shard_begins). Not under
-    # join_uneven_inputs or reentrant checkpointing (as fsdp_skip)
+    # in private zeros on others (grad_shards.py, the window agreement). Under ZeRO a backward
+    # over several gradient groups (two models, or fp32 and bf16 layers without mixed precision:
+    # DeepSpeed casts the model otherwise) takes it with find_unused_parameters=True only
+    # (DDPStrategy._in_order). Not under join_uneven_inputs or reentrant checkpointing (as
+    # fsdp_skip)
     c["rank_skip"] = 0
-    shards = 1 + c["two_models"] + (c["param_dtype"] == "mixed" and c["mp"] == "no")
+    groups = 1 + c["two_models"] + (c["param_dtype"] == "mixed" and c["mp"] == "no")
     if c["world"] > 1 and not c["uneven"] and not c["reentrant"] and r.random() < 0.3 and (
-            c["sharding"] == "zero1" or (c["sharding"] in ("none", "zero2") and c["unused"])
-            or (c["sharding"] == "zero2" and shards == 1)):
+            (c["sharding"] in ("none", "zero1", "zero2") and c["unused"])
+            or (c["sharding"] in ("zero1", "zero2") and groups == 1)):
         c["rank_skip"] = r.choice((2, 3))
     return c
 
@@ -286,8 +287,8 @@ REGRESSIONS = {
         _case(REGRESSION_SEED + 14, world=2, two_models=True, sharding="zero2", resume=1),
     "find_unused_parameters, a layer one rank leaves out, fp32 and bf16 layers (that rank's bf16 buffer reduced nothing)":
         _case(REGRESSION_SEED + 15, world=2, param_dtype="mixed", unused=True, rank_skip=2, ga=2),
-    "ZeRO-1, two models, a layer one rank leaves out (the models' buckets launched in another order there)":
-        _case(REGRESSION_SEED + 16, world=2, two_models=True, sharding="zero1", rank_skip=3, batches=6),
+    "ZeRO-1, find_unused_parameters, two models, a layer one rank leaves out (the models' buckets launched in another order there)":
+        _case(REGRESSION_SEED + 16, world=2, two_models=True, unused=True, sharding="zero1", rank_skip=3, batches=6),
     "ZeRO-2, find_unused_parameters, a layer one rank leaves out, fp32 and bf16 layers (a shard reduced nothing)":
         _case(REGRESSION_SEED + 17, world=3, param_dtype="mixed", unused=True, sharding="zero2", rank_skip=3, ga=3),
     "skip_first_batches on 2 processes, then gather_for_metrics":
