@@ -235,6 +235,11 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
             (c["sharding"] in ("none", "zero1", "zero2") and c["unused"])
             or (c["sharding"] in ("zero1", "zero2") and groups == 1)):
         c["rank_skip"] = r.choice((2, 3))
+    # torch's non-reentrant activation checkpointing (use_reentrant=False, transformers'
+    # gradient_checkpointing with it, torch's recommended kind): the middle and the output layer
+    # each in a segment, recomputed inside the backward (the gradients' hooks fire from the
+    # recomputation's graph; under full sharding the units must be gathered for it)
+    c["nonreentrant"] = not c["reentrant"] and r.random() < 0.2
     return c
 
 
@@ -246,7 +251,8 @@ def _case(seed: int, **overrides) -> dict:
          "comm_hook": "no", "tiny_buckets": False, "unused": False, "frozen": False, "zero_grad": "opt_none",
          "assign_grad": False, "two_models": False, "two_optimizers": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
-         "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0}
+         "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0,
+         "nonreentrant": False}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -310,6 +316,8 @@ def describe(c: dict) -> str:
         parts.append(f"sharding={c['sharding']}")
     if c.get("rank_skip"):
         parts.append(f"rank_skip={c['rank_skip']}")
+    if c.get("nonreentrant"):
+        parts.append("nonreentrant")
     if c.get("sharding") == "zero3":
         parts.append(f"units={c['zero3_units']}")
     if c.get("sharding") == "fsdp":

@@ -14,7 +14,8 @@ _DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 class Net(torch.nn.Module):
     """A small MLP whose layers the case dresses up: dtypes, a frozen layer, an unused layer,
-    reentrant-checkpointed segments (one weight in two of them, or a segment per layer); under
+    reentrant-checkpointed segments (one weight in two of them, or a segment per layer) or
+    non-reentrant ones (the middle and the output layer each in one); under
     full sharding also a weight tied between two layers (`tied`: a second layer holding the middle
     layer's weight, as a tied embedding and output layer, two modules that do not nest) and a
     layer half frozen (`frozen_bias`: the middle layer's bias, so its unit mixes frozen and
@@ -48,6 +49,7 @@ class Net(torch.nn.Module):
         if case.get("frozen_bias", False):
             self.mid.bias.requires_grad_(False)
         self.reentrant = case["reentrant"]
+        self.nonreentrant = case.get("nonreentrant", False)
 
     def forward(self, x, skip_mid: bool = False):
         h = torch.tanh(self.inp(x.to(self.inp.weight.dtype)))
@@ -60,10 +62,14 @@ class Net(torch.nn.Module):
         elif self.reentrant == "separate":  # each segment its own weights, the output layer in one
             h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=True)
             return checkpoint(lambda t: self.out(t.to(self.out.weight.dtype)), h, use_reentrant=True).float()
+        elif self.nonreentrant:  # torch's non-reentrant checkpoint: recomputed inside the backward
+            h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=False)
         else:
             h = torch.tanh(self.mid(h))
         if self.tied:  # (never with reentrant checkpointing: cases.py)
             h = torch.tanh(self.mid2(h.to(self.mid2.weight.dtype)))
+        if self.nonreentrant:  # the output layer in a segment of its own too
+            return checkpoint(lambda t: self.out(t.to(self.out.weight.dtype)), h, use_reentrant=False).float()
         return self.out(h.to(self.out.weight.dtype)).float()
 
 
