@@ -240,6 +240,12 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # each in a segment, recomputed inside the backward (the gradients' hooks fire from the
     # recomputation's graph; under full sharding the units must be gathered for it)
     c["nonreentrant"] = not c["reentrant"] and r.random() < 0.2
+    # GradientAccumulationPlugin(sync_each_batch=True): accumulate() reduces every micro-batch
+    # (accelerate's option for memory-bound runs); the reference is torch DDP without no_sync
+    # inside the window. accumulate() only, several processes and micro-batches, no sharding
+    # (ZeRO reduces every micro-batch anyway; FSDP's bf16 reference models one reduction a window)
+    c["sync_each"] = (c["world"] > 1 and c["ga"] > 1 and c["sync_style"] == "accumulate" and
+                      c["sharding"] == "none" and not c["uneven"] and r.random() < 0.3)
     return c
 
 
@@ -252,7 +258,7 @@ def _case(seed: int, **overrides) -> dict:
          "assign_grad": False, "two_models": False, "two_optimizers": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
          "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0,
-         "nonreentrant": False}
+         "nonreentrant": False, "sync_each": False}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -318,6 +324,8 @@ def describe(c: dict) -> str:
         parts.append(f"rank_skip={c['rank_skip']}")
     if c.get("nonreentrant"):
         parts.append("nonreentrant")
+    if c.get("sync_each"):
+        parts.append("sync_each_batch")
     if c.get("sharding") == "zero3":
         parts.append(f"units={c['zero3_units']}")
     if c.get("sharding") == "fsdp":

@@ -131,7 +131,7 @@ def _train(case, nets, models, params, opts, sched, scaler, amp, batches, world,
         for i, (x, y) in enumerate(epoch_batches):
             window_end = (i + 1) % case["ga"] == 0 or i + 1 == n
             with contextlib.ExitStack() as stack:
-                if world > 1 and not window_end:
+                if world > 1 and not window_end and not case.get("sync_each"):
                     for d in nets:
                         stack.enter_context(d.no_sync())
                 aux = _aux(case, nets[0], amp, x) if case.get("fsdp_aux") == "before" else 0.0

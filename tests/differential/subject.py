@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from accelerate_c import Accelerator, collectives
+from accelerate_c import Accelerator, GradientAccumulationPlugin, collectives
 from accelerate.utils import DeepSpeedPlugin  # accelerate's own plugins, as a moved script keeps them
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate_c.utils import DataLoaderConfiguration, DistributedDataParallelKwargs
@@ -77,7 +77,11 @@ def run(case: dict) -> dict:
         sharding["fsdp_plugin"] = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy=case["fsdp_wrap"], reshard_after_forward=case["fsdp_reshard"],
             min_num_params=50, transformer_cls_names_to_wrap=["Linear"], activation_checkpointing=case["fsdp_ac"])
-    acc = Accelerator(cpu=True, mixed_precision=case["mp"], gradient_accumulation_steps=ga, kwargs_handlers=handlers,
+    if case.get("sync_each"):  # accumulate() reduces every micro-batch's gradients
+        sharding["gradient_accumulation_plugin"] = GradientAccumulationPlugin(num_steps=ga, sync_each_batch=True)
+    else:
+        sharding["gradient_accumulation_steps"] = ga
+    acc = Accelerator(cpu=True, mixed_precision=case["mp"], kwargs_handlers=handlers,
                       dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]), **sharding)
     models = W.models(case)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
