@@ -106,6 +106,7 @@ def select_cpu_comm(choice: str | None = None, timeout_s: float | None = None) -
         if sub is not None:
             sub.close()
     _SUBGROUPS.clear()
+    _SCRATCH.clear()  # a window of the communicator closed above
     _SHM, _SHM_FOR = None, world
     if choice == "gloo" or dist.get_world_size() < 2:
         return "gloo"
@@ -171,13 +172,48 @@ def all_reduce(t, **kwargs):
         return dist.all_reduce(t, **kwargs)
 
 
+# all_reduce_into stages tensors of these sizes through one shared window (a scratch kept per
+# process, grown to a power of two): copied in, reduced in place, copied out. The window
+# all-reduce has two barriers whatever the size, where the copy path has three per 2 MiB piece,
+# which four processes sharing two cores pay in context switches (docs/collectives.md). Below
+# SCRATCH_MIN the copy path's single piece is as fast; above SCRATCH_MAX the window would keep
+# that much of /dev/shm mapped for the rest of the job.
+SCRATCH_MIN = 1 << 20
+SCRATCH_MAX = 64 << 20
+_SCRATCH: dict = {}  # "bytes": the scratch window (uint8 view) or None where /dev/shm had no room
+
+
+def _scratch(nbytes: int):
+    """The scratch window, at least `nbytes` long, or None. A collective of the default group
+    when it grows (every rank grows it alike: the sizes asked for are the same everywhere)."""
+    if "bytes" in _SCRATCH and _SCRATCH["bytes"] is None:
+        return None  # no room the last time: not asked again (rank 0 decided for every rank)
+    have = _SCRATCH.get("bytes")
+    if have is None or have.numel() < nbytes:
+        size = 1 << max(nbytes - 1, 1).bit_length()
+        _SCRATCH.pop("bytes", None)  # the old window goes before the new one is mapped
+        words = shared_buffer(size // 4, torch.int32)  # (a dtype the shared memory reduces)
+        _SCRATCH["bytes"] = None if words is None else words.view(torch.uint8)
+    return _SCRATCH["bytes"]
+
+
 def all_reduce_into(t, out, op=None):
     """out = op over ranks of t (sum by default), t untouched: through shared memory in one pass
-    (t copied into the segment, the result out of it), else a copy of t all-reduced in place."""
+    (t copied into the segment, the result out of it; from 1 MiB to 64 MiB through a shared
+    window: SCRATCH_MIN), else a copy of t all-reduced in place."""
     shm = _shm_for(t, None, op)
     if shm is not None and t.is_contiguous() and out.is_contiguous() and out.dtype == t.dtype \
             and out.shape == t.shape:
-        return shm.all_reduce_into(t, out, op if op is not None else dist.ReduceOp.SUM)
+        op = op if op is not None else dist.ReduceOp.SUM
+        nbytes = t.numel() * t.element_size()
+        scratch = _scratch(nbytes) if SCRATCH_MIN <= nbytes <= SCRATCH_MAX else None
+        if scratch is not None:
+            staged = scratch[:nbytes].view(t.dtype)
+            staged.copy_(t.view(-1))
+            shm.all_reduce(staged, op, False)
+            out.view(-1).copy_(staged)
+            return None
+        return shm.all_reduce_into(t, out, op)
     out.copy_(t)
     return all_reduce(out) if op is None else all_reduce(out, op=op)
 

@@ -30,6 +30,13 @@ for red, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
 want = x.clone()
 dist.all_reduce(want)
 assert torch.allclose(acc.reduce(x, "mean"), want / n)
+# from 1 MiB reduce stages through a shared window (collectives.all_reduce_into): within each
+# host there, gloo between the hosts
+big = torch.randint(-50, 50, (1 << 19,), generator=g).float()
+for red, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
+    want = big.clone()
+    dist.all_reduce(want, op=op)
+    assert torch.equal(acc.reduce(big, red), want), ("1 MiB", red)
 parts = [torch.empty_like(x) for _ in range(n)]
 dist.all_gather(parts, x)
 assert torch.equal(acc.gather(x), torch.cat(parts))
