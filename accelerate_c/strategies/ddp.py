@@ -181,6 +181,8 @@ class DDPStrategy(GradStrategy):
         if not (g.is_cuda and dist.get_backend() == "nccl" and self.hook_dtype is None):
             if self.hook_dtype is None or self.hook_dtype == g.dtype:
                 _wire_dtype(torch.empty(0, dtype=g.dtype, device=g.device))
+            if not g.is_cuda:
+                st.wire_bufs = self._make_wire_bufs(g, shared=True)
             return
         if self.nccl is None:
             from .. import nccl
@@ -322,13 +324,34 @@ class DDPStrategy(GradStrategy):
         dtype). Made once per layout (_bind resets it), not at every launch."""
         st = g.strategy_state
         if st.wire_bufs is None:
-            bufs = []
-            for t in g.buckets:
-                hook = self.hook_dtype is not None and self.hook_dtype != t.dtype
-                dt = self.hook_dtype if hook else _wire_dtype(t)
-                bufs.append(None if dt == t.dtype else torch.empty(t.numel(), dtype=dt, device=t.device))
-            st.wire_bufs = bufs
+            st.wire_bufs = self._make_wire_bufs(g, shared=False)
         return st.wire_bufs
+
+    def _make_wire_bufs(self, g, shared: bool):
+        """wire_bufs' buffers. `shared` (a CPU group, made in _bind, where every rank binds the
+        same groups in the same order: a collective): the buckets' wire buffers are consecutive
+        ranges of one shared window when the CPU collectives go through shared memory, so a
+        16-bit hook's all-reduces read and write them in place, as the gradient buffer's own
+        buckets are without a hook (alloc_buffer)."""
+        dts = []
+        for t in g.buckets:
+            hook = self.hook_dtype is not None and self.hook_dtype != t.dtype
+            dt = self.hook_dtype if hook else _wire_dtype(t)
+            dts.append(None if dt == t.dtype else dt)
+        wired = [(t, dt) for t, dt in zip(g.buckets, dts) if dt is not None]
+        window = None
+        if shared and wired and len({dt for _, dt in wired}) == 1:
+            window = collectives.shared_buffer(sum(t.numel() for t, _ in wired), wired[0][1])
+        bufs, at = [], 0
+        for t, dt in zip(g.buckets, dts):
+            if dt is None:
+                bufs.append(None)
+            elif window is not None:
+                bufs.append(window[at:at + t.numel()])
+                at += t.numel()
+            else:
+                bufs.append(torch.empty(t.numel(), dtype=dt, device=t.device))
+        return bufs
 
     def buckets_ready(self, g, first: int, last: int):
         """Starts the all-reduce of buckets [first, last) of group g (called from a hook)."""
@@ -646,6 +669,10 @@ class _ShadowHook:
                     t.zero_()
                     collectives.all_reduce(t)
                     t.copy_(kept)
+                    continue
+                if wires[b] is not None and collectives.in_shared_buffer(wires[b]):
+                    # a 16-bit hook's wire in a shared window (_make_wire_bufs): zeros there
+                    collectives.all_reduce(wires[b].zero_())
                     continue
                 # the dtype the others send this bucket in (the same rule as launch)
                 wire = t.dtype if wires[b] is None else wires[b].dtype

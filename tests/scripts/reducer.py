@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from accelerate_c import Accelerator
+from accelerate_c import Accelerator, collectives
 from accelerate_c.state import AcceleratorState, GradientState
 from accelerate_c.utils import DistributedDataParallelKwargs
 
@@ -262,8 +262,12 @@ def bf16_reference_hook(state, bucket):
 
 for name, fn, tol in (("fp16", default_hooks.fp16_compress_hook, 1e-3), ("bf16", bf16_reference_hook, 1e-2)):
     ref16 = train_torch_ddp(copy.deepcopy(base), data, comm_hook=fn)
+    windowed = collectives.window_ops()
     ours16, _ = train_ours(copy.deepcopy(base), data, comm_hook=name)
     same_params(ours16, ref16, tol, tol / 10, f"comm_hook={name} vs torch DDP")
+    # over shared memory the 16-bit wire buffers live in a shared window (DDPStrategy._make_wire_bufs)
+    check(collectives.cpu_comm() != "shm" or collectives.window_ops() > windowed,
+          f"comm_hook={name} over shared memory: the wire buffers' all-reduces took the copy path")
     # and it is not the fp32 result: the wire really was 16 bits
     check(any(not torch.equal(p, q) for p, q in zip(ours16.parameters(), ref.parameters())),
           f"comm_hook={name} gave bit-identical fp32 results")
