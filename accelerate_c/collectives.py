@@ -166,14 +166,18 @@ def all_reduce(t, **kwargs):
     memory when that was selected and supports the tensor."""
     shm = _shm_for(t, kwargs.get("group"), kwargs.get("op"))
     if shm is not None:
-        return shm.all_reduce(t, kwargs.get("op", dist.ReduceOp.SUM), kwargs.get("async_op", False))
+        op, async_op = kwargs.get("op", dist.ReduceOp.SUM), kwargs.get("async_op", False)
+        if not async_op and _staged(shm, t, t, op):
+            return None
+        return shm.all_reduce(t, op, async_op)
     _keep((t,))
     with _outside_backward_tls():
         return dist.all_reduce(t, **kwargs)
 
 
-# all_reduce_into stages tensors of these sizes through one shared window (a scratch kept per
-# process, grown to a power of two): copied in, reduced in place, copied out. The window
+# A synchronous all-reduce of a private tensor (all_reduce, all_reduce_into) of these sizes is
+# staged through one shared window (a scratch kept per process, grown to a power of two):
+# copied in, reduced in place, copied out. The window
 # all-reduce has two barriers whatever the size, where the copy path has three per 2 MiB piece,
 # which four processes sharing two cores pay in context switches (docs/collectives.md). Below
 # SCRATCH_MIN the copy path's single piece is as fast; above SCRATCH_MAX the window would keep
@@ -205,17 +209,29 @@ def all_reduce_into(t, out, op=None):
     if shm is not None and t.is_contiguous() and out.is_contiguous() and out.dtype == t.dtype \
             and out.shape == t.shape:
         op = op if op is not None else dist.ReduceOp.SUM
-        nbytes = t.numel() * t.element_size()
-        scratch = _scratch(nbytes) if SCRATCH_MIN <= nbytes <= SCRATCH_MAX else None
-        if scratch is not None:
-            staged = scratch[:nbytes].view(t.dtype)
-            staged.copy_(t.view(-1))
-            shm.all_reduce(staged, op, False)
-            out.view(-1).copy_(staged)
+        if _staged(shm, t, out, op):
             return None
         return shm.all_reduce_into(t, out, op)
     out.copy_(t)
     return all_reduce(out) if op is None else all_reduce(out, op=op)
+
+
+def _staged(shm, t, out, op) -> bool:
+    """out = op over ranks of t through the scratch window (SCRATCH_MIN), when t is a private
+    tensor of the default group's size range; False (nothing done) otherwise. Synchronous only:
+    one scratch serves one collective at a time."""
+    nbytes = t.numel() * t.element_size()
+    if shm is not _SHM or not SCRATCH_MIN <= nbytes <= SCRATCH_MAX or not t.is_contiguous() \
+            or not out.is_contiguous() or t.device.type != "cpu" or shm.in_window(t):
+        return False
+    scratch = _scratch(nbytes)
+    if scratch is None:
+        return False
+    staged = scratch[:nbytes].view(t.dtype)
+    staged.copy_(t.view(-1))
+    shm.all_reduce(staged, op, False)
+    out.view(-1).copy_(staged)
+    return True
 
 
 def broadcast(t, src: int):
