@@ -145,6 +145,30 @@ def test_chaotic_gradients_against_their_largest_magnitude(world):
     assert any("gradient 0" in e for e in compare.compare(case, doubled, ref))
 
 
+@pytest.mark.parametrize("world", (2, 3))
+def test_a_natural_fp16_overflow_one_side_hit_ends_the_comparison_only_where_chaotic(world):
+    """Soak case 66465 (compare._natural_fork): fp16 autocast and a bf16 hook on three processes,
+    nothing injected: a step skipped on one side only is where the runs forked, and what follows
+    (scale, parameters, the final values) is not compared. On two processes (sums of two have no
+    order), or with an overflow injected, the skip is still compared exactly, and the steps
+    before the fork are compared as usual."""
+    one, two = torch.ones(12), torch.full((12,), 2.0)
+    forked = _trace([one, one, one])
+    forked["steps"][1]["skipped"] = True
+    forked["steps"][2]["params"] = [two]
+    forked["final"] = [two]
+    ref = _trace([one, one, one])
+    case = _case(1, world=world, mp="fp16", comm_hook="bf16")
+    assert compare.chaotic(case) == (world == 3)
+    errors = compare.compare(case, forked, ref)
+    assert bool(errors) == (world == 2), errors
+    injected = _case(1, world=world, mp="fp16", comm_hook="bf16", overflow=(0, 1))
+    assert any("skipped=True" in e for e in compare.compare(injected, forked, ref))
+    before = _trace([two, one, one])  # a doubled gradient at step 0, before the fork
+    before["steps"][1]["skipped"] = True
+    assert any("gradient 0" in e for e in compare.compare(case, before, ref))
+
+
 def _fsdp_trace(grad, micro=1, terms=None):
     step = {"params": [torch.ones(12)], "grads": [grad], "norm": None, "lr": 0.1, "skipped": False, "scale": None,
             "micro_batches": micro, "addends": [torch.ones(12) if terms is None else terms],

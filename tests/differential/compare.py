@@ -239,6 +239,18 @@ def _norm_clipped(case: dict, norm) -> bool:
         norm + 1e-6 > case["max_norm"]
 
 
+def _natural_fork(case: dict) -> bool:
+    """A chaotic case under fp16 autocast with no overflow or NaN injected: a step one side
+    skips and the other takes is an fp16 overflow of the backward that parameters a 16-bit
+    rounding apart tip one way or the other, and the two runs go separate ways from there (loss
+    scale, schedule, parameters). Soak case 66465 (three ranks, fp16 autocast, a bf16 hook over
+    shared memory, whose bf16 sums are fp32 sums rounded once where gloo's are pairwise bf16
+    sums): torch skipped step 2 and the subject did not; with the reference's hook summing as
+    the subject's collective does, both took it. The steps before are compared as usual; an
+    injected overflow (the `overflow` axis) or NaN still has its skip compared exactly."""
+    return chaotic(case) and case["mp"] == "fp16" and case["overflow"] is None and case["nan_grad_step"] is None
+
+
 def _at_max_norm(case: dict, norm) -> bool:
     """The subject's clip scaled its gradients with a norm within one bf16 ulp of max_norm,
     where a norm one ulp apart on the reference's side scales nothing."""
@@ -332,8 +344,12 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
     if ns != nr:
         errors.append(f"{ns} optimizer steps, the reference took {nr}")
     peak: dict[int, float] = {}  # chaotic cases: each reference gradient's largest magnitude so far
+    forked = False  # _natural_fork: the runs went separate ways at an overflow one side hit
     slack = _fsdp_param_slack(case, ref)  # FSDP bf16: each parameter's bound, element by element
     for k, (s, r) in enumerate(zip(sub["steps"], ref["steps"])):
+        if s["skipped"] != r["skipped"] and _natural_fork(case):
+            forked = True  # at an fp16 overflow one side hit: nothing later compares
+            break
         if s["skipped"] != r["skipped"]:
             errors.append(f"step {k}: skipped={s['skipped']}, the reference skipped={r['skipped']}")
         # (FSDP under bf16 once the sides have rounded apart, chaotic(): the 2-norm sums gradients
@@ -403,6 +419,8 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
                 errors.append(f"step {k}: parameter {j} {tuple(b.shape)}: {why}")
         if errors:
             break  # later steps only repeat the first divergence
+    if forked:
+        return errors
     if not errors:
         for j, (a, b) in enumerate(zip(sub["final"], ref["final"])):
             if slack is None or not slack:

@@ -69,7 +69,12 @@ class Net(torch.nn.Module):
         if self.tied:  # (never with reentrant checkpointing: cases.py)
             h = torch.tanh(self.mid2(h.to(self.mid2.weight.dtype)))
         if self.nonreentrant:  # the output layer in a segment of its own too
-            return checkpoint(lambda t: self.out(t.to(self.out.weight.dtype)), h, use_reentrant=False).float()
+            # the dtype read once, outside the segment: under full sharding a unit's parameter
+            # reads as its fp32 shard at rest and as the bf16 gathered copy inside its unit, so a
+            # read inside the segment could differ between the forward and the recomputation
+            # (torch refuses recomputed tensors of another dtype; FSDP2's parameters behave alike)
+            dt = self.out.weight.dtype
+            return checkpoint(lambda t: self.out(t.to(dt)), h, use_reentrant=False).float()
         return self.out(h.to(self.out.weight.dtype)).float()
 
 
