@@ -149,8 +149,10 @@ def worker(args) -> int:
                 if nbytes == 32 << 20:
                     limit = f"memcpy {mem_bw:.1f} GB/s at 32 MiB (one process)"
                     what = coll if how == "shm" else f"{coll} in a window" if how == "window" else \
-                        f"{coll} staged (a private tensor through accelerate_c)"
-                    if coll == "all_gather":  # information: the targets are the all-reduce's
+                        f"{coll} staged through a window"
+                    if coll == "all_gather" or how == "staged":  # information: the targets are the all-reduce's
+                        # (copy path and window); accelerate_c stages a private tensor only where a
+                        # host has more ranks than cores (collectives._staged)
                         _targets.info(BENCH, f"{what} shm vs gloo, 32 MiB, {world} procs", g / s)
                         continue
                     _targets.target(BENCH, f"{what} shm vs gloo, 32 MiB, {world} procs", g / s, 4.0, limit=limit)

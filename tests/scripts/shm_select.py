@@ -37,23 +37,30 @@ from window_grads import check_window_gradients  # noqa: E402
 assert torch.equal(broadcast(b, from_process=1), ref)
 acc.wait_for_everyone()
 
-# from 1 MiB accelerator.reduce stages through a shared window (collectives.all_reduce_into):
-# the same as gloo's, 16-bit sums in fp32 rounded once (two ranks' fp32 sum of bf16 values is
-# exact), the input untouched; then again after the window grew, and once more at its size
-for numel in ((1 << 18) + 3, (1 << 20) + 5, (1 << 20) + 5):
-    for dt in (torch.float32, torch.bfloat16, torch.int64):
-        big = (torch.randn(numel, generator=g) * 100).to(dt)
-        keep = big.clone()
-        want_big = [torch.empty_like(big) for _ in range(n)]
-        dist.all_gather(want_big, big)  # gloo
-        before = collectives.window_ops()
-        got = acc.reduce(big, "sum")
-        staged = big.numel() * big.element_size() >= collectives.SCRATCH_MIN
-        assert collectives.window_ops() == before + staged, (numel, dt, "window path taken" if not staged else
-                                                             "a 1 MiB reduce over shared memory took the copy path")
-        assert torch.equal(big, keep), "reduce changed its input"
-        assert torch.equal(got, torch.stack([w.double() for w in want_big]).sum(0).to(dt)), (numel, dt)
-        assert torch.equal(acc.reduce(big, "max"), torch.stack(want_big).max(0).values), (numel, dt)
+# from 1 MiB, where the host has more ranks than cores, accelerator.reduce stages through a
+# shared window (collectives.all_reduce_into, _staged): the same as gloo's, 16-bit sums in fp32
+# rounded once (two ranks' fp32 sum of bf16 values is exact), the input untouched; then again
+# after the window grew, and once more at its size. Run as the machine decides, then with the
+# staging forced (on a machine with a core per rank it would not be reached)
+natural = collectives._oversubscribed
+for force in (False, True):
+    if force:
+        collectives._oversubscribed = lambda shm: True
+    for numel in ((1 << 18) + 3, (1 << 20) + 5, (1 << 20) + 5):
+        for dt in (torch.float32, torch.bfloat16, torch.int64):
+            big = (torch.randn(numel, generator=g) * 100).to(dt)
+            keep = big.clone()
+            want_big = [torch.empty_like(big) for _ in range(n)]
+            dist.all_gather(want_big, big)  # gloo
+            before = collectives.window_ops()
+            got = acc.reduce(big, "sum")
+            staged = big.numel() * big.element_size() >= collectives.SCRATCH_MIN and (force or n > os.cpu_count())
+            assert collectives.window_ops() == before + staged, (numel, dt, force, "staged" if not staged else
+                                                                 "a 1 MiB reduce over shared memory was not staged")
+            assert torch.equal(big, keep), "reduce changed its input"
+            assert torch.equal(got, torch.stack([w.double() for w in want_big]).sum(0).to(dt)), (numel, dt)
+            assert torch.equal(acc.reduce(big, "max"), torch.stack(want_big).max(0).values), (numel, dt)
+collectives._oversubscribed = natural
 acc.wait_for_everyone()
 
 # ranks that say they are on different hosts: no shared memory
