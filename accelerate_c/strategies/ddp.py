@@ -250,15 +250,20 @@ class DDPStrategy(GradStrategy):
             self._ordered_queued = False
 
     def finish_ordered_groups(self) -> None:
-        """Every group of the models in `ordered`, in the manager's order: the ones that began
-        finish (their deferred buckets launch), the ones that got no gradient here begin and
-        finish (zeros, or what earlier no_sync micro-batches accumulated)."""
-        for g in list(self.manager.groups):
-            if g.model_key not in self.ordered or g.broken:
+        """Every group of the models in `ordered`, in a fixed order: the ones that began finish
+        (their deferred buckets launch), the ones that got no gradient here begin and finish
+        (zeros, or what earlier no_sync micro-batches accumulated)."""
+        for g in self.ordered_members():
+            if g.model_key not in self.ordered or getattr(g, "broken", False):
                 continue
             if not g.reducer.launching:
                 g.begin_backward()
             g.finish_backward()
+
+    def ordered_members(self) -> list:
+        """What finish_ordered_groups goes through, in the same order on every rank: the
+        manager's gradient groups (ZeRO-2 adds its gradient shards)."""
+        return list(self.manager.groups)
 
     def finishes_in_order(self, g) -> bool:
         return g.model_key in self.ordered

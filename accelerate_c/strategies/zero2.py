@@ -74,14 +74,8 @@ class Zero2Strategy(Zero1Strategy):
         self.order(gs.model_key)
         return True
 
-    def finish_ordered_groups(self) -> None:
-        super().finish_ordered_groups()
-        for gs in self.grad_shards:
-            if gs.model_key not in self.ordered:
-                continue
-            if not gs.reducer.launching:
-                gs.begin_backward()  # no gradient here in a backward of its model: zeros
-            gs.finish_backward()
+    def ordered_members(self) -> list:
+        return super().ordered_members() + list(self.grad_shards)
 
     def hold(self, gs) -> None:
         """From now on the strategy keeps the gradients of `gs`'s parameters."""
