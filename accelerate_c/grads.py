@@ -295,7 +295,6 @@ class GradManager:
         delivered no more (GradGroup._end_of_backward): the missing ones are then really unused
         (an error without find_unused_parameters, zeros with it). Every rank calls this at the
         same point: the end of Accelerator.backward, and prepare_step for a raw loss.backward()."""
-        self.strategy.finish_ordered()
         for g in list(self.groups):
             if g.reducer.requeue:
                 g.finish_backward()

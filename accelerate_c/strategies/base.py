@@ -89,9 +89,6 @@ class GradStrategy:
         groups of that backward in a fixed order, rather than by the group's own callback."""
         return False
 
-    def finish_ordered(self) -> None:
-        """GradManager.finish_awaiting, first: what an in-order backward (finishes_in_order)
-        left when it raised before its end."""
 
     def start_join(self, model, manager):
         """join_uneven_inputs(): torch's Joinable for `model`, or None when nothing is shadowed."""

@@ -142,9 +142,10 @@ class DDPStrategy(GradStrategy):
         self.joining: dict = {}  # id(model) -> ModelJoinable inside join_uneven_inputs()
         self._zeros: dict = {}  # shadow_zeros' buffers
         # id(model) of the models whose reduced backward now running ends in _finish_ordered,
-        # group after group in the manager's order (_in_order), and whether that is queued
+        # group after group in a fixed order (_in_order), and the autograd graph task that
+        # callback is queued on (a backward that raised never ran it: the next one queues anew)
         self.ordered: set = set()
-        self._ordered_queued = False
+        self._ordered_task = None
 
     def prepare_model(self, model, manager):
         broadcast_model(model)  # every replica starts from rank 0's weights
@@ -232,22 +233,23 @@ class DDPStrategy(GradStrategy):
         flag keeps its overlap (there the same groups must get gradients on every rank)."""
         if not self.asked_find_unused or self.joining.get(model_key) is not None:
             return False
-        return len(self.manager.groups) > 1
+        return len(self.ordered_members()) > 1
 
     def order(self, model_key) -> None:
         """`model_key`'s backward now running ends in _finish_ordered (queued once per backward,
         on the graph task of its first gradient)."""
-        self.ordered.add(model_key)
-        if not self._ordered_queued:
-            self._ordered_queued = True
+        task = torch._C._current_graph_task_id()
+        if task != self._ordered_task:
+            self.ordered.clear()  # what a backward that raised left
+            self._ordered_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_ordered)
+        self.ordered.add(model_key)
 
     def _finish_ordered(self) -> None:
         try:
             self.finish_ordered_groups()
         finally:
-            self.ordered.clear()
-            self._ordered_queued = False
+            self.abort_held()
 
     def finish_ordered_groups(self) -> None:
         """Every group of the models in `ordered`, in a fixed order: the ones that began finish
@@ -268,14 +270,9 @@ class DDPStrategy(GradStrategy):
     def finishes_in_order(self, g) -> bool:
         return g.model_key in self.ordered
 
-    def finish_ordered(self):
-        if self.ordered:  # the backward raised before its callback ran: already aborted
-            self.ordered.clear()
-            self._ordered_queued = False
-
     def abort_held(self):
         self.ordered.clear()
-        self._ordered_queued = False
+        self._ordered_task = None
 
     def abort_backward(self, g):
         """A backward raised: the all-reduces it launched still finish (every process launched
@@ -667,17 +664,15 @@ class _ShadowHook:
                     zeros = torch.zeros(count, dtype=g.dtype, device=g.device)
                     comm.nccl.all_reduce(zeros, stream=torch.cuda.current_stream(g.device).cuda_stream)
                     continue
-                if wires[b] is None and collectives.in_shared_buffer(t):
-                    # the others reduce their shared buffers in place, so must this rank (the
-                    # window collective is another kind): its zeros there, its gradients kept
-                    kept = t.clone()
-                    t.zero_()
-                    collectives.all_reduce(t)
-                    t.copy_(kept)
-                    continue
-                if wires[b] is not None and collectives.in_shared_buffer(wires[b]):
-                    # a 16-bit hook's wire in a shared window (_make_wire_bufs): zeros there
-                    collectives.all_reduce(wires[b].zero_())
+                sent = t if wires[b] is None else wires[b]
+                if collectives.in_shared_buffer(sent):
+                    # the others reduce their shared buffers (the gradients', or a 16-bit hook's
+                    # wire: _make_wire_bufs) in place, so must this rank (the window collective
+                    # is another kind): its zeros there, its gradients kept
+                    kept = sent.clone() if sent is t else None
+                    collectives.all_reduce(sent.zero_())
+                    if kept is not None:
+                        t.copy_(kept)
                     continue
                 # the dtype the others send this bucket in (the same rule as launch)
                 wire = t.dtype if wires[b] is None else wires[b].dtype

@@ -63,13 +63,13 @@ class Zero2Strategy(Zero1Strategy):
         self.hook_model_zero_grad(model)
 
     def _shard_begins(self, gs) -> bool:
-        """A backward starts in `gs`: whether its buckets wait for finish_awaiting, where every
-        shard of the backward's models is finished in turn (DDPStrategy._in_order's reasoning).
-        Only when find_unused_parameters=True was passed and there are several shards: the
-        shards then stage their whole gradient during the backward (no reduce-scatter overlaps
-        it), which DeepSpeed's ignore_unused_parameters alone (on by default) does not ask for;
-        there a backward must reach the same shards on every process (docs/sharding.md)."""
-        if not self.asked_find_unused or len(self.grad_shards) < 2:
+        """A backward starts in `gs`: whether its buckets wait for the end of the backward, where
+        every shard of the backward's models is finished in turn (DDPStrategy._in_order: with
+        find_unused_parameters=True passed, over several shards). The shards then stage their
+        whole gradient during the backward (no reduce-scatter overlaps it); DeepSpeed's
+        ignore_unused_parameters alone (on by default) does not ask for that, and there a
+        backward must reach the same shards on every process (docs/sharding.md)."""
+        if not self._in_order(gs.model_key):
             return False
         self.order(gs.model_key)
         return True

@@ -246,6 +246,11 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # (ZeRO reduces every micro-batch anyway; FSDP's bf16 reference models one reduction a window)
     c["sync_each"] = (c["world"] > 1 and c["ga"] > 1 and c["sync_style"] == "accumulate" and
                       c["sharding"] == "none" and not c["uneven"] and r.random() < 0.3)
+    # over shared memory (one host), every synchronous all-reduce of a private tensor staged
+    # through the scratch window (collectives._staged: in a job, from 1 MiB where a host has more
+    # ranks than cores): the clip's sums, the overflow and unused-parameter agreements, the
+    # fallbacks. subject.py lowers the threshold for the case
+    c["staged"] = c["world"] > 1 and r.random() < 0.3
     return c
 
 
@@ -258,7 +263,7 @@ def _case(seed: int, **overrides) -> dict:
          "assign_grad": False, "two_models": False, "two_optimizers": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
          "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0,
-         "nonreentrant": False, "sync_each": False}
+         "nonreentrant": False, "sync_each": False, "staged": False}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -326,6 +331,8 @@ def describe(c: dict) -> str:
         parts.append("nonreentrant")
     if c.get("sync_each"):
         parts.append("sync_each_batch")
+    if c.get("staged"):
+        parts.append("staged")
     if c.get("sharding") == "zero3":
         parts.append(f"units={c['zero3_units']}")
     if c.get("sharding") == "fsdp":
