@@ -199,7 +199,7 @@ def _scratch(nbytes: int):
     if have is None or have.numel() < nbytes:
         size = 1 << max(nbytes - 1, 1).bit_length()
         _SCRATCH.pop("bytes", None)  # the old window goes before the new one is mapped
-        words = shared_buffer(size // 4, torch.int32)  # (a dtype the shared memory reduces)
+        words = shared_buffer((size + 3) // 4, torch.int32)  # (a dtype the shared memory reduces)
         _SCRATCH["bytes"] = None if words is None else words.view(torch.uint8)
     return _SCRATCH["bytes"]
 
