@@ -79,6 +79,7 @@ class GradGroup(GradLayout):
         # the hook, or folded into the copy-in): the all-reduce's sum is then the average
         self.reducer.prescale = strategy.prescale if launching else 1.0
         self.pending_sync = self.pending_sync or launching
+        self.manager.note_sync_backward(self.model_key)
 
     def on_buckets(self, first, last):
         self.manager.strategy.buckets_ready(self, first, last)
@@ -199,7 +200,12 @@ class GradManager:
         # gradients stay ordinary torch tensors
         self.unbuffered: list = []
         self.unbuffered_hooks: list = []
-        self.unbuffered_pending = False  # one got a gradient on a sync step and is not reduced yet
+        # a sync backward ran through a model with unbuffered params, not reduced yet
+        self.unbuffered_pending = False
+        # id() of the prepared models that have unbuffered params: a sync backward of one marks
+        # them pending on every rank, also where control flow gave none of them a gradient here
+        # (prepare_step's reduction is a collective: every rank must decide alike)
+        self.unbuffered_models: set = set()
         self.names: dict[int, str] = {}  # id(param) -> its name in the model, for error messages
         # bucket sizes of the reducer: torch DDP's (first bucket 1 MiB, then bucket_cap_mb)
         self.bucket_caps = (1024 * 1024, 25 * 1024 * 1024)
@@ -278,6 +284,7 @@ class GradManager:
                 for p in group_params:
                     if all(q is not p for q in self.unbuffered):
                         self.unbuffered.append(p)
+                        self.unbuffered_models.add(model_key)
                         self.unbuffered_hooks.append(p.register_post_accumulate_grad_hook(
                             lambda param, key=model_key: self._unbuffered_hook(key)))
                 continue
@@ -311,7 +318,13 @@ class GradManager:
         self.strategy.abort_held()
 
     def _unbuffered_hook(self, model_key):
-        if self.distributed and self.sync_now(model_key):
+        self.note_sync_backward(model_key)
+
+    def note_sync_backward(self, model_key):
+        """A backward of `model_key` delivered a gradient (an unbuffered param's hook, or a
+        group's first gradient: GradGroup.begin_backward): its unbuffered params are reduced at
+        the next step if this backward reduces."""
+        if model_key in self.unbuffered_models and self.distributed and self.sync_now(model_key):
             self.unbuffered_pending = True
 
     def prepare_step(self):
@@ -355,6 +368,7 @@ class GradManager:
         for h in self.unbuffered_hooks:
             h.remove()
         self.groups, self.where, self.outside, self.unbuffered, self.unbuffered_hooks = [], {}, {}, [], []
+        self.unbuffered_models = set()
         self.epoch += 1
         self._full_cache = None
         self.unbuffered_pending = False

@@ -3,7 +3,9 @@ find_unused_parameters=True with control flow that differs between ranks, on a m
 fp32 and a bf16 layer (two gradient groups) and beside a second prepared model, against torch
 DDP (find_unused_parameters=True) on the same seed and data: raw loss.backward() twice in one
 sync step, `.grad` read right after a raw backward (the average already, as torch's), no_sync
-accumulation, and a step in which one rank gives the bf16 layer no gradient at all. Prints
+accumulation, and a step in which one rank gives the bf16 layer no gradient at all. The first
+model's skipped branch also holds a float64 layer (no gradient buffer: its gradients are reduced one by one at
+the step), so a rank that leaves it out must still join that reduction. Prints
 "rank flow OK on N processes" when every check passed (strategies/ddp.py, _in_order)."""
 import copy
 
@@ -17,21 +19,24 @@ from accelerate_c.utils import DistributedDataParallelKwargs
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, double=False):
         super().__init__()
         self.inp = nn.Linear(6, 8)
         self.mid = nn.Linear(8, 8).to(torch.bfloat16)
+        self.dbl = nn.Linear(8, 8).double() if double else None
         self.out = nn.Linear(8, 3)
 
     def forward(self, x, skip=False):
         h = torch.tanh(self.inp(x))
         if not skip:
             h = torch.tanh(self.mid(h.to(torch.bfloat16))).float()
+            if self.dbl is not None:
+                h = h + torch.tanh(self.dbl(h.double())).float()
         return self.out(h)
 
 
 torch.manual_seed(0)
-bases = [Net(), Net()]
+bases = [Net(double=True), Net()]
 acc = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
 rank, world = acc.process_index, acc.num_processes
 ours = acc.prepare(*[copy.deepcopy(b) for b in bases])
@@ -46,8 +51,12 @@ def loss_of(models, x, y, skip):
 
 
 def compare(what):
+    # float64 parameters have no gradient buffer: theirs are averaged at the step's first entry
+    # point (docs/ddp.md), reached here through a clip that scales by 1
     for k, (a, b) in enumerate(zip(ours, theirs)):
         for (name, p), q in zip(a.named_parameters(), b.module.parameters()):
+            if p.dtype == torch.float64:
+                continue
             if (p.grad is None) != (q.grad is None):
                 fails.append(f"{what}: model {k} {name}: grad {p.grad is None} vs torch {q.grad is None}")
             elif p.grad is not None:
@@ -57,6 +66,16 @@ def compare(what):
                 tol = (2e-2 if p.dtype == torch.bfloat16 else 1e-5) * max(q.grad.float().abs().max().item(), 1e-3)
                 if err > tol:
                     fails.append(f"{what}: model {k} {name}: gradient off by {err:.3g} (tolerance {tol:.3g})")
+    acc.clip_grad_norm_(ours[0].parameters(), float("inf"))
+    for k, (a, b) in enumerate(zip(ours, theirs)):
+        for (name, p), q in zip(a.named_parameters(), b.module.parameters()):
+            if p.dtype != torch.float64:
+                continue
+            if (p.grad is None) != (q.grad is None):
+                fails.append(f"{what}: model {k} {name}: grad {p.grad is None} vs torch {q.grad is None}")
+            elif p.grad is not None and not torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-14):
+                fails.append(f"{what}: model {k} {name}: float64 gradient off by "
+                             f"{(p.grad - q.grad).abs().max().item():.3g}")
 
 
 def zero():
