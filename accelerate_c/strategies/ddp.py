@@ -527,6 +527,16 @@ def sync_gradients(groups, unbuffered) -> None:
         k += 1
 
 
+def shadow_unbuffered(unbuffered) -> None:
+    """sync_gradients(groups=[], unbuffered) on a process that ran out of data: it adds no
+    gradient; the used-flags tell it which parameters the others reduce."""
+    used = torch.zeros(len(unbuffered), dtype=torch.int32, device=_collective_device())
+    collectives.all_reduce(used)
+    for p, u in zip(unbuffered, used.tolist()):
+        if u:
+            collectives.all_reduce(torch.zeros_like(p))
+
+
 def check_same_structure(model: torch.nn.Module, src: int = 0, allow_meta: bool = False) -> list:
     """Checks that every rank's model has the same parameters and buffers (names, shapes,
     dtypes) as rank `src`'s, which holds real values; returns [(kind, name, tensor)]. A
@@ -682,6 +692,11 @@ class _ShadowHook:
                 collectives.all_reduce(torch.zeros(len(g.params), dtype=torch.int32, device=_collective_device([g])))
             if not g.strategy_state.relaid:
                 comm.relayout_shadow(g)
+        if id(m) in j.manager.unbuffered_models:
+            # the others' backward marked the model's float64 params pending
+            # (GradManager.note_sync_backward): their step-time reduction (sync_gradients)
+            # comes next, with zeros from here
+            shadow_unbuffered(j.manager.unbuffered)
 
     def post_hook(self, is_last_joiner: bool):
         """The processes that joined early skipped optimizer steps: everyone takes the model of

@@ -251,6 +251,13 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # ranks than cores): the clip's sums, the overflow and unused-parameter agreements, the
     # fallbacks. subject.py lowers the threshold for the case
     c["staged"] = c["world"] > 1 and r.random() < 0.3
+    # a float64 layer beside the middle one (`side`, left out with it by rank_skip): float64 has
+    # no flat buffer (no C kernels), so its gradients stay torch tensors, averaged one all-reduce
+    # each at the step's first entry point (docs/ddp.md); unscaled, checked and clipped by torch
+    # ops beside the buffers. Replicated training only (the sharding strategies lay every
+    # trainable parameter out in their own buffers); not with the model's reentrant
+    # checkpointing (its segments return before the layer)
+    c["f64"] = c["sharding"] == "none" and not c["reentrant"] and r.random() < 0.2
     return c
 
 
@@ -263,7 +270,7 @@ def _case(seed: int, **overrides) -> dict:
          "assign_grad": False, "two_models": False, "two_optimizers": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
          "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0,
-         "nonreentrant": False, "sync_each": False, "staged": False}
+         "nonreentrant": False, "sync_each": False, "staged": False, "f64": False}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -308,6 +315,10 @@ REGRESSIONS = {
         _case(REGRESSION_SEED + 16, world=2, two_models=True, unused=True, sharding="zero1", rank_skip=3, batches=6),
     "ZeRO-2, find_unused_parameters, a layer one rank leaves out, fp32 and bf16 layers (a shard reduced nothing)":
         _case(REGRESSION_SEED + 17, world=3, param_dtype="mixed", unused=True, sharding="zero2", rank_skip=3, ga=3),
+    "join_uneven_inputs with a float64 layer (no shadow for its step-time all-reduces: a hang)":
+        _case(REGRESSION_SEED + 18, world=2, uneven=True, f64=True, dataset_extra=1),
+    "find_unused_parameters, a float64 layer one rank leaves out (that rank skipped its step-time all-reduces)":
+        _case(REGRESSION_SEED + 19, world=2, f64=True, unused=True, rank_skip=2, ga=2),
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
@@ -333,6 +344,8 @@ def describe(c: dict) -> str:
         parts.append("sync_each_batch")
     if c.get("staged"):
         parts.append("staged")
+    if c.get("f64"):
+        parts.append("f64")
     if c.get("sharding") == "zero3":
         parts.append(f"units={c['zero3_units']}")
     if c.get("sharding") == "fsdp":

@@ -29,6 +29,8 @@ class Net(torch.nn.Module):
         self.out = torch.nn.Linear(HID, OUT)
         if case["unused"]:
             self.spare = torch.nn.Linear(HID, HID)  # never called
+        # f64: a float64 layer beside the middle one (applied after it, as a residual)
+        self.side = torch.nn.Linear(HID, HID) if case.get("f64", False) else None
         self.tied = case.get("tied", False)
         if self.tied:
             self.mid2 = torch.nn.Linear(HID, HID)  # its own bias, the middle layer's weight (below)
@@ -44,6 +46,8 @@ class Net(torch.nn.Module):
             self.mid.to(torch.bfloat16)
             if self.tied:
                 self.mid2.to(torch.bfloat16)
+        if self.side is not None:  # float64 whatever the other layers' dtype
+            self.side.double()
         if case["frozen"]:
             self.inp.requires_grad_(False)
         if case.get("frozen_bias", False):
@@ -66,6 +70,8 @@ class Net(torch.nn.Module):
             h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=False)
         else:
             h = torch.tanh(self.mid(h))
+        if self.side is not None and not skip_mid:  # (never with reentrant checkpointing: cases.py)
+            h = h + torch.tanh(self.side(h.double())).to(h.dtype)
         if self.tied:  # (never with reentrant checkpointing: cases.py)
             h = torch.tanh(self.mid2(h.to(self.mid2.weight.dtype)))
         if self.nonreentrant:  # the output layer in a segment of its own too
