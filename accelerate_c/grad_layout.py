@@ -20,6 +20,7 @@ _copy_in is the path for the rest.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch.autograd.graph import increment_version
@@ -60,6 +61,46 @@ def alloc_flat(numel: int, dtype, device) -> torch.Tensor:
     return flat.zero_()
 
 
+class GradView(torch.Tensor):
+    """A parameter's range of the flat buffer, as its `.grad`: a plain tensor in every respect
+    (torch functions are not intercepted; what they return is a plain tensor) except `.data`.
+    A write through `p.grad.data` (older training code scales or clips that way) bumps a version
+    counter of its own, not the buffer's, so the sums of squares clip reuses (measured in the
+    hooks, or after each bucket's all-reduce, and keyed on the buffer's version) would go stale
+    unseen: any `.data` access, read or assignment, counts as a write to the buffer. Pickled and
+    deep-copied as a plain tensor (the buffer stays behind)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def of(view: torch.Tensor, layout) -> "GradView":
+        g = view.as_subclass(GradView)
+        g._ac_layout = weakref.ref(layout)
+        return g
+
+    def _touched(self):
+        layout = self.__dict__.get("_ac_layout")
+        layout = layout() if layout is not None else None
+        if layout is not None:
+            layout.wrote()
+
+    @property
+    def data(self):
+        self._touched()
+        return torch.Tensor.data.__get__(self, torch.Tensor)
+
+    @data.setter
+    def data(self, value):
+        self._touched()
+        torch.Tensor.data.__set__(self, value)
+
+    def __reduce_ex__(self, proto):
+        return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):
+        return self.as_subclass(torch.Tensor).__deepcopy__(memo)
+
+
 class GradLayout:
     """The flat buffer of the gradients of parameters sharing a dtype and device, and their
     hooks. Subclasses say what the hooks do: on_first() (the first gradient of a backward),
@@ -98,7 +139,8 @@ class GradLayout:
         offsets, _ = self.reducer.layout()
         self.offsets = offsets
         self.flat = self.alloc_buffer(self.reducer.total())
-        self.views = [self.flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
+        self.views = [GradView.of(self.flat[o:o + p.numel()].view(p.shape), self)
+                      for o, p in zip(offsets, self.params)]
         # the alignment gaps between ranges: zero, and kept zero (see scale_), so that
         # whole-buffer passes and bucket all-reduces read zeros there
         spans = sorted((o, o + p.numel()) for o, p in zip(offsets, self.params))

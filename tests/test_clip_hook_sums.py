@@ -156,6 +156,10 @@ WRITES = {
     "no_grad_param": True,  # no gradient (set_to_none): its range zeroed
     # writes the sums cannot follow: clip must read the buffer
     "grad_mul": False,  # p.grad.mul_() after backward
+    # p.grad.data.mul_(): `.data` has a version counter of its own, which no cache can see;
+    # every `.data` access of a gradient view counts as a write (grad_layout.GradView)
+    "grad_data_mul": False,
+    "grad_data_assign": False,  # p.grad.data = a new tensor of the same shape
     "grad_assign_and_grad_mul": False,  # both of the above on two parameters
     "no_grad_param_zeros": False,  # no gradient, zero_grad(set_to_none=False): unmeasured zeros
     "unscale_fp16": False,  # unscale_gradients() before clip
@@ -204,6 +208,10 @@ def test_clip_uses_the_hook_sums_only_when_nothing_else_wrote_the_buffer(write):
             m.fc2.weight.grad.mul_(0.5)  # unmeasured, before resync measures the assigned one
         elif write == "grad_mul":
             m.fc2.bias.grad.mul_(2.0)
+        elif write == "grad_data_mul":
+            m.fc2.bias.grad.data.mul_(2.0)
+        elif write == "grad_data_assign":
+            m.fc2.bias.grad.data = m.fc2.bias.grad * 2.0
         elif write == "unscale_fp16":
             opt_unscale()
 

@@ -563,7 +563,7 @@ static long long call_int(PyObject *obj, const char *name) {
  * in the glue's Python (GradLayout._copy_in), with the measurement for clip fused into the copy
  * (ac_copy_in measures each piece right after writing it, in cache, and gives the bits a later
  * read pass of the range gives). Taken only for what the slow path would do the same way: a
- * plain tensor of the buffer's exact type and dtype (the parameter's too), CPU, contiguous,
+ * plain tensor (the view's type or its base) of the buffer's dtype (the parameter's too), CPU, contiguous,
  * without a negative or conjugate bit, of the range's size, not requiring grad, not overlapping
  * the buffer; everything else (a cast parameter, a gradient with
  * a graph, CUDA buffers) returns 0 and goes to the slow path. On success the view holds the
@@ -571,7 +571,10 @@ static long long call_int(PyObject *obj, const char *name) {
  * torch's copy_ would, and `.grad` points at it. Returns 1 done, 0 not taken, -1 error. */
 static int fast_copy_in(ReducerObject *red, HookObject *h, PyObject *param, PyObject *g, int *measured) {
   *measured = 0;
-  if (!red->bump || !red->base || red->on_cuda || !h->dtype || Py_TYPE(g) != Py_TYPE(h->view)) return 0;
+  /* the view is a GradView (grad_layout.py), a direct subclass of torch.Tensor; the gradient
+   * must be a plain torch.Tensor (or a GradView) */
+  if (!red->bump || !red->base || red->on_cuda || !h->dtype) return 0;
+  if (Py_TYPE(g) != Py_TYPE(h->view) && Py_TYPE(g) != Py_TYPE(h->view)->tp_base) return 0;
   size_t n = red->numel[h->index];
   /* the gradient's dtype and the parameter's (torch >= 2.9's grad_dtype lets them differ: a
    * parameter cast after prepare() must still reach the slow path, which rebuilds the buffer) */
