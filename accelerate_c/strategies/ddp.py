@@ -308,7 +308,26 @@ class DDPStrategy(GradStrategy):
         return None
 
     def sync_missed(self, groups, unbuffered):
-        sync_gradients(groups, unbuffered)
+        sync_gradients(groups, unbuffered, self.average_whole)
+
+    def average_whole(self, g):
+        """All-reduces g's whole buffer into the average, the way its buckets are: a 16-bit
+        comm hook's wire cast and then divided in the hook's dtype (torch's compress hooks), else
+        each gradient multiplied by 1/world before the sum (torch DDP's reducer, and our
+        copy-in's prescale), or divided in its own dtype under a hook of that dtype."""
+        t = g.flat
+        if self.hook_dtype is not None and self.hook_dtype != g.dtype:
+            wire = torch.empty(t.numel(), dtype=self.hook_dtype, device=t.device)
+            self._cast(wire, t, g.is_cuda)
+            wire.div_(self.world)
+            collectives.all_reduce(wire)
+            t.copy_(wire)
+            return
+        if self.hook_dtype == g.dtype:
+            t.div_(self.world)
+        else:
+            g.scale_(1.0 / self.world)
+        _allreduce_(t)
 
     def shadow_zeros(self, count, dtype, device):
         """Zeros for a joined process's share of a bucket's all-reduce: one buffer per size and
@@ -500,10 +519,11 @@ class DDPStrategy(GradStrategy):
         self._relayout(g, order=g.order)
 
 
-def sync_gradients(groups, unbuffered) -> None:
-    """All-reduces whole buffers (and parameters without one, float64) that missed the bucketed
-    reduction, with one collective each; all ranks call this at the same point with the same
-    groups (prepare_step has resynced the groups' assignments)."""
+def sync_gradients(groups, unbuffered, average_whole) -> None:
+    """All-reduces whole buffers (`average_whole(g)`: DDPStrategy's, as its buckets are) and
+    parameters without one (float64) that missed the bucketed reduction, with one collective
+    each; all ranks call this at the same point with the same groups (prepare_step has resynced
+    the groups' assignments)."""
     world = dist.get_world_size()
     flags = [p.grad is v for g in groups for p, v in zip(g.params, g.views)]
     flags += [p.grad is not None for p in unbuffered]
@@ -512,8 +532,8 @@ def sync_gradients(groups, unbuffered) -> None:
     used = used.tolist()
     k = 0
     for g in groups:
-        _allreduce_(g.flat)
-        g.scale_(1.0 / world)
+        average_whole(g)
+        g.wrote()
         g.strategy_state.stats = None
         for p, v in zip(g.params, g.views):
             if used[k] and p.grad is None:  # used on another rank: its (reduced) gradient

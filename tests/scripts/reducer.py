@@ -274,6 +274,37 @@ for name, fn, tol in (("fp16", default_hooks.fp16_compress_hook, 1e-3), ("bf16",
     check(any(not torch.equal(p, q) for p, q in zip(ours16.parameters(), ref.parameters())),
           f"comm_hook={name} gave bit-identical fp32 results")
 
+# 7b. a model cast to bf16 after prepare(): the backward that finds the cast breaks its buffer,
+#     which the step rebuilds and then reduces whole (DDPStrategy.average_whole), with the comm
+#     hook's wire as torch's hook has it (cast, divide, sum in fp16); later steps go through the
+#     rebuilt buckets. torch DDP is given the bf16 model from the start. Each step's parameters
+#     must match to a bf16 ulp (on 2 ranks a sum of two is the same in any order: bitwise there)
+def cast_after_prepare(hook_name, hook_fn):
+    data16 = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in data]
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base).to(torch.bfloat16), gradient_as_bucket_view=True)
+    ddp.register_comm_hook(None, hook_fn)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    acc = fresh(comm_hook=hook_name)
+    ours = copy.deepcopy(base)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    ours, opt = acc.prepare(ours, opt)
+    ours.to(torch.bfloat16)
+    for step, (x, y) in enumerate(data16):
+        nn.functional.mse_loss(ddp(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        acc.backward(nn.functional.mse_loss(ours(x), y))
+        opt.step()
+        opt.zero_grad()
+        for (name, p), q in zip(ours.named_parameters(), ddp.module.parameters()):
+            exact = dist.get_world_size() == 2
+            ok = torch.equal(p, q) if exact else torch.allclose(p.float(), q.float(), rtol=2 ** -7, atol=1e-6)
+            check(ok, f"cast after prepare, comm_hook={hook_name}, step {step}: {name} differs from torch DDP's by "
+                      f"{(p.float() - q.float()).abs().max().item():.3e}")
+
+
+cast_after_prepare("fp16", default_hooks.fp16_compress_hook)
+
 # 8. broadcast_buffers (default True): BatchNorm statistics follow torch DDP's
 torch.manual_seed(3)
 bn = MLP(bn=True)
