@@ -116,6 +116,7 @@ class BucketState:
         self.want_stats = False
         self.relaid = False  # the layout follows the order gradients arrived in (after step 1)
         self.wire_bufs = None  # per bucket: its wire-dtype buffer or None (DDPStrategy.wire_bufs)
+        self.used_sum = None  # find_unused: the flags its last backward agreed on (_agree_used)
 
 
 class DDPStrategy(GradStrategy):
@@ -137,9 +138,9 @@ class DDPStrategy(GradStrategy):
         self.prescale = 1.0 / self.world if self.hook_dtype is None else 1.0
         self.nccl = None  # _C.NcclComm: CUDA buckets are launched from the C hooks, no Python
         self.comm_stream = None
-        # id(model) -> its groups in the order they finished in the latest reduced backward
-        self.finish_order: dict = {}
         self.joining: dict = {}  # id(model) -> ModelJoinable inside join_uneven_inputs()
+        # the float64 params' used-flags the last step-time reduction agreed on (shadow_unbuffered)
+        self.unbuffered_used_sum = None
         self._zeros: dict = {}  # shadow_zeros' buffers
         # id(model) of the models whose reduced backward now running ends in _finish_ordered,
         # group after group in a fixed order (_in_order), and the autograd graph task that
@@ -204,12 +205,6 @@ class DDPStrategy(GradStrategy):
             return False
         if st.nccl:
             g.reducer.set_compute_stream(torch.cuda.current_stream(g.device).cuda_stream)
-        # The buckets of two groups (two dtypes) launch in the order their gradients complete,
-        # interleaved; a process that ran out of data cannot know that interleaving, so under
-        # join each group's buckets are reduced at the end of backward, group after group, in
-        # the order the groups started (which it saw in its own backwards: _ShadowHook)
-        g.reducer.defer = (self.joining.get(g.model_key) is not None
-                           and len(self.manager.groups_of(g.model_key)) > 1)
         if self._in_order(g.model_key):
             g.reducer.defer = True
             self.order(g.model_key)
@@ -230,8 +225,13 @@ class DDPStrategy(GradStrategy):
         buckets launch in bucket order, the unused ones at the end. Every rank must run some
         backward through each model in it (torch DDP needs that too). Keyed on the flag as
         passed, not on DeepSpeed's ignore_unused_parameters, so that a ZeRO run without the
-        flag keeps its overlap (there the same groups must get gradients on every rank)."""
-        if not self.asked_find_unused or self.joining.get(model_key) is not None:
+        flag keeps its overlap (there the same groups must get gradients on every rank).
+        Inside join_uneven_inputs, a model with several groups always: a process that ran out
+        of data shadows the others' collectives (_ShadowHook) and cannot know how their groups'
+        buckets interleave, but knows the manager's order."""
+        if self.joining.get(model_key) is not None:
+            return len(self.manager.groups_of(model_key)) > 1
+        if not self.asked_find_unused:
             return False
         return len(self.ordered_members()) > 1
 
@@ -308,7 +308,36 @@ class DDPStrategy(GradStrategy):
         return None
 
     def sync_missed(self, groups, unbuffered):
-        sync_gradients(groups, unbuffered, self.average_whole)
+        used = sync_gradients(groups, unbuffered, self.average_whole, self.average_unbuffered)
+        if unbuffered:
+            self.unbuffered_used_sum = used[len(used) - len(unbuffered):].clone()
+
+    def average_unbuffered(self, grad) -> None:
+        """The average of a float64 gradient (no buffer), in place, as torch DDP averages the
+        bucket it sits in: a 16-bit comm hook casts it to its wire dtype (lossy, as torch's
+        hooks are for any bucket), else it is multiplied by 1/world before the sum."""
+        if self.hook_dtype is not None:
+            wire = grad.to(self.hook_dtype).div_(self.world)
+            collectives.all_reduce(wire)
+            grad.copy_(wire)
+        else:
+            grad.mul_(1.0 / self.world)
+            collectives.all_reduce(grad)
+
+    def shadow_unbuffered(self, unbuffered) -> None:
+        """sync_gradients(groups=[], unbuffered) on a process that ran out of data: it adds no
+        gradient; the used-flags tell it which parameters the others reduce. It sends zeros,
+        or with find_unused_parameters what its last reduction agreed on, summed again in place
+        at each shadowed step (as _ShadowHook does for the buffers' flags: torch DDP's join
+        hook, whose used-map holds float64 parameters beside the others)."""
+        used = self.unbuffered_used_sum
+        if not self.find_unused or used is None or used.numel() != len(unbuffered):
+            used = torch.zeros(len(unbuffered), dtype=torch.int32, device=_collective_device())
+        collectives.all_reduce(used)
+        self.unbuffered_used_sum = used
+        for p, u in zip(unbuffered, used.tolist()):
+            if u:
+                collectives.all_reduce(torch.zeros_like(p, dtype=self.hook_dtype or p.dtype))
 
     def average_whole(self, g):
         """All-reduces g's whole buffer into the average, the way its buckets are: a 16-bit
@@ -420,10 +449,6 @@ class DDPStrategy(GradStrategy):
         """End of a sync backward for group g: launch what is left, wait for every bucket in
         order, average and measure the buffer, re-lay it once in arrival order."""
         st = g.strategy_state
-        order = self.finish_order.setdefault(g.model_key, [])
-        if g in order:  # a new backward of that model
-            order.clear()
-        order.append(g)
         pending = g.reducer.pending()
         if pending:
             if not self.find_unused:
@@ -497,6 +522,8 @@ class DDPStrategy(GradStrategy):
         """find_unused_parameters: a parameter has a gradient if any rank gave it one."""
         flags = torch.tensor(used, dtype=torch.int32, device=_collective_device([g]))
         collectives.all_reduce(flags)
+        # what this rank sends again once it has run out of data (_ShadowHook)
+        g.strategy_state.used_sum = flags.clone()
         for p, v, n in zip(g.params, g.views, flags.tolist()):
             if n and p.grad is None:
                 p.grad = v
@@ -519,17 +546,17 @@ class DDPStrategy(GradStrategy):
         self._relayout(g, order=g.order)
 
 
-def sync_gradients(groups, unbuffered, average_whole) -> None:
-    """All-reduces whole buffers (`average_whole(g)`: DDPStrategy's, as its buckets are) and
-    parameters without one (float64) that missed the bucketed reduction, with one collective
-    each; all ranks call this at the same point with the same groups (prepare_step has resynced
-    the groups' assignments)."""
-    world = dist.get_world_size()
+def sync_gradients(groups, unbuffered, average_whole, average_unbuffered) -> torch.Tensor:
+    """All-reduces whole buffers (`average_whole(g)`) and parameters without one (float64:
+    `average_unbuffered(grad)`; DDPStrategy's, as torch DDP's buckets are) that missed the
+    bucketed reduction, with one collective each; all ranks call this at the same point with the same groups (prepare_step has resynced
+    the groups' assignments). Returns the agreed used-flags (the groups' params', then the
+    unbuffered ones')."""
     flags = [p.grad is v for g in groups for p, v in zip(g.params, g.views)]
     flags += [p.grad is not None for p in unbuffered]
-    used = torch.tensor(flags, dtype=torch.int32, device=_collective_device(groups))
-    collectives.all_reduce(used)
-    used = used.tolist()
+    agreed = torch.tensor(flags, dtype=torch.int32, device=_collective_device(groups))
+    collectives.all_reduce(agreed)
+    used = agreed.tolist()
     k = 0
     for g in groups:
         average_whole(g)
@@ -542,19 +569,10 @@ def sync_gradients(groups, unbuffered, average_whole) -> None:
     for p in unbuffered:  # one all-reduce each
         if used[k]:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            collectives.all_reduce(grad)
-            p.grad = grad.div_(world)
+            average_unbuffered(grad)
+            p.grad = grad
         k += 1
-
-
-def shadow_unbuffered(unbuffered) -> None:
-    """sync_gradients(groups=[], unbuffered) on a process that ran out of data: it adds no
-    gradient; the used-flags tell it which parameters the others reduce."""
-    used = torch.zeros(len(unbuffered), dtype=torch.int32, device=_collective_device())
-    collectives.all_reduce(used)
-    for p, u in zip(unbuffered, used.tolist()):
-        if u:
-            collectives.all_reduce(torch.zeros_like(p))
+    return agreed
 
 
 def check_same_structure(model: torch.nn.Module, src: int = 0, allow_meta: bool = False) -> list:
@@ -680,10 +698,8 @@ class _ShadowHook:
         if not will_reduce:
             return
         comm = j.strategy
-        # the order the others reduce the groups in: as they finished in this process's own
-        # latest backward (the same graph), then any group not seen there
-        seen = [g for g in comm.finish_order.get(id(m), []) if g in groups]
-        for g in seen + [g for g in groups if g not in seen]:
+        # the order the others reduce the groups in: the manager's (DDPStrategy._in_order)
+        for g in groups:
             # the buckets the others reduce, in their order, with zeros (this rank adds nothing;
             # the others divide by the full world size, torch DDP's default under Join)
             nccl = g.strategy_state.nccl
@@ -708,15 +724,22 @@ class _ShadowHook:
                 wire = t.dtype if wires[b] is None else wires[b].dtype
                 collectives.all_reduce(comm.shadow_zeros(count, wire, g.device))
             if comm.find_unused:
-                # _agree_used's flags, from the same device rule
-                collectives.all_reduce(torch.zeros(len(g.params), dtype=torch.int32, device=_collective_device([g])))
+                # _agree_used's flags: as torch DDP's join hook does, the summed flags this
+                # process's last backward agreed on, summed in place again at each shadowed
+                # backward: a parameter that every process still running leaves out gets a
+                # (zero) gradient if any process used it in that backward
+                used = g.strategy_state.used_sum
+                if used is None:
+                    used = torch.zeros(len(g.params), dtype=torch.int32, device=_collective_device([g]))
+                collectives.all_reduce(used)
+                g.strategy_state.used_sum = used
             if not g.strategy_state.relaid:
                 comm.relayout_shadow(g)
         if id(m) in j.manager.unbuffered_models:
             # the others' backward marked the model's float64 params pending
             # (GradManager.note_sync_backward): their step-time reduction (sync_gradients)
             # comes next, with zeros from here
-            shadow_unbuffered(j.manager.unbuffered)
+            comm.shadow_unbuffered(j.manager.unbuffered)
 
     def post_hook(self, is_last_joiner: bool):
         """The processes that joined early skipped optimizer steps: everyone takes the model of

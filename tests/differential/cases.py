@@ -227,11 +227,11 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # in private zeros on others (grad_shards.py, the window agreement). Under ZeRO a backward
     # over several gradient groups (two models, or fp32 and bf16 layers without mixed precision:
     # DeepSpeed casts the model otherwise) takes it with find_unused_parameters=True only
-    # (DDPStrategy._in_order). Not under join_uneven_inputs or reentrant checkpointing (as
-    # fsdp_skip)
+    # (DDPStrategy._in_order). Under join_uneven_inputs too (torch DDP's Join shadows
+    # find_unused_parameters' collectives); not with reentrant checkpointing (as fsdp_skip)
     c["rank_skip"] = 0
     groups = 1 + c["two_models"] + (c["param_dtype"] == "mixed" and c["mp"] == "no")
-    if c["world"] > 1 and not c["uneven"] and not c["reentrant"] and r.random() < 0.3 and (
+    if c["world"] > 1 and not c["reentrant"] and r.random() < 0.3 and (
             (c["sharding"] in ("none", "zero1", "zero2") and c["unused"])
             or (c["sharding"] in ("zero1", "zero2") and groups == 1)):
         c["rank_skip"] = r.choice((2, 3))
@@ -319,6 +319,10 @@ REGRESSIONS = {
         _case(REGRESSION_SEED + 18, world=2, uneven=True, f64=True, dataset_extra=1),
     "find_unused_parameters, a float64 layer one rank leaves out (that rank skipped its step-time all-reduces)":
         _case(REGRESSION_SEED + 19, world=2, f64=True, unused=True, rank_skip=2, ga=2),
+    "join_uneven_inputs, find_unused_parameters, a layer one rank leaves out (the joined rank sent zeros for the used-flags torch sends)":
+        _case(REGRESSION_SEED + 20, world=3, uneven=True, unused=True, rank_skip=3, dataset_extra=3),
+    "a float64 layer under the fp16 comm hook (torch's hook casts float64 buckets to fp16 too)":
+        _case(REGRESSION_SEED + 21, world=2, f64=True, comm_hook="fp16", mp="fp16", param_dtype="bf16"),
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
