@@ -258,6 +258,10 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # trainable parameter out in their own buffers); not with the model's reentrant
     # checkpointing (its segments return before the layer)
     c["f64"] = c["sharding"] == "none" and not c["reentrant"] and r.random() < 0.2
+    # a gradient scaled through `.data` between backward and the step (older training code):
+    # `.data` has a version counter of its own, so no cached norm may survive it
+    # (grad_layout.GradView). Where a full gradient exists between backward and the step
+    c["grad_data"] = c["sharding"] in ("none", "zero1") and r.random() < 0.15
     return c
 
 
@@ -270,7 +274,8 @@ def _case(seed: int, **overrides) -> dict:
          "assign_grad": False, "two_models": False, "two_optimizers": False, "sync_style": "accumulate", "optimizer": "sgd", "skip_first": 0,
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
          "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0,
-         "nonreentrant": False, "sync_each": False, "staged": False, "f64": False}
+         "nonreentrant": False, "sync_each": False, "staged": False, "f64": False,
+         "grad_data": False}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -350,6 +355,8 @@ def describe(c: dict) -> str:
         parts.append("staged")
     if c.get("f64"):
         parts.append("f64")
+    if c.get("grad_data"):
+        parts.append("grad_data")
     if c.get("sharding") == "zero3":
         parts.append(f"units={c['zero3_units']}")
     if c.get("sharding") == "fsdp":

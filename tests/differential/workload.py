@@ -206,13 +206,16 @@ def _first_with_grad(params, reverse=False):
 
 def touch_grads(case, params, step: int):
     """What the loop does to the gradients between backward and the step: a NaN in the last
-    one at step `nan_grad_step`, and (assign_grad) the first one replaced by a new tensor."""
+    one at step `nan_grad_step`, (assign_grad) the first one replaced by a new tensor, and
+    (grad_data) the last one halved through `.data`."""
     if case["nan_grad_step"] == step:
         with torch.no_grad():
             _first_with_grad(params, reverse=True).grad.view(-1)[0] = float("nan")
     if case["assign_grad"]:
         p = _first_with_grad(params)
         p.grad = p.grad.detach().clone() * 0.5
+    if case.get("grad_data", False):  # through .data, whose version counter is its own
+        _first_with_grad(params, reverse=True).grad.data.mul_(0.5)
 
 
 def zero_grads(case, opts, models, params, engine: bool = False):
