@@ -262,6 +262,9 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # `.data` has a version counter of its own, so no cached norm may survive it
     # (grad_layout.GradView). Where a full gradient exists between backward and the step
     c["grad_data"] = c["sharding"] in ("none", "zero1") and r.random() < 0.15
+    # the optimizer's multi-tensor implementation (foreach=True): its _foreach_ ops read the
+    # gradient views (and under ZeRO, the rebuilt optimizer over the owned runs must keep it)
+    c["foreach"] = r.random() < 0.25
     return c
 
 
@@ -275,7 +278,7 @@ def _case(seed: int, **overrides) -> dict:
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
          "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0,
          "nonreentrant": False, "sync_each": False, "staged": False, "f64": False,
-         "grad_data": False}
+         "grad_data": False, "foreach": False}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -357,6 +360,8 @@ def describe(c: dict) -> str:
         parts.append("f64")
     if c.get("grad_data"):
         parts.append("grad_data")
+    if c.get("foreach"):
+        parts.append("foreach")
     if c.get("sharding") == "zero3":
         parts.append(f"units={c['zero3_units']}")
     if c.get("sharding") == "fsdp":

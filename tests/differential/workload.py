@@ -164,11 +164,14 @@ def optimizers(case: dict, params) -> list:
 
 def _optimizer(case: dict, params):
     kind = case["optimizer"]
+    # foreach: torch's multi-tensor implementation (grouped by device and dtype), else torch's
+    # default for CPU tensors (the per-parameter loop)
+    foreach = True if case.get("foreach", False) else None
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.2)
+        return torch.optim.SGD(params, lr=0.2, foreach=foreach)
     if kind == "sgd_momentum":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01, foreach=foreach)
 
 
 def schedule(opt):
