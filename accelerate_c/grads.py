@@ -79,7 +79,6 @@ class GradGroup(GradLayout):
         # the hook, or folded into the copy-in): the all-reduce's sum is then the average
         self.reducer.prescale = strategy.prescale if launching else 1.0
         self.pending_sync = self.pending_sync or launching
-        self.manager.note_sync_backward(self.model_key)
 
     def on_buckets(self, first, last):
         self.manager.strategy.buckets_ready(self, first, last)
@@ -200,12 +199,9 @@ class GradManager:
         # gradients stay ordinary torch tensors
         self.unbuffered: list = []
         self.unbuffered_hooks: list = []
-        # a sync backward ran through a model with unbuffered params, not reduced yet
-        self.unbuffered_pending = False
-        # id() of the prepared models that have unbuffered params: a sync backward of one marks
-        # them pending on every rank, also where control flow gave none of them a gradient here
-        # (prepare_step's reduction is a collective: every rank must decide alike)
-        self.unbuffered_models: set = set()
+        # id() of a prepared model -> its unbuffered params, in the order they were found (the
+        # same on every rank: the strategy reduces them at the end of each sync backward)
+        self.unbuffered_of: dict = {}
         self.names: dict[int, str] = {}  # id(param) -> its name in the model, for error messages
         # bucket sizes of the reducer: torch DDP's (first bucket 1 MiB, then bucket_cap_mb)
         self.bucket_caps = (1024 * 1024, 25 * 1024 * 1024)
@@ -284,7 +280,7 @@ class GradManager:
                 for p in group_params:
                     if all(q is not p for q in self.unbuffered):
                         self.unbuffered.append(p)
-                        self.unbuffered_models.add(model_key)
+                        self.unbuffered_of.setdefault(model_key, []).append(p)
                         self.unbuffered_hooks.append(p.register_post_accumulate_grad_hook(
                             lambda param, key=model_key: self._unbuffered_hook(key)))
                 continue
@@ -314,18 +310,14 @@ class GradManager:
             # what the aborted backward started is forgotten: its bucketed reduction must not be
             # redone by the next step's fallback over gradients a later backward reduced itself
             g.pending_sync = False
-        self.unbuffered_pending = False
         self.strategy.abort_held()
 
     def _unbuffered_hook(self, model_key):
-        self.note_sync_backward(model_key)
-
-    def note_sync_backward(self, model_key):
-        """A backward of `model_key` delivered a gradient (an unbuffered param's hook, or a
-        group's first gradient: GradGroup.begin_backward): its unbuffered params are reduced at
-        the next step if this backward reduces."""
-        if model_key in self.unbuffered_models and self.distributed and self.sync_now(model_key):
-            self.unbuffered_pending = True
+        """An unbuffered param got a gradient: on a backward that reduces, the strategy
+        averages the model's unbuffered params at its end (as their buckets would be); the
+        model's groups, if any, tell it the same from their first gradient."""
+        if self.distributed and self.sync_now(model_key):
+            self.strategy.unbuffered_backward(model_key)
 
     def prepare_step(self):
         """What every entry point that reads gradients (clip, unscale, optimizer step) runs
@@ -337,11 +329,10 @@ class GradManager:
         if not self.distributed:
             return
         todo = [g for g in self.groups if g.pending_sync]
-        if todo or self.unbuffered_pending:
-            self.strategy.sync_missed(todo, self.unbuffered if self.unbuffered_pending else [])
+        if todo:
+            self.strategy.sync_missed(todo)
             for g in todo:
                 g.pending_sync = False
-            self.unbuffered_pending = False
 
     def sync_views(self):
         """One walk per group: resyncs the `.grad` assignments of intact groups and rebuilds
@@ -368,10 +359,9 @@ class GradManager:
         for h in self.unbuffered_hooks:
             h.remove()
         self.groups, self.where, self.outside, self.unbuffered, self.unbuffered_hooks = [], {}, {}, [], []
-        self.unbuffered_models = set()
+        self.unbuffered_of = {}
         self.epoch += 1
         self._full_cache = None
-        self.unbuffered_pending = False
 
     def _outside_needs_unscale(self, p) -> bool:
         """Whether a param outside the buffers got a (scaled) gradient since its last unscale;

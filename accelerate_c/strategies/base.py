@@ -98,9 +98,12 @@ class GradStrategy:
         """join_uneven_inputs() is over."""
 
     # ---- before the gradients are read (GradManager.prepare_step) -----------------------
-    def sync_missed(self, groups, unbuffered) -> None:
-        """Reduces what the bucketed path could not: whole `groups` (rebuilt mid-step) and the
-        `unbuffered` parameters of prepared models (float64) that got a gradient."""
+    def sync_missed(self, groups) -> None:
+        """Reduces what the bucketed path could not: whole `groups` (rebuilt mid-step)."""
+
+    def unbuffered_backward(self, model_key) -> None:
+        """A parameter of that model without a buffer (float64) got a gradient in a backward
+        that reduces (several processes only)."""
 
     # ---- norm, found_inf, step, state dict -----------------------------------------------
     def cached_sumsq(self, group):

@@ -139,8 +139,8 @@ class DDPStrategy(GradStrategy):
         self.nccl = None  # _C.NcclComm: CUDA buckets are launched from the C hooks, no Python
         self.comm_stream = None
         self.joining: dict = {}  # id(model) -> ModelJoinable inside join_uneven_inputs()
-        # the float64 params' used-flags the last step-time reduction agreed on (shadow_unbuffered)
-        self.unbuffered_used_sum = None
+        # id(model) -> its float64 params' used-flags, as reduce_unbuffered last agreed them
+        self.unbuffered_used_sum: dict = {}
         self._zeros: dict = {}  # shadow_zeros' buffers
         # id(model) of the models whose reduced backward now running ends in _finish_ordered,
         # group after group in a fixed order (_in_order), and the autograd graph task that
@@ -228,7 +228,12 @@ class DDPStrategy(GradStrategy):
         flag keeps its overlap (there the same groups must get gradients on every rank).
         Inside join_uneven_inputs, a model with several groups always: a process that ran out
         of data shadows the others' collectives (_ShadowHook) and cannot know how their groups'
-        buckets interleave, but knows the manager's order."""
+        buckets interleave, but knows the manager's order. And a model with float64 parameters
+        (no buffer) always: they are averaged after its groups, one all-reduce each, where every
+        rank (and a joined one's shadow) knows the place, also when control flow gave them no
+        gradient on some rank."""
+        if model_key in self.manager.unbuffered_of:
+            return True
         if self.joining.get(model_key) is not None:
             return len(self.manager.groups_of(model_key)) > 1
         if not self.asked_find_unused:
@@ -252,15 +257,41 @@ class DDPStrategy(GradStrategy):
             self.abort_held()
 
     def finish_ordered_groups(self) -> None:
-        """Every group of the models in `ordered`, in a fixed order: the ones that began finish
-        (their deferred buckets launch), the ones that got no gradient here begin and finish
-        (zeros, or what earlier no_sync micro-batches accumulated)."""
-        for g in self.ordered_members():
-            if g.model_key not in self.ordered or getattr(g, "broken", False):
+        """The models in `ordered`, model after model in a fixed order: every group of it, in
+        the manager's order (the ones that began finish: their deferred buckets launch; the
+        ones that got no gradient here begin and finish: zeros, or what earlier no_sync
+        micro-batches accumulated), then its float64 parameters (reduce_unbuffered)."""
+        members = self.ordered_members()
+        for key in dict.fromkeys([g.model_key for g in members] + list(self.manager.unbuffered_of)):
+            if key not in self.ordered:
                 continue
-            if not g.reducer.launching:
-                g.begin_backward()
-            g.finish_backward()
+            for g in members:
+                if g.model_key != key or getattr(g, "broken", False):
+                    continue
+                if not g.reducer.launching:
+                    g.begin_backward()
+                g.finish_backward()
+            if key in self.manager.unbuffered_of:
+                self.reduce_unbuffered(key)
+
+    def unbuffered_backward(self, model_key) -> None:
+        self.order(model_key)
+
+    @torch.no_grad()
+    def reduce_unbuffered(self, model_key) -> None:
+        """Averages the float64 parameters of a model at the end of its sync backward, as
+        torch DDP's bucket holding them would: their used-flags agreed first (one all-reduce:
+        a parameter has a gradient if any rank gave it one, zeros in the sum where it has
+        none), then one all-reduce each (average_unbuffered)."""
+        params = self.manager.unbuffered_of[model_key]
+        agreed = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=_collective_device())
+        collectives.all_reduce(agreed)
+        self.unbuffered_used_sum[model_key] = agreed.clone()
+        for p, used in zip(params, agreed.tolist()):
+            if used:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                self.average_unbuffered(grad)
+                p.grad = grad
 
     def ordered_members(self) -> list:
         """What finish_ordered_groups goes through, in the same order on every rank: the
@@ -307,10 +338,8 @@ class DDPStrategy(GradStrategy):
             return stats[1:]
         return None
 
-    def sync_missed(self, groups, unbuffered):
-        used = sync_gradients(groups, unbuffered, self.average_whole, self.average_unbuffered)
-        if unbuffered:
-            self.unbuffered_used_sum = used[len(used) - len(unbuffered):].clone()
+    def sync_missed(self, groups):
+        sync_gradients(groups, self.average_whole)
 
     def average_unbuffered(self, grad) -> None:
         """The average of a float64 gradient (no buffer), in place, as torch DDP averages the
@@ -324,18 +353,19 @@ class DDPStrategy(GradStrategy):
             grad.mul_(1.0 / self.world)
             collectives.all_reduce(grad)
 
-    def shadow_unbuffered(self, unbuffered) -> None:
-        """sync_gradients(groups=[], unbuffered) on a process that ran out of data: it adds no
-        gradient; the used-flags tell it which parameters the others reduce. It sends zeros,
-        or with find_unused_parameters what its last reduction agreed on, summed again in place
-        at each shadowed step (as _ShadowHook does for the buffers' flags: torch DDP's join
-        hook, whose used-map holds float64 parameters beside the others)."""
-        used = self.unbuffered_used_sum
-        if not self.find_unused or used is None or used.numel() != len(unbuffered):
-            used = torch.zeros(len(unbuffered), dtype=torch.int32, device=_collective_device())
+    def shadow_unbuffered(self, model_key) -> None:
+        """reduce_unbuffered on a process that ran out of data: it adds no gradient; the
+        used-flags tell it which parameters the others reduce. It sends zeros, or with
+        find_unused_parameters what its last reduction agreed on, summed again in place at each
+        shadowed backward (as _ShadowHook does for the buffers' flags: torch DDP's join hook,
+        whose used-map holds float64 parameters beside the others)."""
+        params = self.manager.unbuffered_of[model_key]
+        used = self.unbuffered_used_sum.get(model_key)
+        if not self.find_unused or used is None:
+            used = torch.zeros(len(params), dtype=torch.int32, device=_collective_device())
         collectives.all_reduce(used)
-        self.unbuffered_used_sum = used
-        for p, u in zip(unbuffered, used.tolist()):
+        self.unbuffered_used_sum[model_key] = used
+        for p, u in zip(params, used.tolist()):
             if u:
                 collectives.all_reduce(torch.zeros_like(p, dtype=self.hook_dtype or p.dtype))
 
@@ -546,14 +576,11 @@ class DDPStrategy(GradStrategy):
         self._relayout(g, order=g.order)
 
 
-def sync_gradients(groups, unbuffered, average_whole, average_unbuffered) -> torch.Tensor:
-    """All-reduces whole buffers (`average_whole(g)`) and parameters without one (float64:
-    `average_unbuffered(grad)`; DDPStrategy's, as torch DDP's buckets are) that missed the
-    bucketed reduction, with one collective each; all ranks call this at the same point with the same groups (prepare_step has resynced
-    the groups' assignments). Returns the agreed used-flags (the groups' params', then the
-    unbuffered ones')."""
+def sync_gradients(groups, average_whole) -> None:
+    """All-reduces whole buffers that missed the bucketed reduction (`average_whole(g)`:
+    DDPStrategy's, as its buckets are), with one collective each; all ranks call this at the
+    same point with the same groups (prepare_step has resynced the groups' assignments)."""
     flags = [p.grad is v for g in groups for p, v in zip(g.params, g.views)]
-    flags += [p.grad is not None for p in unbuffered]
     agreed = torch.tensor(flags, dtype=torch.int32, device=_collective_device(groups))
     collectives.all_reduce(agreed)
     used = agreed.tolist()
@@ -566,13 +593,6 @@ def sync_gradients(groups, unbuffered, average_whole, average_unbuffered) -> tor
             if used[k] and p.grad is None:  # used on another rank: its (reduced) gradient
                 p.grad = v
             k += 1
-    for p in unbuffered:  # one all-reduce each
-        if used[k]:
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            average_unbuffered(grad)
-            p.grad = grad
-        k += 1
-    return agreed
 
 
 def check_same_structure(model: torch.nn.Module, src: int = 0, allow_meta: bool = False) -> list:
@@ -735,11 +755,10 @@ class _ShadowHook:
                 g.strategy_state.used_sum = used
             if not g.strategy_state.relaid:
                 comm.relayout_shadow(g)
-        if id(m) in j.manager.unbuffered_models:
-            # the others' backward marked the model's float64 params pending
-            # (GradManager.note_sync_backward): their step-time reduction (sync_gradients)
-            # comes next, with zeros from here
-            comm.shadow_unbuffered(j.manager.unbuffered)
+        if id(m) in j.manager.unbuffered_of:
+            # the others average the model's float64 params after its groups
+            # (finish_ordered_groups), with zeros from here
+            comm.shadow_unbuffered(id(m))
 
     def post_hook(self, is_last_joiner: bool):
         """The processes that joined early skipped optimizer steps: everyone takes the model of

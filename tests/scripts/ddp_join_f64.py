@@ -1,0 +1,92 @@
+"""Run by tests/test_ddp.py through `accelerate-c launch --num_processes 2 --cpu`: a model with a
+float64 layer (no gradient buffer) inside join_uneven_inputs, rank r holding 2 + r batches, against
+torch DDP under torch's Join on the same seed and data: two forward/backward pairs before each
+optimizer step, and (second part) two joined models, one of them without a float64 layer. The float64 gradients are
+averaged at the end of every sync backward, after the model's buffers, so the process that ran
+out of data shadows them per backward (DDPStrategy.reduce_unbuffered, shadow_unbuffered). Prints
+"join f64 OK" when the parameters are torch's bit for bit."""
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from accelerate_c import Accelerator
+
+
+class Half64(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.wide = nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        return self.lin(x) + self.wide(x.double()).float()
+
+
+acc = Accelerator(cpu=True)
+rank = acc.process_index
+torch.manual_seed(3)
+bases = [Half64(), nn.Linear(5, 3)]
+gen = torch.Generator().manual_seed(40 + rank)
+data = [(torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)) for _ in range(2 + rank)]
+fails = []
+
+
+def same(ours, theirs, what):
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        if not torch.equal(p, q):
+            fails.append(f"{what}: {name} differs from torch DDP's by {(p - q).abs().max().item():.3g}")
+
+
+# 1. two backwards per step, one model
+ref = DDP(copy.deepcopy(bases[0]))
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+with Join([ref]):
+    for x1, x2 in data:
+        ref(x1).pow(2).sum().backward()
+        ref(x2).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+model = copy.deepcopy(bases[0])
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model, opt = acc.prepare(model, opt)
+with acc.join_uneven_inputs([model], even_batches=False):
+    for x1, x2 in data:
+        acc.backward(model(x1).pow(2).sum())
+        acc.backward(model(x2).pow(2).sum())
+        opt.step()
+        opt.zero_grad()
+same(model, ref.module, "two backwards per step")
+
+# 2. two joined models (one with a float64 layer), a backward each, one step for both (torch
+#    DDP under Join mismatches its own collectives when two DDP models share one loss)
+refs = [DDP(copy.deepcopy(b)) for b in bases]
+ref_opt = torch.optim.SGD([p for r in refs for p in r.parameters()], lr=0.1)
+with Join(refs):
+    for x, _ in data:
+        for r in refs:
+            r(x).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+models = [copy.deepcopy(b) for b in bases]
+opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+*models, opt = acc.prepare(*models, opt)
+with acc.join_uneven_inputs(models, even_batches=False):
+    for x, _ in data:
+        for m in models:
+            acc.backward(m(x).pow(2).sum())
+        opt.step()
+        opt.zero_grad()
+for k, (m, r) in enumerate(zip(models, refs)):
+    same(m, r.module, f"two joined models, model {k}")
+
+everyone = [None] * dist.get_world_size()
+dist.all_gather_object(everyone, fails)
+bad = [f"rank {r}: {f}" for r, fs in enumerate(everyone) for f in fs]
+if bad:
+    raise SystemExit("\n".join(bad[:20]))
+if rank == 0:
+    print("join f64 OK")
