@@ -64,11 +64,15 @@ def alloc_flat(numel: int, dtype, device) -> torch.Tensor:
 class GradView(torch.Tensor):
     """A parameter's range of the flat buffer, as its `.grad`: a plain tensor in every respect
     (torch functions are not intercepted; what they return is a plain tensor) except `.data`.
-    A write through `p.grad.data` (older training code scales or clips that way) bumps a version
-    counter of its own, not the buffer's, so the sums of squares clip reuses (measured in the
-    hooks, or after each bucket's all-reduce, and keyed on the buffer's version) would go stale
-    unseen: any `.data` access, read or assignment, counts as a write to the buffer. Pickled and
-    deep-copied as a plain tensor (the buffer stays behind)."""
+    torch's `.data` is an alias with a version counter of its own, so a write through
+    `p.grad.data` (older training code scales or clips that way) would leave the buffer's
+    version as it was, and the sums of squares clip reuses (measured in the hooks, or after
+    each bucket's all-reduce, and keyed on that version) would go stale unseen. Here `.data`
+    is the alias `.detach()` gives, which shares the version counter: its writes count, also
+    through a handle kept across steps, and reads cost nothing. (Unlike torch's `.data`, its
+    sizes cannot be changed in place; assigning `.data` swaps the memory under the view, which
+    the next step notices and rebuilds the buffer for, and counts as a write.) Pickled and
+    deep-copied as a plain tensor. CPU buffers only (GradLayout.build)."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -86,8 +90,7 @@ class GradView(torch.Tensor):
 
     @property
     def data(self):
-        self._touched()
-        return torch.Tensor.data.__get__(self, torch.Tensor)
+        return torch.Tensor.detach(self)
 
     @data.setter
     def data(self, value):
@@ -139,8 +142,12 @@ class GradLayout:
         offsets, _ = self.reducer.layout()
         self.offsets = offsets
         self.flat = self.alloc_buffer(self.reducer.total())
-        self.views = [GradView.of(self.flat[o:o + p.numel()].view(p.shape), self)
-                      for o, p in zip(offsets, self.params)]
+        # CPU views are GradViews, whose `.data` shares their version counter: the sums of
+        # squares clip reuses are taken on CPU buffers only. CUDA views stay plain tensors, so
+        # torch's own multi-tensor paths (clip_grad_norm_'s foreach check wants the exact
+        # type) keep taking them there
+        views = [self.flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
+        self.views = views if self.is_cuda else [GradView.of(v, self) for v in views]
         # the alignment gaps between ranges: zero, and kept zero (see scale_), so that
         # whole-buffer passes and bucket all-reduces read zeros there
         spans = sorted((o, o + p.numel()) for o, p in zip(offsets, self.params))

@@ -156,10 +156,12 @@ WRITES = {
     "no_grad_param": True,  # no gradient (set_to_none): its range zeroed
     # writes the sums cannot follow: clip must read the buffer
     "grad_mul": False,  # p.grad.mul_() after backward
-    # p.grad.data.mul_(): `.data` has a version counter of its own, which no cache can see;
-    # every `.data` access of a gradient view counts as a write (grad_layout.GradView)
+    # p.grad.data.mul_(): torch's `.data` has a version counter of its own, which no cache
+    # could see; a gradient view's `.data` shares the view's (grad_layout.GradView)
     "grad_data_mul": False,
-    "grad_data_assign": False,  # p.grad.data = a new tensor of the same shape
+    # p.grad.data = a new tensor: the view no longer points into the buffer (the step rebuilds it)
+    "grad_data_assign": False,
+    "grad_data_read": True,  # p.grad.data.norm() (logging): a read, not a write
     "grad_assign_and_grad_mul": False,  # both of the above on two parameters
     "no_grad_param_zeros": False,  # no gradient, zero_grad(set_to_none=False): unmeasured zeros
     "unscale_fp16": False,  # unscale_gradients() before clip
@@ -212,6 +214,8 @@ def test_clip_uses_the_hook_sums_only_when_nothing_else_wrote_the_buffer(write):
             m.fc2.bias.grad.data.mul_(2.0)
         elif write == "grad_data_assign":
             m.fc2.bias.grad.data = m.fc2.bias.grad * 2.0
+        elif write == "grad_data_read":
+            float(m.fc2.bias.grad.data.norm())
         elif write == "unscale_fp16":
             opt_unscale()
 
@@ -345,3 +349,21 @@ def test_clip_coefficient_is_torchs_bit_for_bit():
             assert norm.dtype == dtype and norm.shape == ()
             assert torch.equal(norm, want) or (norm.isnan() and want.isnan()), (dtype, total, norm, want)
             assert coef == want_coef or (math.isnan(coef) and math.isnan(want_coef)), (dtype, total, max_norm)
+
+
+def test_reading_grad_data_leaves_a_graph_that_saved_the_gradient_alone():
+    """A graph that saved a gradient (here as the factor of a product) still backpropagates after
+    `p.grad.data` is read, as in torch: reading `.data` of a gradient view is not a write."""
+    results = []
+    for ours in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        if ours:
+            model = Accelerator(cpu=True).prepare(model)
+        model(torch.randn(2, 4)).sum().backward()
+        w = torch.ones(3, requires_grad=True)
+        aux = (w * model.bias.grad).sum()  # saves model.bias.grad for w's gradient
+        float(model.bias.grad.data.norm())
+        aux.backward()
+        results.append(w.grad.clone())
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)

@@ -1,6 +1,8 @@
 """GPU-only logic on this GPU-less machine, against stand-ins: which device the small tensors of
 the reducer's collectives live on under NCCL (a fake NCCL that, like the real one, refuses CPU
 tensors). What only a GPU can show runs in benchmarks/gpu_check.sh (docs/gpu.md)."""
+import types
+
 import pytest
 import torch
 
@@ -58,12 +60,16 @@ def fake_nccl(monkeypatch):
     return fake
 
 
-def test_sync_gradients_with_no_pending_bucket_puts_its_flags_on_the_gpu(fake_nccl):
-    """Only float64 params (no flat buffer) got gradients on this sync step: no group is
-    pending, and the used-flags all-reduce must still go to NCCL on a CUDA device."""
+def test_float64_reduction_puts_its_flags_on_the_gpu(fake_nccl):
+    """A model whose float64 params (no flat buffer) got gradients: their used-flags all-reduce
+    (DDPStrategy.reduce_unbuffered, with no gradient group involved) must go to NCCL on a CUDA
+    device."""
     used, unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64)), torch.nn.Parameter(torch.ones(2))
     used.grad = fake_nccl.mark(torch.full((3,), 4.0, dtype=torch.float64))
-    ddp.sync_gradients([], [used, unused])
+    strategy = ddp.DDPStrategy.__new__(ddp.DDPStrategy)  # just what reduce_unbuffered reads
+    strategy.manager = types.SimpleNamespace(unbuffered_of={7: [used, unused]})
+    strategy.world, strategy.hook_dtype, strategy.unbuffered_used_sum = 2, None, {}
+    strategy.reduce_unbuffered(7)
     flags = [c for c in fake_nccl.calls if c[2] == 2]
     assert flags and flags[0][1].type == "cuda", fake_nccl.calls
     # the reference: torch DDP's average over 2 ranks of the same gradient is that gradient
