@@ -282,7 +282,8 @@ for name, fn, tol in (("fp16", default_hooks.fp16_compress_hook, 1e-3), ("bf16",
 def cast_after_prepare(hook_name, hook_fn):
     data16 = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in data]
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base).to(torch.bfloat16), gradient_as_bucket_view=True)
-    ddp.register_comm_hook(None, hook_fn)
+    if hook_fn is not None:
+        ddp.register_comm_hook(None, hook_fn)
     ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     acc = fresh(comm_hook=hook_name)
     ours = copy.deepcopy(base)
@@ -303,7 +304,10 @@ def cast_after_prepare(hook_name, hook_fn):
                       f"{(p.float() - q.float()).abs().max().item():.3e}")
 
 
-cast_after_prepare("fp16", default_hooks.fp16_compress_hook)
+# the hook's dtype differs from the gradients'; no hook (x 1/world before the sum); the hook's
+# dtype is the gradients' (the bucket divided in it)
+for hook_name, hook_fn in (("fp16", default_hooks.fp16_compress_hook), ("no", None), ("bf16", bf16_reference_hook)):
+    cast_after_prepare(hook_name, hook_fn)
 
 # 8. broadcast_buffers (default True): BatchNorm statistics follow torch DDP's
 torch.manual_seed(3)
