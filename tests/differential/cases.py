@@ -253,13 +253,14 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     c["staged"] = c["world"] > 1 and r.random() < 0.3
     # a float64 layer beside the middle one (`side`, left out with it by rank_skip): float64 has
     # no flat buffer (no C kernels), so its gradients stay torch tensors, averaged one all-reduce
-    # each at the step's first entry point (docs/ddp.md); unscaled, checked and clipped by torch
+    # each at the end of backward, after the buffers (docs/ddp.md); unscaled, checked and clipped by torch
     # ops beside the buffers. Replicated training only (the sharding strategies lay every
     # trainable parameter out in their own buffers); not with the model's reentrant
     # checkpointing (its segments return before the layer)
     c["f64"] = c["sharding"] == "none" and not c["reentrant"] and r.random() < 0.2
     # a gradient scaled through `.data` between backward and the step (older training code):
-    # `.data` has a version counter of its own, so no cached norm may survive it
+    # torch's `.data` has a version counter of its own, so a cached norm would survive it
+    # unless the view's `.data` shares the view's (grad_layout.GradView)
     # (grad_layout.GradView). Where a full gradient exists between backward and the step
     c["grad_data"] = c["sharding"] in ("none", "zero1") and r.random() < 0.15
     # the optimizer's multi-tensor implementation (foreach=True): its _foreach_ ops read the
