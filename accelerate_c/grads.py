@@ -58,6 +58,7 @@ class GradGroup(GradLayout):
             # _end_of_backward): this backward goes on, in the graph task now running
             self.reducer.requeue = False
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.manager.strategy.resume_backward(self)
             return
         self.begin_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -298,6 +299,7 @@ class GradManager:
         delivered no more (GradGroup._end_of_backward): the missing ones are then really unused
         (an error without find_unused_parameters, zeros with it). Every rank calls this at the
         same point: the end of Accelerator.backward, and prepare_step for a raw loss.backward()."""
+        self.strategy.finish_ordered_awaiting()
         for g in list(self.groups):
             if g.reducer.requeue:
                 g.finish_backward()

@@ -54,11 +54,12 @@ def test_control_flow_that_differs_between_ranks_over_two_gradient_groups_matche
     assert f"rank flow OK on {n} processes" in res.stdout
 
 
-def test_float64_parameters_inside_join_match_torch_ddp_under_join():
-    """tests/scripts/ddp_join_f64.py: a float64 layer (no buffer) inside join_uneven_inputs, two
+def test_float64_parameters_match_torch_ddp_under_join_and_reentrant_checkpointing():
+    """tests/scripts/ddp_float64.py: a float64 layer (no buffer) inside join_uneven_inputs, two
     backwards per step and two joined models, bit for bit torch DDP under torch's Join
-    (DDPStrategy.reduce_unbuffered after each sync backward, shadow_unbuffered per backward)."""
+    (DDPStrategy.reduce_unbuffered after each sync backward, shadow_unbuffered per backward);
+    and under reentrant checkpointing (the in-order finish waits for the outer backward)."""
     res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "ddp_join_f64.py")], timeout=wait_s(300))
+                  os.path.join(SCRIPTS, "ddp_float64.py")], timeout=wait_s(300))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    assert "join f64 OK" in res.stdout
+    assert "float64 OK" in res.stdout

@@ -172,6 +172,13 @@ class GradStrategy:
     def finish_awaiting(self) -> None:
         """GradManager.finish_awaiting for the gradients the strategy holds itself."""
 
+    def finish_ordered_awaiting(self) -> None:
+        """GradManager.finish_awaiting, before the groups: a backward the strategy finishes in
+        order, still waiting for gradients, finishes now."""
+
+    def resume_backward(self, group) -> None:
+        """A gradient of `group` after an end of backward that came too early."""
+
     def clear_held(self) -> None:
         """GradManager.clear: forget the gradients the strategy holds itself (and their hooks)."""
 

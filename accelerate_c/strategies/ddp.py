@@ -147,6 +147,7 @@ class DDPStrategy(GradStrategy):
         # callback is queued on (a backward that raised never ran it: the next one queues anew)
         self.ordered: set = set()
         self._ordered_task = None
+        self.ordered_waiting = False  # _finish_ordered came at a nested backward's end, too early
 
     def prepare_model(self, model, manager):
         broadcast_model(model)  # every replica starts from rank 0's weights
@@ -242,19 +243,52 @@ class DDPStrategy(GradStrategy):
 
     def order(self, model_key) -> None:
         """`model_key`'s backward now running ends in _finish_ordered (queued once per backward,
-        on the graph task of its first gradient)."""
+        on the graph task of its first gradient, and again on the task a waiting backward goes
+        on in)."""
         task = torch._C._current_graph_task_id()
         if task != self._ordered_task:
-            self.ordered.clear()  # what a backward that raised left
+            if not self.ordered_waiting:
+                self.ordered.clear()  # what a backward that raised left
+            self.ordered_waiting = False
             self._ordered_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_ordered)
         self.ordered.add(model_key)
 
     def _finish_ordered(self) -> None:
+        if not self.find_unused and self._still_arriving():
+            # the graph task that ended was a reentrant checkpoint's inner backward, and the
+            # outer one has gradients of these groups still to deliver (without
+            # find_unused_parameters a missing gradient is never legitimate): wait for the next
+            # of their hooks (resume_backward), or for finish_awaiting
+            self.ordered_waiting = True
+            self._ordered_task = None
+            for g in self.ordered_members():
+                if g.model_key in self.ordered and g.reducer.launching:
+                    g.reducer.requeue = True
+            return
         try:
             self.finish_ordered_groups()
         finally:
             self.abort_held()
+
+    def _still_arriving(self) -> bool:
+        return any(g.model_key in self.ordered and g.reducer.launching and g.reducer.pending()
+                   for g in self.ordered_members())
+
+    def resume_backward(self, g) -> None:
+        """A gradient of g after an end of backward that came too early (GradGroup.on_first):
+        an in-order backward that waits goes on in the graph task now running."""
+        if self.ordered_waiting and g.model_key in self.ordered:
+            self.order(g.model_key)
+
+    def finish_ordered_awaiting(self) -> None:
+        """GradManager.finish_awaiting, first: an in-order backward still waiting for gradients
+        that never came finishes now (they are missing: an error naming them)."""
+        if self.ordered_waiting:
+            try:
+                self.finish_ordered_groups()
+            finally:
+                self.abort_held()
 
     def finish_ordered_groups(self) -> None:
         """The models in `ordered`, model after model in a fixed order: every group of it, in
@@ -304,6 +338,7 @@ class DDPStrategy(GradStrategy):
     def abort_held(self):
         self.ordered.clear()
         self._ordered_task = None
+        self.ordered_waiting = False
 
     def abort_backward(self, g):
         """A backward raised: the all-reduces it launched still finish (every process launched

@@ -278,7 +278,7 @@ for name, fn, tol in (("fp16", default_hooks.fp16_compress_hook, 1e-3), ("bf16",
 #     which the step rebuilds and then reduces whole (DDPStrategy.average_whole), with the comm
 #     hook's wire as torch's hook has it (cast, divide, sum in fp16); later steps go through the
 #     rebuilt buckets. torch DDP is given the bf16 model from the start. Each step's parameters
-#     must match to a bf16 ulp (on 2 ranks a sum of two is the same in any order: bitwise there)
+#     must match (on 2 ranks bitwise: a sum of two is the same in any order)
 def cast_after_prepare(hook_name, hook_fn):
     data16 = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in data]
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base).to(torch.bfloat16), gradient_as_bucket_view=True)
@@ -299,7 +299,9 @@ def cast_after_prepare(hook_name, hook_fn):
         opt.zero_grad()
         for (name, p), q in zip(ours.named_parameters(), ddp.module.parameters()):
             exact = dist.get_world_size() == 2
-            ok = torch.equal(p, q) if exact else torch.allclose(p.float(), q.float(), rtol=2 ** -7, atol=1e-6)
+            # 3 ranks: bf16 sums in another order, a bf16 ulp or two of the tensor's largest value
+            ok = torch.equal(p, q) if exact else bool(
+                (p.float() - q.float()).abs().max() <= 2 ** -6 * q.float().abs().max().clamp(min=1e-3))
             check(ok, f"cast after prepare, comm_hook={hook_name}, step {step}: {name} differs from torch DDP's by "
                       f"{(p.float() - q.float()).abs().max().item():.3e}")
 

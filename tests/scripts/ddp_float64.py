@@ -1,10 +1,12 @@
 """Run by tests/test_ddp.py through `accelerate-c launch --num_processes 2 --cpu`: a model with a
 float64 layer (no gradient buffer) inside join_uneven_inputs, rank r holding 2 + r batches, against
 torch DDP under torch's Join on the same seed and data: two forward/backward pairs before each
-optimizer step, and (second part) two joined models, one of them without a float64 layer. The float64 gradients are
+optimizer step, and (second part) two joined models, one of them without a float64 layer; then
+(third part, no join) the output layer in a reentrant checkpoint, whose inner backward delivers
+the first gradients and ends before the outer one has delivered the rest. The float64 gradients are
 averaged at the end of every sync backward, after the model's buffers, so the process that ran
 out of data shadows them per backward (DDPStrategy.reduce_unbuffered, shadow_unbuffered). Prints
-"join f64 OK" when the parameters are torch's bit for bit."""
+"float64 OK" when the parameters are torch's bit for bit."""
 import copy
 
 import torch
@@ -12,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from accelerate_c import Accelerator
 
@@ -83,10 +86,39 @@ with acc.join_uneven_inputs(models, even_batches=False):
 for k, (m, r) in enumerate(zip(models, refs)):
     same(m, r.module, f"two joined models, model {k}")
 
+
+
+# 3. reentrant checkpointing of the output layer (DDPStrategy._finish_ordered waits)
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = Half64()
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return checkpoint(lambda t: self.out(t), torch.tanh(self.body(x)), use_reentrant=True)
+
+
+torch.manual_seed(5)
+base = Checkpointed()
+ref = DDP(copy.deepcopy(base))
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+model = copy.deepcopy(base)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = acc.prepare(model, opt)
+for x, _ in data[:2]:  # as many batches on every rank
+    ref(x).pow(2).sum().backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    acc.backward(model(x).pow(2).sum())
+    opt.step()
+    opt.zero_grad()
+same(model, ref.module, "reentrant checkpointing")
+
 everyone = [None] * dist.get_world_size()
 dist.all_gather_object(everyone, fails)
 bad = [f"rank {r}: {f}" for r, fs in enumerate(everyone) for f in fs]
 if bad:
     raise SystemExit("\n".join(bad[:20]))
 if rank == 0:
-    print("join f64 OK")
+    print("float64 OK")
