@@ -58,7 +58,6 @@ class GradGroup(GradLayout):
             # _end_of_backward): this backward goes on, in the graph task now running
             self.reducer.requeue = False
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self.manager.strategy.resume_backward(self)
             return
         self.begin_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -80,6 +79,7 @@ class GradGroup(GradLayout):
         # the hook, or folded into the copy-in): the all-reduce's sum is then the average
         self.reducer.prescale = strategy.prescale if launching else 1.0
         self.pending_sync = self.pending_sync or launching
+        self.manager.note_sync_backward(self.model_key)
 
     def on_buckets(self, first, last):
         self.manager.strategy.buckets_ready(self, first, last)
@@ -201,8 +201,10 @@ class GradManager:
         self.unbuffered: list = []
         self.unbuffered_hooks: list = []
         # id() of a prepared model -> its unbuffered params, in the order they were found (the
-        # same on every rank: the strategy reduces them at the end of each sync backward)
+        # same on every rank)
         self.unbuffered_of: dict = {}
+        # id()s of the models whose unbuffered params wait for the step's reduction
+        self.unbuffered_pending: set = set()
         self.names: dict[int, str] = {}  # id(param) -> its name in the model, for error messages
         # bucket sizes of the reducer: torch DDP's (first bucket 1 MiB, then bucket_cap_mb)
         self.bucket_caps = (1024 * 1024, 25 * 1024 * 1024)
@@ -299,7 +301,6 @@ class GradManager:
         delivered no more (GradGroup._end_of_backward): the missing ones are then really unused
         (an error without find_unused_parameters, zeros with it). Every rank calls this at the
         same point: the end of Accelerator.backward, and prepare_step for a raw loss.backward()."""
-        self.strategy.finish_ordered_awaiting()
         for g in list(self.groups):
             if g.reducer.requeue:
                 g.finish_backward()
@@ -312,14 +313,21 @@ class GradManager:
             # what the aborted backward started is forgotten: its bucketed reduction must not be
             # redone by the next step's fallback over gradients a later backward reduced itself
             g.pending_sync = False
+        self.unbuffered_pending = set()
         self.strategy.abort_held()
 
     def _unbuffered_hook(self, model_key):
-        """An unbuffered param got a gradient: on a backward that reduces, the strategy
-        averages the model's unbuffered params at its end (as their buckets would be); the
-        model's groups, if any, tell it the same from their first gradient."""
-        if self.distributed and self.sync_now(model_key):
-            self.strategy.unbuffered_backward(model_key)
+        self.note_sync_backward(model_key)
+
+    def note_sync_backward(self, model_key):
+        """A backward that may reduce delivered a gradient of `model_key` (an unbuffered
+        param's hook, or a group's first gradient: GradGroup.begin_backward). If it does reduce
+        and the model has unbuffered (float64) params, the strategy averages them at its end,
+        or they wait for the step: marked on every rank, also where control flow gave none of
+        them a gradient here (the reduction is a collective: every rank must decide alike)."""
+        if model_key in self.unbuffered_of and self.distributed and self.sync_now(model_key):
+            if not self.strategy.unbuffered_backward(model_key):
+                self.unbuffered_pending.add(model_key)
 
     def prepare_step(self):
         """What every entry point that reads gradients (clip, unscale, optimizer step) runs
@@ -331,10 +339,11 @@ class GradManager:
         if not self.distributed:
             return
         todo = [g for g in self.groups if g.pending_sync]
-        if todo:
-            self.strategy.sync_missed(todo)
+        if todo or self.unbuffered_pending:
+            self.strategy.sync_missed(todo, self.unbuffered_pending)
             for g in todo:
                 g.pending_sync = False
+            self.unbuffered_pending = set()
 
     def sync_views(self):
         """One walk per group: resyncs the `.grad` assignments of intact groups and rebuilds
@@ -362,6 +371,7 @@ class GradManager:
             h.remove()
         self.groups, self.where, self.outside, self.unbuffered, self.unbuffered_hooks = [], {}, {}, [], []
         self.unbuffered_of = {}
+        self.unbuffered_pending = set()
         self.epoch += 1
         self._full_cache = None
 

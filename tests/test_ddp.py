@@ -58,7 +58,7 @@ def test_float64_parameters_match_torch_ddp_under_join_and_reentrant_checkpointi
     """tests/scripts/ddp_float64.py: a float64 layer (no buffer) inside join_uneven_inputs, two
     backwards per step and two joined models, bit for bit torch DDP under torch's Join
     (DDPStrategy.reduce_unbuffered after each sync backward, shadow_unbuffered per backward);
-    and under reentrant checkpointing (the in-order finish waits for the outer backward)."""
+    and under reentrant checkpointing without join (reduced at the step)."""
     res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
                   os.path.join(SCRIPTS, "ddp_float64.py")], timeout=wait_s(300))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]

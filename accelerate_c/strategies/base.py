@@ -98,12 +98,16 @@ class GradStrategy:
         """join_uneven_inputs() is over."""
 
     # ---- before the gradients are read (GradManager.prepare_step) -----------------------
-    def sync_missed(self, groups) -> None:
-        """Reduces what the bucketed path could not: whole `groups` (rebuilt mid-step)."""
+    def sync_missed(self, groups, unbuffered_models) -> None:
+        """Reduces what the bucketed path could not: whole `groups` (rebuilt mid-step), and the
+        unbuffered (float64) params of the prepared models `unbuffered_models` (id()s) that
+        ran a sync backward since their last reduction."""
 
-    def unbuffered_backward(self, model_key) -> None:
-        """A parameter of that model without a buffer (float64) got a gradient in a backward
-        that reduces (several processes only)."""
+    def unbuffered_backward(self, model_key) -> bool:
+        """A backward that reduces runs through a model with unbuffered (float64) params
+        (several processes only): True when the strategy averages them at its end, else they
+        wait for the step (sync_missed)."""
+        return False
 
     # ---- norm, found_inf, step, state dict -----------------------------------------------
     def cached_sumsq(self, group):
@@ -171,13 +175,6 @@ class GradStrategy:
 
     def finish_awaiting(self) -> None:
         """GradManager.finish_awaiting for the gradients the strategy holds itself."""
-
-    def finish_ordered_awaiting(self) -> None:
-        """GradManager.finish_awaiting, before the groups: a backward the strategy finishes in
-        order, still waiting for gradients, finishes now."""
-
-    def resume_backward(self, group) -> None:
-        """A gradient of `group` after an end of backward that came too early."""
 
     def clear_held(self) -> None:
         """GradManager.clear: forget the gradients the strategy holds itself (and their hooks)."""

@@ -146,8 +146,7 @@ class DDPStrategy(GradStrategy):
         # group after group in a fixed order (_in_order), and the autograd graph task that
         # callback is queued on (a backward that raised never ran it: the next one queues anew)
         self.ordered: set = set()
-        self._ordered_task = None
-        self.ordered_waiting = False  # _finish_ordered came at a nested backward's end, too early
+        self._ordered_task = None  # _finish_ordered came at a nested backward's end, too early
 
     def prepare_model(self, model, manager):
         broadcast_model(model)  # every replica starts from rank 0's weights
@@ -229,66 +228,34 @@ class DDPStrategy(GradStrategy):
         flag keeps its overlap (there the same groups must get gradients on every rank).
         Inside join_uneven_inputs, a model with several groups always: a process that ran out
         of data shadows the others' collectives (_ShadowHook) and cannot know how their groups'
-        buckets interleave, but knows the manager's order. And a model with float64 parameters
-        (no buffer) always: they are averaged after its groups, one all-reduce each, where every
-        rank (and a joined one's shadow) knows the place, also when control flow gave them no
-        gradient on some rank."""
-        if model_key in self.manager.unbuffered_of:
-            return True
+        buckets interleave, but knows the manager's order. In both cases also a model with
+        float64 parameters (no buffer): they are averaged after its groups, one all-reduce each,
+        where every rank (and a joined one's shadow, per backward) knows the place, also when
+        control flow gave them no gradient on some rank. Elsewhere float64 parameters wait for
+        the step (sync_missed), which holds under reentrant checkpointing, whose inner
+        backwards end before the outer one has delivered every gradient."""
+        f64 = model_key in self.manager.unbuffered_of
         if self.joining.get(model_key) is not None:
-            return len(self.manager.groups_of(model_key)) > 1
+            return f64 or len(self.manager.groups_of(model_key)) > 1
         if not self.asked_find_unused:
             return False
-        return len(self.ordered_members()) > 1
+        return f64 or len(self.ordered_members()) > 1
 
     def order(self, model_key) -> None:
         """`model_key`'s backward now running ends in _finish_ordered (queued once per backward,
-        on the graph task of its first gradient, and again on the task a waiting backward goes
-        on in)."""
+        on the graph task of its first gradient)."""
         task = torch._C._current_graph_task_id()
         if task != self._ordered_task:
-            if not self.ordered_waiting:
-                self.ordered.clear()  # what a backward that raised left
-            self.ordered_waiting = False
+            self.ordered.clear()  # what a backward that raised left
             self._ordered_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_ordered)
         self.ordered.add(model_key)
 
     def _finish_ordered(self) -> None:
-        if not self.find_unused and self._still_arriving():
-            # the graph task that ended was a reentrant checkpoint's inner backward, and the
-            # outer one has gradients of these groups still to deliver (without
-            # find_unused_parameters a missing gradient is never legitimate): wait for the next
-            # of their hooks (resume_backward), or for finish_awaiting
-            self.ordered_waiting = True
-            self._ordered_task = None
-            for g in self.ordered_members():
-                if g.model_key in self.ordered and g.reducer.launching:
-                    g.reducer.requeue = True
-            return
         try:
             self.finish_ordered_groups()
         finally:
             self.abort_held()
-
-    def _still_arriving(self) -> bool:
-        return any(g.model_key in self.ordered and g.reducer.launching and g.reducer.pending()
-                   for g in self.ordered_members())
-
-    def resume_backward(self, g) -> None:
-        """A gradient of g after an end of backward that came too early (GradGroup.on_first):
-        an in-order backward that waits goes on in the graph task now running."""
-        if self.ordered_waiting and g.model_key in self.ordered:
-            self.order(g.model_key)
-
-    def finish_ordered_awaiting(self) -> None:
-        """GradManager.finish_awaiting, first: an in-order backward still waiting for gradients
-        that never came finishes now (they are missing: an error naming them)."""
-        if self.ordered_waiting:
-            try:
-                self.finish_ordered_groups()
-            finally:
-                self.abort_held()
 
     def finish_ordered_groups(self) -> None:
         """The models in `ordered`, model after model in a fixed order: every group of it, in
@@ -308,8 +275,11 @@ class DDPStrategy(GradStrategy):
             if key in self.manager.unbuffered_of:
                 self.reduce_unbuffered(key)
 
-    def unbuffered_backward(self, model_key) -> None:
+    def unbuffered_backward(self, model_key) -> bool:
+        if not self._in_order(model_key):
+            return False
         self.order(model_key)
+        return True
 
     @torch.no_grad()
     def reduce_unbuffered(self, model_key) -> None:
@@ -338,7 +308,6 @@ class DDPStrategy(GradStrategy):
     def abort_held(self):
         self.ordered.clear()
         self._ordered_task = None
-        self.ordered_waiting = False
 
     def abort_backward(self, g):
         """A backward raised: the all-reduces it launched still finish (every process launched
@@ -373,8 +342,12 @@ class DDPStrategy(GradStrategy):
             return stats[1:]
         return None
 
-    def sync_missed(self, groups):
-        sync_gradients(groups, self.average_whole)
+    def sync_missed(self, groups, unbuffered_models):
+        if groups:
+            sync_gradients(groups, self.average_whole)
+        for key in self.manager.unbuffered_of:  # the manager's order: the same on every rank
+            if key in unbuffered_models:
+                self.reduce_unbuffered(key)
 
     def average_unbuffered(self, grad) -> None:
         """The average of a float64 gradient (no buffer), in place, as torch DDP averages the

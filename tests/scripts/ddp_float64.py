@@ -3,9 +3,10 @@ float64 layer (no gradient buffer) inside join_uneven_inputs, rank r holding 2 +
 torch DDP under torch's Join on the same seed and data: two forward/backward pairs before each
 optimizer step, and (second part) two joined models, one of them without a float64 layer; then
 (third part, no join) the output layer in a reentrant checkpoint, whose inner backward delivers
-the first gradients and ends before the outer one has delivered the rest. The float64 gradients are
-averaged at the end of every sync backward, after the model's buffers, so the process that ran
-out of data shadows them per backward (DDPStrategy.reduce_unbuffered, shadow_unbuffered). Prints
+the first gradients and ends before the outer one has delivered the rest (the float64
+gradients wait for the step there). The float64 gradients are
+averaged at the end of every sync backward under join, after the model's buffers, so the process
+that ran out of data shadows them per backward (DDPStrategy.reduce_unbuffered, shadow_unbuffered). Prints
 "float64 OK" when the parameters are torch's bit for bit."""
 import copy
 
@@ -88,7 +89,7 @@ for k, (m, r) in enumerate(zip(models, refs)):
 
 
 
-# 3. reentrant checkpointing of the output layer (DDPStrategy._finish_ordered waits)
+# 3. reentrant checkpointing of the output layer, no join
 class Checkpointed(nn.Module):
     def __init__(self):
         super().__init__()
@@ -114,6 +115,36 @@ for x, _ in data[:2]:  # as many batches on every rank
     opt.step()
     opt.zero_grad()
 same(model, ref.module, "reentrant checkpointing")
+
+
+# 4. two float64-only models in one loss (no buffer at all), one in a reentrant checkpoint whose
+#    inner backward ends first, the other's gradients arriving in the outer backward
+class Ck64(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        return checkpoint(self.lin, x, use_reentrant=True)
+
+
+torch.manual_seed(6)
+bases = [nn.Linear(5, 3).double(), Ck64()]
+refs = [DDP(copy.deepcopy(b)) for b in bases]
+ref_opt = torch.optim.SGD([p for r in refs for p in r.parameters()], lr=0.1)
+models = [copy.deepcopy(b) for b in bases]
+opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+*models, opt = acc.prepare(*models, opt)
+for x, _ in data[:2]:
+    x = x.double().requires_grad_()
+    (refs[1](x).pow(2).sum() + refs[0](x).pow(2).sum()).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    acc.backward(models[1](x).pow(2).sum() + models[0](x).pow(2).sum())
+    opt.step()
+    opt.zero_grad()
+for k, (m, r) in enumerate(zip(models, refs)):
+    same(m, r.module, f"float64-only models, reentrant checkpoint, model {k}")
 
 everyone = [None] * dist.get_world_size()
 dist.all_gather_object(everyone, fails)
