@@ -333,6 +333,9 @@ REGRESSIONS = {
         _case(REGRESSION_SEED + 20, world=3, uneven=True, unused=True, rank_skip=3, dataset_extra=3),
     "a float64 layer under the fp16 comm hook (torch's hook casts float64 buckets to fp16 too)":
         _case(REGRESSION_SEED + 21, world=2, f64=True, comm_hook="fp16", mp="fp16", param_dtype="bf16"),
+    "join_uneven_inputs, find_unused_parameters, fp32 and bf16 layers, a layer one rank leaves out (groups finished in each rank's own order)":
+        _case(REGRESSION_SEED + 22, world=2, uneven=True, unused=True, param_dtype="mixed", rank_skip=3,
+              dataset_extra=1, tiny_buckets=True),
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
