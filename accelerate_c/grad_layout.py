@@ -20,7 +20,6 @@ _copy_in is the path for the rest.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 from torch.autograd.graph import increment_version
@@ -70,23 +69,12 @@ class GradView(torch.Tensor):
     each bucket's all-reduce, and keyed on that version) would go stale unseen. Here `.data`
     is the alias `.detach()` gives, which shares the version counter: its writes count, also
     through a handle kept across steps, and reads cost nothing. (Unlike torch's `.data`, its
-    sizes cannot be changed in place; assigning `.data` swaps the memory under the view, which
-    the next step notices and rebuilds the buffer for, and counts as a write.) Pickled and
-    deep-copied as a plain tensor. CPU buffers only (GradLayout.build)."""
+    sizes cannot be changed in place. Assigning `.data` is torch's: it swaps the memory under
+    the view, which the next step's `.grad` walk notices and rebuilds the buffer for, dropping
+    every cached sum.) Pickled and deep-copied as a plain tensor. CPU buffers only
+    (GradLayout.build)."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def of(view: torch.Tensor, layout) -> "GradView":
-        g = view.as_subclass(GradView)
-        g._ac_layout = weakref.ref(layout)
-        return g
-
-    def _touched(self):
-        layout = self.__dict__.get("_ac_layout")
-        layout = layout() if layout is not None else None
-        if layout is not None:
-            layout.wrote()
 
     @property
     def data(self):
@@ -94,7 +82,6 @@ class GradView(torch.Tensor):
 
     @data.setter
     def data(self, value):
-        self._touched()
         torch.Tensor.data.__set__(self, value)
 
     def __reduce_ex__(self, proto):
@@ -147,7 +134,7 @@ class GradLayout:
         # torch's own multi-tensor paths (clip_grad_norm_'s foreach check wants the exact
         # type) keep taking them there
         views = [self.flat[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
-        self.views = views if self.is_cuda else [GradView.of(v, self) for v in views]
+        self.views = views if self.is_cuda else [v.as_subclass(GradView) for v in views]
         # the alignment gaps between ranges: zero, and kept zero (see scale_), so that
         # whole-buffer passes and bucket all-reduces read zeros there
         spans = sorted((o, o + p.numel()) for o, p in zip(offsets, self.params))

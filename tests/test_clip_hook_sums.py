@@ -159,7 +159,8 @@ WRITES = {
     # p.grad.data.mul_(): torch's `.data` has a version counter of its own, which no cache
     # could see; a gradient view's `.data` shares the view's (grad_layout.GradView)
     "grad_data_mul": False,
-    # p.grad.data = a new tensor: the view no longer points into the buffer (the step rebuilds it)
+    # p.grad.data = a new tensor: the view no longer points into the buffer (the step's .grad
+    # walk rebuilds it; GradView leaves the assignment to torch)
     "grad_data_assign": False,
     "grad_data_read": True,  # p.grad.data.norm() (logging): a read, not a write
     "grad_assign_and_grad_mul": False,  # both of the above on two parameters

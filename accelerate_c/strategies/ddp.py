@@ -146,7 +146,7 @@ class DDPStrategy(GradStrategy):
         # group after group in a fixed order (_in_order), and the autograd graph task that
         # callback is queued on (a backward that raised never ran it: the next one queues anew)
         self.ordered: set = set()
-        self._ordered_task = None  # _finish_ordered came at a nested backward's end, too early
+        self._ordered_task = None
 
     def prepare_model(self, model, manager):
         broadcast_model(model)  # every replica starts from rank 0's weights

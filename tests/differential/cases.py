@@ -355,18 +355,11 @@ def describe(c: dict) -> str:
         parts.append(f"sharding={c['sharding']}")
     if c.get("rank_skip"):
         parts.append(f"rank_skip={c['rank_skip']}")
-    if c.get("nonreentrant"):
-        parts.append("nonreentrant")
-    if c.get("sync_each"):
-        parts.append("sync_each_batch")
-    if c.get("staged"):
-        parts.append("staged")
-    if c.get("f64"):
-        parts.append("f64")
-    if c.get("grad_data"):
-        parts.append("grad_data")
-    if c.get("foreach"):
-        parts.append("foreach")
+    # axes added later (absent from older saved cases): named when on
+    for flag, shown in (("nonreentrant", "nonreentrant"), ("sync_each", "sync_each_batch"), ("staged", "staged"),
+                        ("f64", "f64"), ("grad_data", "grad_data"), ("foreach", "foreach")):
+        if c.get(flag):
+            parts.append(shown)
     if c.get("sharding") == "zero3":
         parts.append(f"units={c['zero3_units']}")
     if c.get("sharding") == "fsdp":
