@@ -20,6 +20,7 @@ _copy_in is the path for the rest.
 from __future__ import annotations
 
 import math
+from array import array
 
 import torch
 from torch.autograd.graph import increment_version
@@ -58,6 +59,17 @@ def alloc_flat(numel: int, dtype, device) -> torch.Tensor:
     flat = raw[start:start + nbytes].view(dtype)
     _C.advise_hugepages(flat)
     return flat.zero_()
+
+
+def _segments(offsets, numels, start: int, length: int) -> array:
+    """The (offset, length) pairs, relative to `start`, of the ranges that begin inside
+    [start, start + length): native size_t pairs, as _C.sumsq_segments reads them."""
+    out = array("Q")
+    assert out.itemsize == 8, "sumsq_segments reads 64-bit size_t"
+    for o, n in sorted(zip(offsets, numels)):
+        if start <= o < start + length:
+            out.extend((o - start, n))
+    return out
 
 
 class GradView(torch.Tensor):
@@ -153,12 +165,31 @@ class GradLayout:
         spans = [self.reducer.range(b) for b in range(self.reducer.count())]
         self.buckets = [self.flat[s:s + n] for s, n in spans]
         self.bucket_bufs = [_C.Buffer(t) for t in self.buckets]
+        # 16-bit buffers: each parameter's (offset, length), in the whole buffer and in each
+        # bucket, for the per-parameter norms torch's clip_grad_norm_ rounds (_C.sumsq_segments)
+        self.segs = self.bucket_segs = None
+        if self.dtype in (torch.float16, torch.bfloat16):
+            numels = [p.numel() for p in self.params]
+            self.segs = _segments(offsets, numels, 0, self.reducer.total())
+            self.bucket_segs = [_segments(offsets, numels, s, n) for s, n in spans]
         for h in self.hooks:
             h.remove()
         # the hooks are C callables (_C.GradHook): a gradient that already is its view is
         # marked ready without running Python; the rest goes to _copy_in
         self.hooks = [p.register_post_accumulate_grad_hook(self.reducer.hook(i, v))
                       for i, (p, v) in enumerate(zip(self.params, self.views))]
+
+    def sums(self, bucket: int | None = None):
+        """(sum of squares, the same with each gradient's 2-norm rounded to the buffer's dtype,
+        non-finite) of the whole buffer or of one bucket (CPU). The second is what torch's
+        clip_grad_norm_ squares and adds, as it takes one norm per gradient in the gradient's
+        dtype; for fp32 buffers the exact sum stands for both (torch's fp32 rounding of each norm
+        moves its total by about an fp32 ulp, as its own summation order does)."""
+        buf = self.buf if bucket is None else self.bucket_bufs[bucket]
+        if self.segs is None:
+            sumsq, nonfinite = _C.sumsq(buf)
+            return sumsq, sumsq, nonfinite
+        return _C.sumsq_segments(buf, self.segs if bucket is None else self.bucket_segs[bucket])
 
     def alloc_buffer(self, numel: int) -> torch.Tensor:
         """The zeroed flat buffer (grads.GradGroup lets its strategy place it: shared memory)."""

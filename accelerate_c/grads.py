@@ -44,6 +44,8 @@ class GradGroup(GradLayout):
             self.inv_dev = torch.ones(1, dtype=torch.float32, device=self.device)
             self.found_dev = torch.zeros(1, dtype=torch.float32, device=self.device)
             self.stats_dev = torch.zeros(3, dtype=torch.float32, device=self.device)  # sumsq, maxabs, non-finite
+            # a 16-bit buffer's own stats before its clip sum is replaced (_clip_cuda)
+            self.part_dev = torch.zeros(3, dtype=torch.float32, device=self.device)
 
     def alloc_buffer(self, numel: int) -> torch.Tensor:
         return self.manager.strategy.alloc_buffer(numel, self.dtype, self.device)
@@ -487,6 +489,10 @@ class GradManager:
             return self._clip_cuda(groups, max_norm, norm_type, inv_scale)
         if any(g.is_cuda for g in groups):
             return None
+        # torch's clip takes each gradient's norm in the gradient's dtype: a 16-bit model's
+        # per-parameter norms are rounded to 16 bits before the total (GradLayout.sums). The
+        # norm alone (max_norm None: DeepSpeed's, in fp32) is the exact one
+        pick = 1 if max_norm is not None else 0
         per = []
         for g in groups:
             inv = inv_scale if (inv_scale is not None and g.needs_unscale) else 1.0
@@ -494,13 +500,17 @@ class GradManager:
                 self.strategy.want_sumsq(g)  # from the next backward on, measured while it is hot
             cached = self.strategy.cached_sumsq(g) if norm_type == 2.0 and inv <= 1.0 else None
             if cached is not None:  # measured on the way (hooks, or DDP's buckets) and unchanged since
-                (sumsq, nonfinite), maxabs = cached, 0.0
+                sumsq, nonfinite, maxabs = cached[pick], cached[2], 0.0
             elif norm_type == 2.0 and inv <= 1.0:
                 # unscaling by <= 1 cannot overflow: the memory-bound pass suffices
-                sumsq, nonfinite = _C.sumsq(g.buf)
-                maxabs = 0.0
+                sums = g.sums()
+                sumsq, nonfinite, maxabs = sums[pick], sums[2], 0.0
             else:
                 sumsq, maxabs, nonfinite = _C.stats(g.buf)
+                if norm_type == 2.0 and pick and g.segs is not None:  # rare: a loss scale below 1
+                    sumsq = g.sums()[1]
+            # (inv folded in after the rounding: exact for a power-of-two loss scale, which
+            # scales a 16-bit norm without changing its rounding)
             found = bool(nonfinite) or maxabs * inv > _FINITE_MAX[g.dtype]
             per.append((g, inv, sumsq * inv * inv, maxabs * inv, found))
         # the strategy adds the other processes' parts (replicated gradients: none)
@@ -539,7 +549,18 @@ class GradManager:
         for g in groups:
             if g.device_index not in per_dev:
                 per_dev[g.device_index] = g.stats_dev.zero_()  # sumsq, maxabs, non-finite
-            _C.cuda_stats_(g.buf, per_dev[g.device_index], g.stream())
+            acc = per_dev[g.device_index]
+            if norm_type == 2.0 and max_norm is not None and g.dtype in (torch.float16, torch.bfloat16):
+                # torch's clip takes each gradient's norm in its 16-bit dtype before the total
+                # (GradLayout.sums on CPU): the same per-gradient norms, from torch's own
+                # multi-tensor kernel, replace the exact sum of squares
+                part = g.part_dev.zero_()
+                _C.cuda_stats_(g.buf, part, g.stream())
+                part[0] = torch.stack(torch._foreach_norm(g.views)).float().square().sum()
+                acc[0] += part[0]
+                acc[1:] = torch.maximum(acc[1:], part[1:])
+            else:
+                _C.cuda_stats_(g.buf, acc, g.stream())
         accs = list(per_dev.values())
         acc = accs[0] if len(accs) == 1 else _combine_stats(accs)
         total = acc[1] if norm_type == math.inf else acc[0].sqrt()

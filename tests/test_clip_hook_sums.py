@@ -38,15 +38,21 @@ from helpers import (  # noqa: F401
 
 def hook_sums_match_the_buffer(accelerator):
     """The hooks' sums, where valid, agree with a read of the buffer (the same fp32-block kernel
-    over other block boundaries: ~1e-7 relative) and with a sum in double."""
+    over other block boundaries: ~1e-7 relative) and with a sum in double; the rounded one with
+    torch's per-tensor norms in the gradients' dtype, squared and added (fp32: the exact sum)."""
     for g in accelerator._grads.groups:
         got = g.reducer.sums(g.flat._version)
         if got is None:
             continue
         ref, ref_nf = _C.sumsq(g.buf)
         exact = float(g.flat.double().pow(2).sum())
-        assert got[1] == ref_nf
+        assert got[2] == ref_nf
         assert abs(got[0] - ref) <= 1e-6 * ref and abs(got[0] - exact) <= 1e-6 * exact, (got, ref, exact)
+        if g.dtype == torch.float32:
+            assert got[1] == got[0]
+        else:
+            torchs = sum(float(torch.linalg.vector_norm(v)) ** 2 for v in g.views)
+            assert got[1] == torchs, (got, torchs)
 
 
 # --------------------------------------------------------------------------------------------

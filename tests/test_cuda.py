@@ -218,6 +218,35 @@ def test_clip_grad_norm_of_a_model_on_two_gpus_matches_torch(norm_type):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_clip_grad_norm_of_a_16bit_model_is_torchs_bit_for_bit(dtype):
+    """A 16-bit model on one GPU: torch's clip takes each gradient's norm in its dtype before
+    the total; the CUDA path does (torch's _foreach_norm for the sum of squares), so norms,
+    clipped gradients and parameters are torch's bit for bit over several steps."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)]).to("cuda", dtype)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)]).to("cuda", dtype)
+    model.load_state_dict(ref.state_dict())
+    acc = Accelerator()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(5):
+        x = torch.randn(8, 16, device="cuda", dtype=dtype)
+        for m in (model, ref):
+            m(x).float().pow(2).mean().backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        got = acc.clip_grad_norm_(model.parameters(), 0.05)
+        assert got.dtype == want.dtype and torch.equal(got, want), (step, got, want)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), step
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p, q), step
+
+
 # ---- checkpoint writer: CUDA tensors staged through pinned buffers in C ----------------------------
 
 def _o_direct_ok(directory):

@@ -63,3 +63,14 @@ def test_float64_parameters_match_torch_ddp_under_join_and_reentrant_checkpointi
                   os.path.join(SCRIPTS, "ddp_float64.py")], timeout=wait_s(300))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "float64 OK" in res.stdout
+
+
+def test_clip_of_16bit_gradients_matches_torch_ddp_bit_for_bit():
+    """tests/scripts/ddp_clip16.py: bf16 and fp16 models under DDP with several buckets, clipped:
+    each parameter's norm rounded to 16 bits as torch's clip_grad_norm_ takes it, from the
+    buffer (first step) and from the sums measured after each bucket's all-reduce (later ones):
+    norms and parameters torch DDP's bit for bit."""
+    res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "ddp_clip16.py")], timeout=wait_s(300))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    assert "clip16 OK" in res.stdout

@@ -1,6 +1,7 @@
 """GPU-only logic on this GPU-less machine, against stand-ins: which device the small tensors of
 the reducer's collectives live on under NCCL (a fake NCCL that, like the real one, refuses CPU
 tensors). What only a GPU can show runs in benchmarks/gpu_check.sh (docs/gpu.md)."""
+import math
 import types
 
 import pytest
@@ -134,12 +135,13 @@ class FakeCudaKernels:
 
 
 class _FakeCudaGroup:
-    def __init__(self, kernels, device_index, buf):
+    def __init__(self, kernels, device_index, buf, sizes=None):
         self.is_cuda, self.needs_unscale = True, False
         self.device_index, self.buf, self.dtype = device_index, buf, buf.dtype
-        self.stats_dev = torch.zeros(3)
+        self.views = list(buf.split(sizes or [buf.numel()]))  # each parameter's gradient
+        self.stats_dev, self.part_dev = torch.zeros(3), torch.zeros(3)
         self._stream = 0x1000 + device_index  # the current stream of that device
-        for k in (id(buf), id(self.stats_dev), ("stream", self._stream)):
+        for k in (id(buf), id(self.stats_dev), id(self.part_dev), ("stream", self._stream)):
             kernels.dev_of[k] = device_index
 
     def stream(self):
@@ -195,3 +197,29 @@ def test_clip_on_gpu_reports_nan_and_inf_as_torch(monkeypatch, bad, norm_type):
     torch.testing.assert_close(got.double(), want.double(), equal_nan=True)
     for g, p in zip(groups, ref):
         torch.testing.assert_close(g.buf, p.grad, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_clip_on_gpu_rounds_each_16bit_gradient_norm_as_torch(monkeypatch, dtype):
+    """16-bit groups: torch's clip takes each gradient's norm in its dtype before the total;
+    the CUDA path uses torch's own per-gradient norms (_foreach_norm) for the sum of squares,
+    so the norm and the clipped gradients are torch's bit for bit, over two devices."""
+    from accelerate_c import grads
+
+    kernels = FakeCudaKernels()
+    monkeypatch.setattr(grads, "_C", kernels)
+    gen = torch.Generator().manual_seed(2)  # a draw where the two roundings differ (checked below)
+    sizes = [[3, 17, 1, 40, 9], [12, 5, 33]]
+    bufs = [(torch.randn(sum(sz), generator=gen) * 3).to(dtype) for sz in sizes]
+    ref = [torch.nn.Parameter(torch.zeros_like(v)) for b, sz in zip(bufs, sizes) for v in b.split(sz)]
+    for p, v in zip(ref, [v for b, sz in zip(bufs, sizes) for v in b.split(sz)]):
+        p.grad = v.clone()
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm=0.5)
+    groups = [_FakeCudaGroup(kernels, d, b, sz) for d, b, sz in zip((0, 1), bufs, sizes)]
+    exact = math.sqrt(sum(float(b.double().square().sum()) for b in bufs))
+    assert torch.tensor(exact, dtype=dtype) != want, "the case should tell the two roundings apart"
+    got = grads.GradManager._clip_cuda(None, groups, 0.5, 2.0, None)
+    assert kernels.bad == []
+    assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+    for v, p in zip([v for g in groups for v in g.views], ref):
+        assert torch.equal(v, p.grad)

@@ -585,24 +585,65 @@ def test_free_memory_releases_buffers_and_hooks():
     assert_params_close(model, ref_model)
 
 
+class Wide16(nn.Module):
+    """Many small 16-bit tensors of different sizes: the total norm over per-tensor norms each
+    rounded to 16 bits (torch's) and the exact one round apart often enough to show."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+        self.head = nn.Linear(8, 4)
+        self.to(dtype)
+
+    def forward(self, x):
+        x = x.to(self.head.weight.dtype)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x).float()
+
+
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
-def test_clip_grad_norm_with_bf16_params_close_to_torch(norm_type):
-    """bf16 parameters (their own buffer): torch computes each bf16 tensor's norm in bf16 before
-    combining, the Accelerator combines all squares in double, so the 2-norm agrees to bf16
-    precision (2**-8 relative) rather than 1e-6; inf/1 norms agree exactly here."""
-    model = make_model(0, cls=HalfAndFull)
+@pytest.mark.parametrize("kind", ["fp32+bf16", "bf16", "fp16"])
+def test_clip_grad_norm_of_16bit_params_is_torchs_bit_for_bit(norm_type, kind):
+    """16-bit parameters (their own buffer): torch's clip_grad_norm_ takes each gradient's norm
+    in the gradient's dtype (rounded to 16 bits) and the total over those, so the Accelerator
+    rounds each parameter's norm the same way (GradLayout.sums) before the total: the norm, the
+    clipped gradients and the parameters after each step are torch's exactly. Step 0 reads the
+    buffer; later steps use the sums the hooks took (checked apart in test_clip_hook_sums)."""
+    make = (lambda: make_model(0, cls=HalfAndFull)) if kind == "fp32+bf16" else \
+        (lambda: make_model(0, cls=Wide16, dtype=torch.bfloat16 if kind == "bf16" else torch.float16))
+    model = make()
     ref_model = copy.deepcopy(model)
     accelerator = Accelerator()
-    model = accelerator.prepare(model)
-    inputs, targets = next(iter(make_loader(n=8, batch_size=8)))
-    accelerator.backward(loss_function(model(inputs), targets))
-    loss_function(ref_model(inputs), targets).backward()
-    got = accelerator.clip_grad_norm_(model.parameters(), 0.01, norm_type=norm_type)
-    ref = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.01, norm_type=norm_type)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -8, atol=0)
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        assert p.grad.dtype == q.grad.dtype
-        torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=2 ** -7, atol=1e-6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    for step, (inputs, targets) in enumerate(batches_of(make_loader(n=48, batch_size=8))):
+        accelerator.backward(loss_function(model(inputs), targets))
+        loss_function(ref_model(inputs), targets).backward()
+        got = accelerator.clip_grad_norm_(model.parameters(), 0.01, norm_type=norm_type)
+        ref = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.01, norm_type=norm_type)
+        assert got.dtype == ref.dtype
+        if kind == "fp32+bf16":
+            # a total in fp32 (the dtypes mix): torch's fp32 per-tensor norms and summation
+            # order are an fp32 ulp or two from the exact sum; the bf16 part is rounded as torch's
+            close = dict(rtol=1e-6, atol=0)
+            torch.testing.assert_close(got, ref, **close)
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, **close)
+        else:
+            assert torch.equal(got, ref), (step, got, ref)
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                assert p.grad.dtype == q.grad.dtype and torch.equal(p.grad, q.grad), step
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            if kind == "fp32+bf16":
+                torch.testing.assert_close(p, q, **close)
+            else:
+                assert torch.equal(p, q), step
 
 
 # --------------------------------------------------------------------------------------------

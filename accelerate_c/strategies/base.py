@@ -111,7 +111,8 @@ class GradStrategy:
 
     # ---- norm, found_inf, step, state dict -----------------------------------------------
     def cached_sumsq(self, group):
-        """(sum of squares, non-finite) of `group`'s buffer as it is now, when the strategy
+        """(sum of squares, the same with each gradient's norm rounded to the buffer's dtype,
+        non-finite) of `group`'s buffer as it is now (grads.sums), when the strategy
         measured it on the way (else None: the caller reads the buffer). One process: the sums
         the hooks took, valid only if every gradient was measured after its last write and
         nothing wrote the buffer since (its version counter: a `.grad` assignment or in-place

@@ -335,8 +335,8 @@ class DDPStrategy(GradStrategy):
         g.strategy_state.want_stats = True
 
     def cached_sumsq(self, g):
-        """(sumsq, nonfinite) of the buffer if nothing wrote to it since the averaging pass
-        measured it (any in-place change through a view bumps the version)."""
+        """(sumsq, rounded sumsq, nonfinite) of the buffer if nothing wrote to it since the
+        averaging pass measured it (any in-place change through a view bumps the version)."""
         stats = g.strategy_state.stats
         if stats is not None and stats[0] == g.flat._version:
             return stats[1:]
@@ -525,8 +525,8 @@ class DDPStrategy(GradStrategy):
                 self.buckets_ready(g, 0, len(g.buckets))
         if st.nccl:
             g.reducer.nccl_wait()  # the compute stream waits for the comm stream; the host does not
-        sumsq, nonfinite = self._wait(g)
-        st.stats = None if sumsq is None else (g.flat._version, sumsq, nonfinite)
+        sums = self._wait(g)
+        st.stats = None if sums is None else (g.flat._version, *sums)
         if self.find_unused:
             self._agree_used(g, used if pending else [True] * len(g.params))
         if not st.relaid:
@@ -536,10 +536,12 @@ class DDPStrategy(GradStrategy):
         """Waits for g's buckets in order. Once clip_grad_norm_ has asked for a 2-norm
         (want_stats), each CPU bucket is also measured (sum of squares, non-finite flag) as
         soon as its all-reduce is done, while it is in cache and the later buckets are still on
-        the wire; returns the totals, or (None, None) when nothing was measured."""
+        the wire; returns the totals (sum of squares, the same with each gradient's norm rounded
+        to the buffer's dtype as torch's clip takes it, non-finite), or None when nothing was
+        measured."""
         st = g.strategy_state
         measure = st.want_stats and not g.is_cuda
-        sumsq, nonfinite = 0.0, False
+        sumsq, rounded, nonfinite = 0.0, 0.0, False
         for b, work, t, wire in st.works:
             try:
                 work.wait()
@@ -550,11 +552,10 @@ class DDPStrategy(GradStrategy):
             elif wire is not None:
                 t.copy_(wire)
             if measure:
-                s, nf = _C.sumsq(g.bucket_bufs[b])
-                sumsq += s
-                nonfinite = nonfinite or nf
+                s, r, nf = g.sums(b)
+                sumsq, rounded, nonfinite = sumsq + s, rounded + r, nonfinite or nf
         st.works = []
-        return (sumsq, nonfinite) if measure else (None, None)
+        return (sumsq, rounded, nonfinite) if measure else None
 
     def _agree_used(self, g, used):
         """find_unused_parameters: a parameter has a gradient if any rank gave it one."""

@@ -59,6 +59,34 @@ static PyObject *py_sumsq(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   return Py_BuildValue("(dO)", sq, nf ? Py_True : Py_False);
 }
 
+/* segs: a buffer of native size_t (array.array('N')... or 'Q' on LP64) holding (offset,
+ * length) pairs, built once per layout by the caller, so a step parses no Python ints. */
+static PyObject *py_sumsq_segments(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  pyac_view v;
+  Py_buffer segs;
+  double ex = 0.0, ro = 0.0;
+  int nf = 0;
+  if (!pyac_nargs_ok("sumsq_segments", n, 2)) return NULL;
+  if (PyObject_GetBuffer(a[1], &segs, PyBUF_SIMPLE) < 0) return NULL;
+  if (segs.len % (Py_ssize_t)(2 * sizeof(size_t)) != 0) {
+    PyErr_Format(PyExc_ValueError, "sumsq_segments: segs must hold (offset, length) pairs of %zu-byte integers, "
+                 "got %zd bytes", sizeof(size_t), segs.len);
+    PyBuffer_Release(&segs);
+    return NULL;
+  }
+  if (pyac_view_from(m, a[0], PYAC_READ, PYAC_ON_CPU, "tensor", &v) < 0) {
+    PyBuffer_Release(&segs);
+    return NULL;
+  }
+  size_t nseg = (size_t)segs.len / (2 * sizeof(size_t));
+  ac_result_t r;
+  Py_BEGIN_ALLOW_THREADS r = ac_sumsq_segments(v.dt, v.data, v.n, (const size_t *)segs.buf, nseg, &ex, &ro, &nf);
+  Py_END_ALLOW_THREADS pyac_view_release(&v);
+  PyBuffer_Release(&segs);
+  if (r != AC_OK) return pyac_raise(m, r);
+  return Py_BuildValue("(ddO)", ex, ro, nf ? Py_True : Py_False);
+}
+
 static PyObject *py_nonfinite(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view v;
   int found = 0;
@@ -282,6 +310,10 @@ PyMethodDef pyac_kernel_methods[] = {
     PYAC_FAST("stats", py_stats, "stats(tensor) -> (sum_of_squares, max_abs, has_nonfinite) (CPU)."),
     PYAC_FAST("sumsq", py_sumsq,
          "sumsq(tensor) -> (sum_of_squares, has_nonfinite): the fast norm pass (fp32 blocks, ~1e-7 relative) (CPU)."),
+    PYAC_FAST("sumsq_segments", py_sumsq_segments,
+         "sumsq_segments(tensor, segs) -> (sum_of_squares, sum_of_rounded_norms_squared, has_nonfinite) over the "
+         "(offset, length) pairs in segs (a native size_t buffer): each segment's norm rounded to the tensor's "
+         "dtype, as torch's clip_grad_norm_ takes per-tensor norms (CPU)."),
     PYAC_FAST("nonfinite", py_nonfinite, "nonfinite(tensor) -> True if any element is NaN or +-Inf (CPU)."),
     PYAC_FAST("scale_stats_", py_scale_stats_,
          "scale_stats_(tensor, factor) -> stats of tensor after tensor *= factor, in one pass (CPU)."),

@@ -677,13 +677,15 @@ static PyObject *reducer_sums(PyObject *op, PyObject *arg) {
   if (ver == -1 && PyErr_Occurred()) return NULL;
   size_t n = ac_bucket_nparams(self->plan);
   if (n == 0 || self->nhave != n || ver != self->last_version) Py_RETURN_NONE;
-  double total = 0.0;
+  double total = 0.0, rounded = 0.0;
   int nf = 0;
   for (size_t i = 0; i < n; i++) { /* parameter order: the result does not depend on hook timing */
     total += self->sq[i];
+    /* fp32 buffers: the exact sum stands for torch's (GradLayout.sums says why) */
+    rounded += self->dt == AC_F32 ? self->sq[i] : ac_norm_sq_rounded(self->dt, self->sq[i]);
     nf |= self->nf[i];
   }
-  return Py_BuildValue("(dO)", total, nf ? Py_True : Py_False);
+  return Py_BuildValue("(ddO)", total, rounded, nf ? Py_True : Py_False);
 }
 
 static PyObject *reducer_forget_sums(PyObject *op, PyObject *unused) {
@@ -738,8 +740,9 @@ static PyMethodDef reducer_methods[] = {
     {"nccl_wait", reducer_nccl_wait, METH_NOARGS,
      "nccl_wait(): the compute stream waits for every all-reduce launched so far (no host wait)"},
     {"sums", reducer_sums, METH_O,
-     "sums(version) -> (sum_of_squares, has_nonfinite) of the whole buffer from the hooks' measurements, in "
-     "parameter order; None unless every gradient was measured and the buffer's version is still `version`"},
+     "sums(version) -> (sum_of_squares, sum_of_rounded_norms_squared, has_nonfinite) of the whole buffer from the "
+     "hooks' measurements, in parameter order (the second with each gradient's norm rounded to the buffer's dtype, "
+     "as torch's clip_grad_norm_ takes them); None unless every gradient was measured and the buffer's version is still `version`"},
     {"measure_now", (PyCFunction)(void (*)(void))reducer_measure_now, METH_FASTCALL,
      "measure_now(i, view): gradient i's range (`view`, of the buffer) was just written outside a hook "
      "(GradLayout.resync): measure it as a hook would"},

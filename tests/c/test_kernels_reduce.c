@@ -271,6 +271,61 @@ TEST(many_chunks_heap_partials) {
   ac_kernels_set_isa("scalar");
 }
 
+/* ac_sumsq_segments: per-segment sums of squares with each segment's norm rounded to the
+ * buffer's dtype (torch's per-tensor norms). Values are multiples of 1/4 below 16, so every sum
+ * of squares is exact in fp32 and double alike and the reference (naive double sums, the test
+ * util's own 16-bit rounding) is exact too. */
+TEST(sumsq_segments_rounds_each_norm) {
+  const size_t n = 3000;
+  tu_rng_t rng = {77};
+  float *vals = xmalloc(n * sizeof(float));
+  for (size_t i = 0; i < n; i++) vals[i] = (float)((int)tu_randn(&rng, 128) - 64) / 4.0f;
+  /* (offset, length) pairs: gaps between them, an empty one, one long past a chunk of 128 */
+  const size_t seg[] = {0, 1, 3, 7, 40, 0, 64, 500, 600, 2400};
+  const size_t nseg = sizeof seg / sizeof seg[0] / 2;
+  for (int d = 0; d < NDT; d++) {
+    ac_dtype_t dt = DTYPES[d];
+    void *buf = xmalloc(n * dsize(dt));
+    for (size_t i = 0; i < n; i++) ref_store(dt, buf, i, vals[i]);
+    double want_ex = 0.0, want_ro = 0.0;
+    for (size_t k = 0; k < nseg; k++) {
+      double sq = 0.0;
+      for (size_t i = seg[2 * k]; i < seg[2 * k] + seg[2 * k + 1]; i++) sq += (double)vals[i] * vals[i];
+      float norm = (float)sqrt(sq);
+      if (dt == AC_BF16) norm = bitsf((uint32_t)ref_f32_to_bf16(norm) << 16);
+      if (dt == AC_F16) norm = (float)ref_f16_value(ref_f32_to_f16(norm));
+      want_ex += sq;
+      want_ro += (double)norm * norm;
+    }
+    for (int k = 0; k < NISAS; k++) {
+      if (!use_isa(ISAS[k])) continue;
+      double ex = -1, ro = -1;
+      int nf = -1;
+      CHECK_OK(ac_sumsq_segments(dt, buf, n, seg, nseg, &ex, &ro, &nf));
+      CHECK_MSG(ex == want_ex && ro == want_ro && nf == 0, "%s %s: exact %.17g want %.17g rounded %.17g want %.17g",
+                ISAS[k], ac_dtype_name(dt), ex, want_ex, ro, want_ro);
+      if (dt != AC_F32) CHECK_MSG(ro != ex, "%s: the case should round some norm", ac_dtype_name(dt));
+    }
+    /* a segment reaching past the buffer is refused, naming it */
+    const size_t bad[] = {0, 4, n - 2, 3};
+    double ex, ro;
+    int nf;
+    CHECK_RC(ac_sumsq_segments(dt, buf, n, bad, 2, &ex, &ro, &nf), AC_ERR_INVALID_ARG);
+    CHECK_CONTAINS(ac_last_error(), "segment 1");
+    free(buf);
+  }
+  /* known values: sqrt(2) is 1.4140625 in bf16 and fp16; an fp16 norm past 65504 is inf (as
+   * torch's fp16 norm), the exact sum stays finite */
+  CHECK(ac_norm_sq_rounded(AC_BF16, 2.0) == 1.4140625 * 1.4140625);
+  CHECK(ac_norm_sq_rounded(AC_F16, 2.0) == 1.4140625 * 1.4140625);
+  CHECK(ac_norm_sq_rounded(AC_F32, 2.0) == (double)(float)sqrt(2.0) * (double)(float)sqrt(2.0));
+  CHECK(isinf(ac_norm_sq_rounded(AC_F16, 65520.0 * 65520.0)));
+  CHECK(ac_norm_sq_rounded(AC_F16, 65504.0 * 65504.0) == 65504.0 * 65504.0);
+  CHECK(isnan(ac_norm_sq_rounded(AC_BF16, NAN)) && isinf(ac_norm_sq_rounded(AC_BF16, INFINITY)));
+  free(vals);
+  ac_kernels_set_isa("scalar");
+}
+
 /* Last (see kt_shutdown_pool). */
 TEST(shutdown_pool) { kt_shutdown_pool(); }
 
@@ -280,6 +335,7 @@ static const tu_test_t tests[] = {
     TU_CASE(sumsq_fast_pass),
     TU_CASE(deterministic_across_thread_counts),
     TU_CASE(many_chunks_heap_partials),
+    TU_CASE(sumsq_segments_rounds_each_norm),
     TU_CASE(shutdown_pool), /* keep last */
 };
 TU_MAIN(tests)

@@ -336,6 +336,12 @@ REGRESSIONS = {
     "join_uneven_inputs, find_unused_parameters, fp32 and bf16 layers, a layer one rank leaves out (groups finished in each rank's own order)":
         _case(REGRESSION_SEED + 22, world=2, uneven=True, unused=True, param_dtype="mixed", rank_skip=3,
               dataset_extra=1, tiny_buckets=True),
+    "a bf16 model clipped by its 2-norm (torch rounds each gradient's norm to bf16 before the total)":
+        _case(REGRESSION_SEED + 23, param_dtype="bf16", mp="bf16", clip="norm2", max_norm=0.5, unscale_first=True,
+              tiny_buckets=True, batch_size=2, epochs=2),
+    "a bf16 model on 2 processes clipped by its 2-norm (the per-bucket sums after each all-reduce)":
+        _case(REGRESSION_SEED + 24, world=2, param_dtype="bf16", clip="norm2", max_norm=0.5, tiny_buckets=True,
+              batch_size=2, batches=6),
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
