@@ -119,6 +119,13 @@ def run(case: dict) -> dict:
     with Join(nets) if case["uneven"] else contextlib.nullcontext():
         _train(case, nets, models, params, opts, sched, scaler, amp, batches, world, rank, trace, addends)
     trace["final"] = [p.detach().float().clone() for p in params]
+    # after a join every process holds the model of the one that ran longest (torch's join hook
+    # broadcasts it): the final parameters went through that process's steps, not this one's
+    trace["final_steps"] = len(trace["steps"])
+    if case["uneven"] and world > 1:
+        n = torch.tensor([len(trace["steps"])])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        trace["final_steps"] = int(n)
     if case["eval"]:
         trace["eval"] = evaluate(case, models[0], amp)
     return trace
