@@ -179,17 +179,22 @@ class GradLayout:
         self.hooks = [p.register_post_accumulate_grad_hook(self.reducer.hook(i, v))
                       for i, (p, v) in enumerate(zip(self.params, self.views))]
 
-    def sums(self, bucket: int | None = None):
-        """(sum of squares, the same with each gradient's 2-norm rounded to the buffer's dtype,
-        non-finite) of the whole buffer or of one bucket (CPU). The second is what torch's
-        clip_grad_norm_ squares and adds, as it takes one norm per gradient in the gradient's
-        dtype; for fp32 buffers the exact sum stands for both (torch's fp32 rounding of each norm
+    def sums(self, bucket: int | None = None, scale: float = 1.0):
+        """(sum of squares, the sum of the squares of each gradient's 2-norm times `scale` rounded
+        to the buffer's dtype, non-finite) of the whole buffer or of one bucket (CPU). The second
+        is what torch's clip_grad_norm_ squares and adds, as it takes one norm per gradient in the
+        gradient's dtype, of gradients already unscaled (`scale`: the inverse loss scale). For
+        fp32 buffers the exact sum stands for it, unscaled (torch's fp32 rounding of each norm
         moves its total by about an fp32 ulp, as its own summation order does)."""
         buf = self.buf if bucket is None else self.bucket_bufs[bucket]
         if self.segs is None:
             sumsq, nonfinite = _C.sumsq(buf)
             return sumsq, sumsq, nonfinite
-        return _C.sumsq_segments(buf, self.segs if bucket is None else self.bucket_segs[bucket])
+        return _C.sumsq_segments(buf, self.segs if bucket is None else self.bucket_segs[bucket], scale)
+
+    def has_gradients(self) -> bool:
+        """Whether any parameter of the buffer holds a gradient (after the step's `.grad` walk)."""
+        return any(p.grad is not None for p in self.params)
 
     def alloc_buffer(self, numel: int) -> torch.Tensor:
         """The zeroed flat buffer (grads.GradGroup lets its strategy place it: shared memory)."""

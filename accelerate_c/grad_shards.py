@@ -45,11 +45,14 @@ class SharedStaging:
     """Staging slots in one shared window that several GradShards take turns on: full sharding's
     shards (one per unit and dtype, each a single bucket of the unit's whole gradient), which
     reduce one after another and at most MAX_UNITS_IN_FLIGHT at a time (strategies/fsdp.py).
-    Each bucket staged takes the next slot in turn (the same sequence on every process, as
-    every process stages the same units in the same order) when that slot is free, else stages
-    privately: a process that staged differently only costs its peers the zero-copy path
-    (csrc/core/comm_shm.c agrees on it inside the collective), never correctness. A window per
-    shard would map the whole model's gradient, several times, for the job's lifetime."""
+    Each bucket staged takes the first free slot from the one after the last taken (the same
+    on every process, as every process stages the same units in the same order; a slot held
+    through a whole backward, by a root unit whose first gradient came early, is stepped over),
+    else stages privately: a process that staged differently only costs its peers the
+    zero-copy path (csrc/core/comm_shm.c agrees on it inside the collective), never
+    correctness. When every slot is free the turn starts over at slot 0, so processes that once
+    went apart meet again. A window per shard would map the whole model's gradient, several
+    times, for the job's lifetime."""
 
     def __init__(self, window: torch.Tensor, slots: int, slot_numel: int):
         self.window, self.slot_numel = window, slot_numel
@@ -77,12 +80,17 @@ class SharedStaging:
         return made
 
     def take(self, shard, b: int, n: int):
-        """A zeroed slot of n elements for `shard`'s bucket b, or None (the next slot is taken)."""
-        k = self.next
-        if self.owner[k] is not None or n > self.slot_numel:
+        """A zeroed slot of n elements for `shard`'s bucket b, or None (every slot is taken)."""
+        slots = len(self.owner)
+        if n > self.slot_numel:
+            return None
+        if all(o is None for o in self.owner):
+            self.next = 0
+        k = next((j % slots for j in range(self.next, self.next + slots) if self.owner[j % slots] is None), None)
+        if k is None:
             return None
         self.owner[k] = (shard, b)
-        self.next = (k + 1) % len(self.owner)
+        self.next = (k + 1) % slots
         buf = self.window[k * self.slot_numel:k * self.slot_numel + n]
         buf.zero_()
         return buf

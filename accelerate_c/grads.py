@@ -180,6 +180,14 @@ def clip_coef(total: float, max_norm: float, dtype):
     return norm, float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 
 
+def _norm_dtype(groups):
+    """The dtype of the norm torch's clip_grad_norm_ returns: that of the per-gradient norms it
+    stacks, of the gradients present only (fp32 when they mix dtypes, or when there is none: its
+    0-dim zero). A bf16 model with an fp32 layer that got no gradient clips in bf16."""
+    live = {g.dtype for g in groups if g.has_gradients()}
+    return live.pop() if len(live) == 1 else torch.float32
+
+
 def _combine_stats(accs):
     """(sumsq, maxabs, non-finite) of several devices' partials, on the first one's device, in a
     fixed order (the groups'), so the result does not depend on timing."""
@@ -496,23 +504,27 @@ class GradManager:
         per = []
         for g in groups:
             inv = inv_scale if (inv_scale is not None and g.needs_unscale) else 1.0
+            # torch unscales before it takes the per-gradient norms: a 16-bit group still
+            # carrying the loss scale rounds each norm unscaled (a scaled fp16 norm past 65504
+            # would be inf), so the sums measured on the way (rounded at scale 1) do not serve it
+            rounds = bool(pick) and g.segs is not None
             if norm_type == 2.0:
                 self.strategy.want_sumsq(g)  # from the next backward on, measured while it is hot
-            cached = self.strategy.cached_sumsq(g) if norm_type == 2.0 and inv <= 1.0 else None
+            usable = norm_type == 2.0 and inv <= 1.0 and not (rounds and inv != 1.0)
+            cached = self.strategy.cached_sumsq(g) if usable else None
             if cached is not None:  # measured on the way (hooks, or DDP's buckets) and unchanged since
-                sumsq, nonfinite, maxabs = cached[pick], cached[2], 0.0
+                sumsq, nonfinite, maxabs = cached[pick] * inv * inv, cached[2], 0.0
             elif norm_type == 2.0 and inv <= 1.0:
                 # unscaling by <= 1 cannot overflow: the memory-bound pass suffices
-                sums = g.sums()
-                sumsq, nonfinite, maxabs = sums[pick], sums[2], 0.0
+                exact, rounded, nonfinite = g.sums(scale=inv)
+                sumsq, maxabs = (rounded if rounds else exact * inv * inv), 0.0
             else:
                 sumsq, maxabs, nonfinite = _C.stats(g.buf)
-                if norm_type == 2.0 and pick and g.segs is not None:  # rare: a loss scale below 1
-                    sumsq = g.sums()[1]
-            # (inv folded in after the rounding: exact for a power-of-two loss scale, which
-            # scales a 16-bit norm without changing its rounding)
+                sumsq *= inv * inv
+                if norm_type == 2.0 and rounds:  # rare: a loss scale below 1
+                    sumsq = g.sums(scale=inv)[1]
             found = bool(nonfinite) or maxabs * inv > _FINITE_MAX[g.dtype]
-            per.append((g, inv, sumsq * inv * inv, maxabs * inv, found))
+            per.append((g, inv, sumsq, maxabs * inv, found))
         # the strategy adds the other processes' parts (replicated gradients: none)
         sumsq = self.strategy.total_sumsq(sum(s for _, _, s, _, _ in per))
         if norm_type == math.inf:
@@ -529,8 +541,7 @@ class GradManager:
         # for inf, x NaN for NaN)
         if max_norm is None:  # the norm only, in fp32 (not rounded to 16 bits: DeepSpeed's)
             return torch.tensor(total, dtype=torch.float32)
-        dtypes = {g.dtype for g in groups}
-        norm, coef = clip_coef(total, max_norm, dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        norm, coef = clip_coef(total, max_norm, _norm_dtype(groups))
         for g, inv, _, _, found in per:
             g.scale_(inv * coef)
             if inv != 1.0:
@@ -568,10 +579,9 @@ class GradManager:
         # the norm is then NaN, as torch's; other non-finite values give inf
         bad = torch.where(torch.isnan(acc[0]), torch.full_like(total, math.nan), torch.full_like(total, math.inf))
         total = torch.where(acc[2] > 0, bad, total)
-        dtypes = {g.dtype for g in groups}
         if max_norm is None:  # the norm only, in fp32 (not rounded to 16 bits: DeepSpeed's)
             return total
-        total = total.to(dtypes.pop() if len(dtypes) == 1 else torch.float32)  # torch's norm dtype
+        total = total.to(_norm_dtype(groups))  # torch's norm dtype
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         coefs = {}  # the coefficient on each device
         for g in groups:

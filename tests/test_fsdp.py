@@ -23,19 +23,22 @@ def _script_passes(world, script, *args, says):
     assert says in res.stdout
 
 
-@pytest.mark.parametrize("world,mp,reshard,wrap,ckpt", [
-    (2, "fp32", "1", "TRANSFORMER_BASED_WRAP", "reentrant"),
-    (3, "fp32", "0", "SIZE_BASED_WRAP", "none"),
-    (2, "bf16", "1", "TRANSFORMER_BASED_WRAP", "none"),
-    (4, "bf16", "0", "TRANSFORMER_BASED_WRAP", "ac"),
+@pytest.mark.parametrize("world,mp,reshard,wrap,ckpt,tied", [
+    (2, "fp32", "1", "TRANSFORMER_BASED_WRAP", "reentrant", "tied"),
+    (3, "fp32", "0", "SIZE_BASED_WRAP", "none", "tied"),
+    (2, "bf16", "1", "TRANSFORMER_BASED_WRAP", "none", "tied"),
+    (4, "bf16", "0", "TRANSFORMER_BASED_WRAP", "ac", "tied"),
+    (2, "bf16", "1", "TRANSFORMER_BASED_WRAP", "none", "untied"),
 ])
-def test_fsdp_trains_as_torch_with_everything_sharded(world, mp, reshard, wrap, ckpt):
+def test_fsdp_trains_as_torch_with_everything_sharded(world, mp, reshard, wrap, ckpt, tied):
     """Parameters after every step, norms and learning rates against torch (DDP, or the bf16
     policy written out), 1/N of the parameters and optimizer state per process between steps,
     no full gradient in p.grad, model.state_dict() refused, eval under no_grad/inference_mode;
     with FSDP's activation_checkpointing (each unit recomputed in backward) or the model's own
-    reentrant checkpointing (a nested backward per block)."""
-    _script_passes(world, "fsdp_train.py", mp, reshard, wrap, ckpt,
+    reentrant checkpointing (a nested backward per block); over shared memory every unit's
+    reduce-scatter takes the staging window's zero-copy path, with an untied output layer too
+    (the root holding its slot through the backward)."""
+    _script_passes(world, "fsdp_train.py", mp, reshard, wrap, ckpt, tied,
                    says=f"fsdp {mp} reshard={reshard} {wrap} {ckpt} OK on {world} processes")
 
 

@@ -147,6 +147,9 @@ class _FakeCudaGroup:
     def stream(self):
         return self._stream
 
+    def has_gradients(self):
+        return True
+
     def zero_gaps(self):  # no alignment gaps in these buffers
         pass
 

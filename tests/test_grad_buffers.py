@@ -468,6 +468,71 @@ def test_fp16_model_zero_grad_and_clip_matches_gradscaler(reset, overflow):
     assert_params_close(model, ref_model, rtol=AMP_RTOL, atol=AMP_ATOL)
 
 
+def test_fp16_model_under_fp16_loss_scaling_clips_the_unscaled_norm():
+    """An fp16 model under mixed_precision="fp16" (torch's GradScaler refuses to unscale fp16
+    gradients; accelerate_c unscales them): clip rounds each gradient's norm to fp16 after
+    unscaling, as torch's clip over the unscaled gradients does. The scaled norms are past
+    65504: rounded before unscaling they were inf, and every gradient was zeroed by a 0
+    coefficient with the step not skipped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 8)).half()
+    ref = copy.deepcopy(model)
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    x = torch.randn(16, 256).half()
+    accelerator.backward(model(x).float().pow(2).mean() * 4)
+    scale = accelerator.scaler.get_scale()
+    (ref(x).float().pow(2).mean() * 4 * scale).backward()
+    # the scaled per-gradient norms overflow fp16, no scaled element does
+    assert all(bool(torch.isfinite(p.grad).all()) for p in ref.parameters())
+    assert max(float(p.grad.float().norm()) for p in ref.parameters()) > 65504
+    for p in ref.parameters():  # GradScaler's unscale, written out: x inv_scale in the gradients' dtype
+        p.grad.mul_(1.0 / scale)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    got = accelerator.clip_grad_norm_(model.parameters(), 0.5)
+    assert got.dtype == want.dtype == torch.float16 and torch.isfinite(got)
+    torch.testing.assert_close(got, want, rtol=2 ** -10, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2 ** -9, atol=1e-6)
+    opt.step()
+    assert not accelerator.optimizer_step_was_skipped
+
+
+def test_norm_dtype_is_that_of_the_gradients_present():
+    """torch stacks the norms of the gradients present: a bf16 model whose fp32 layer got no
+    gradient is clipped in bf16 (norm and coefficient), and with no gradient at all the norm is
+    torch's fp32 zero."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8).to(torch.bfloat16)
+            self.b = nn.Linear(8, 8)  # fp32, left out of the loss
+
+        def forward(self, x):
+            return self.a(x.to(torch.bfloat16))
+
+    model = Net()
+    ref = copy.deepcopy(model)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(model)
+    assert len(accelerator._grads.groups) == 2
+    none = accelerator.clip_grad_norm_(model.parameters(), 0.01)
+    want_none = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    assert none.dtype == want_none.dtype and torch.equal(none, want_none)
+    x = torch.randn(4, 8)
+    accelerator.backward(model(x).float().pow(2).sum())
+    ref(x).float().pow(2).sum().backward()
+    got = accelerator.clip_grad_norm_(model.parameters(), 0.01)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want), (got, want)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        assert p.grad is None or torch.equal(p.grad, q.grad)
+
+
 def test_fp16_parameter_outside_the_model_is_unscaled_like_gradscaler():
     """A learnable parameter that is in the optimizer but in no prepared model (a loss
     temperature, say) lives outside the buffers; under fp16 it must still be unscaled once."""

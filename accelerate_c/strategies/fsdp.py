@@ -173,9 +173,11 @@ class FullShardStrategy(Zero2Strategy):
                 gs.label = f"{ug.label} (every process must run the same units' forwards and backwards)"
                 self.hold(gs)
         # over shared memory the units' staging buffers are slots of one shared window per dtype,
-        # which every process's reduce-scatter reads in place (no copy in or out): one more slot
-        # than the units whose reductions may be in flight while the next unit stages
-        SharedStaging.make(made, MAX_UNITS_IN_FLIGHT + 1)
+        # which every process's reduce-scatter reads in place (no copy in or out): a slot for
+        # each unit whose reduction may be in flight, one for the unit staging next, and one for
+        # the root, whose first gradient (an untied output layer's) comes early and whose last
+        # (the embedding's) comes last, so it holds its slot through the whole backward
+        SharedStaging.make(made, MAX_UNITS_IN_FLIGHT + 2)
         self.hook_model_zero_grad(model)
 
     def _full_shape(self, shards, p):

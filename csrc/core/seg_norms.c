@@ -12,8 +12,11 @@
 #include "ac/kernels.h"
 #include "half.h"
 
-double ac_norm_sq_rounded(ac_dtype_t dt, double sumsq) {
-  float n = (float)sqrt(sumsq); /* torch's norm, in fp32 (NaN stays NaN, inf stays inf) */
+double ac_norm_sq_rounded(ac_dtype_t dt, double sumsq, double scale) {
+  /* torch's norm of the gradient times `scale` (the unscaled gradient: torch unscales before it
+   * takes norms, and a scaled fp16 norm past 65504 would round to inf), in fp32 (NaN stays NaN,
+   * inf stays inf) */
+  float n = (float)(sqrt(sumsq) * scale);
   if (dt == AC_BF16)
     n = ac_bf16_to_f32(ac_f32_to_bf16(n));
   else if (dt == AC_F16)
@@ -22,7 +25,7 @@ double ac_norm_sq_rounded(ac_dtype_t dt, double sumsq) {
 }
 
 ac_result_t ac_sumsq_segments(ac_dtype_t dt, const void *data, size_t n, const size_t *seg, size_t nseg,
-                              double *exact, double *rounded, int *nonfinite) {
+                              double scale, double *exact, double *rounded, int *nonfinite) {
   if (!exact || !rounded || !nonfinite)
     return AC_FAIL(AC_ERR_INVALID_ARG, "ac_sumsq_segments: exact, rounded and nonfinite must not be NULL");
   if (nseg && !seg) return AC_FAIL(AC_ERR_INVALID_ARG, "ac_sumsq_segments: seg is NULL");
@@ -39,7 +42,7 @@ ac_result_t ac_sumsq_segments(ac_dtype_t dt, const void *data, size_t n, const s
     int f;
     AC_CHECK(ac_sumsq(dt, (const char *)data + off * es, len, &s, &f));
     ex += s;
-    ro += ac_norm_sq_rounded(dt, s);
+    ro += ac_norm_sq_rounded(dt, s, scale);
     nf |= f;
   }
   *exact = ex;

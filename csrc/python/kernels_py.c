@@ -64,13 +64,21 @@ static PyObject *py_sumsq(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 static PyObject *py_sumsq_segments(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view v;
   Py_buffer segs;
-  double ex = 0.0, ro = 0.0;
+  double ex = 0.0, ro = 0.0, scale;
   int nf = 0;
-  if (!pyac_nargs_ok("sumsq_segments", n, 2)) return NULL;
-  if (PyObject_GetBuffer(a[1], &segs, PyBUF_SIMPLE) < 0) return NULL;
-  if (segs.len % (Py_ssize_t)(2 * sizeof(size_t)) != 0) {
-    PyErr_Format(PyExc_ValueError, "sumsq_segments: segs must hold (offset, length) pairs of %zu-byte integers, "
-                 "got %zd bytes", sizeof(size_t), segs.len);
+  if (!pyac_nargs_ok("sumsq_segments", n, 3)) return NULL;
+  scale = PyFloat_AsDouble(a[2]);
+  if (scale == -1.0 && PyErr_Occurred()) return NULL;
+  if (PyObject_GetBuffer(a[1], &segs, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+  /* unsigned 64-bit integers ('Q', or 'L'/'N' where those are 64-bit), as array('Q') holds */
+  const char *fmt = segs.format ? segs.format : "B";
+  if (*fmt == '@' || *fmt == '=') fmt++;
+  int unsigned64 = segs.itemsize == (Py_ssize_t)sizeof(size_t) && sizeof(size_t) == 8 && fmt[1] == '\0' &&
+                   (fmt[0] == 'Q' || fmt[0] == 'L' || fmt[0] == 'N');
+  if (!unsigned64 || segs.len % (Py_ssize_t)(2 * sizeof(size_t)) != 0) {
+    PyErr_Format(PyExc_ValueError, "sumsq_segments: segs must hold (offset, length) pairs of unsigned 64-bit "
+                 "integers (array('Q')), got format '%s' with %zd-byte items, %zd bytes", segs.format ? segs.format : "B",
+                 segs.itemsize, segs.len);
     PyBuffer_Release(&segs);
     return NULL;
   }
@@ -80,7 +88,7 @@ static PyObject *py_sumsq_segments(PyObject *m, PyObject *const *a, Py_ssize_t n
   }
   size_t nseg = (size_t)segs.len / (2 * sizeof(size_t));
   ac_result_t r;
-  Py_BEGIN_ALLOW_THREADS r = ac_sumsq_segments(v.dt, v.data, v.n, (const size_t *)segs.buf, nseg, &ex, &ro, &nf);
+  Py_BEGIN_ALLOW_THREADS r = ac_sumsq_segments(v.dt, v.data, v.n, (const size_t *)segs.buf, nseg, scale, &ex, &ro, &nf);
   Py_END_ALLOW_THREADS pyac_view_release(&v);
   PyBuffer_Release(&segs);
   if (r != AC_OK) return pyac_raise(m, r);
@@ -311,9 +319,9 @@ PyMethodDef pyac_kernel_methods[] = {
     PYAC_FAST("sumsq", py_sumsq,
          "sumsq(tensor) -> (sum_of_squares, has_nonfinite): the fast norm pass (fp32 blocks, ~1e-7 relative) (CPU)."),
     PYAC_FAST("sumsq_segments", py_sumsq_segments,
-         "sumsq_segments(tensor, segs) -> (sum_of_squares, sum_of_rounded_norms_squared, has_nonfinite) over the "
-         "(offset, length) pairs in segs (a native size_t buffer): each segment's norm rounded to the tensor's "
-         "dtype, as torch's clip_grad_norm_ takes per-tensor norms (CPU)."),
+         "sumsq_segments(tensor, segs, scale) -> (sum_of_squares, sum_of_rounded_norms_squared, has_nonfinite) "
+         "over the (offset, length) pairs in segs (array('Q')): each segment's norm times scale rounded to the "
+         "tensor's dtype, as torch's clip_grad_norm_ takes per-tensor norms of unscaled gradients (CPU)."),
     PYAC_FAST("nonfinite", py_nonfinite, "nonfinite(tensor) -> True if any element is NaN or +-Inf (CPU)."),
     PYAC_FAST("scale_stats_", py_scale_stats_,
          "scale_stats_(tensor, factor) -> stats of tensor after tensor *= factor, in one pass (CPU)."),

@@ -682,7 +682,7 @@ static PyObject *reducer_sums(PyObject *op, PyObject *arg) {
   for (size_t i = 0; i < n; i++) { /* parameter order: the result does not depend on hook timing */
     total += self->sq[i];
     /* fp32 buffers: the exact sum stands for torch's (GradLayout.sums says why) */
-    rounded += self->dt == AC_F32 ? self->sq[i] : ac_norm_sq_rounded(self->dt, self->sq[i]);
+    rounded += self->dt == AC_F32 ? self->sq[i] : ac_norm_sq_rounded(self->dt, self->sq[i], 1.0);
     nf |= self->nf[i];
   }
   return Py_BuildValue("(ddO)", total, rounded, nf ? Py_True : Py_False);

@@ -301,7 +301,7 @@ TEST(sumsq_segments_rounds_each_norm) {
       if (!use_isa(ISAS[k])) continue;
       double ex = -1, ro = -1;
       int nf = -1;
-      CHECK_OK(ac_sumsq_segments(dt, buf, n, seg, nseg, &ex, &ro, &nf));
+      CHECK_OK(ac_sumsq_segments(dt, buf, n, seg, nseg, 1.0, &ex, &ro, &nf));
       CHECK_MSG(ex == want_ex && ro == want_ro && nf == 0, "%s %s: exact %.17g want %.17g rounded %.17g want %.17g",
                 ISAS[k], ac_dtype_name(dt), ex, want_ex, ro, want_ro);
       if (dt != AC_F32) CHECK_MSG(ro != ex, "%s: the case should round some norm", ac_dtype_name(dt));
@@ -310,18 +310,21 @@ TEST(sumsq_segments_rounds_each_norm) {
     const size_t bad[] = {0, 4, n - 2, 3};
     double ex, ro;
     int nf;
-    CHECK_RC(ac_sumsq_segments(dt, buf, n, bad, 2, &ex, &ro, &nf), AC_ERR_INVALID_ARG);
+    CHECK_RC(ac_sumsq_segments(dt, buf, n, bad, 2, 1.0, &ex, &ro, &nf), AC_ERR_INVALID_ARG);
     CHECK_CONTAINS(ac_last_error(), "segment 1");
     free(buf);
   }
   /* known values: sqrt(2) is 1.4140625 in bf16 and fp16; an fp16 norm past 65504 is inf (as
    * torch's fp16 norm), the exact sum stays finite */
-  CHECK(ac_norm_sq_rounded(AC_BF16, 2.0) == 1.4140625 * 1.4140625);
-  CHECK(ac_norm_sq_rounded(AC_F16, 2.0) == 1.4140625 * 1.4140625);
-  CHECK(ac_norm_sq_rounded(AC_F32, 2.0) == (double)(float)sqrt(2.0) * (double)(float)sqrt(2.0));
-  CHECK(isinf(ac_norm_sq_rounded(AC_F16, 65520.0 * 65520.0)));
-  CHECK(ac_norm_sq_rounded(AC_F16, 65504.0 * 65504.0) == 65504.0 * 65504.0);
-  CHECK(isnan(ac_norm_sq_rounded(AC_BF16, NAN)) && isinf(ac_norm_sq_rounded(AC_BF16, INFINITY)));
+  CHECK(ac_norm_sq_rounded(AC_BF16, 2.0, 1.0) == 1.4140625 * 1.4140625);
+  CHECK(ac_norm_sq_rounded(AC_F16, 2.0, 1.0) == 1.4140625 * 1.4140625);
+  CHECK(ac_norm_sq_rounded(AC_F32, 2.0, 1.0) == (double)(float)sqrt(2.0) * (double)(float)sqrt(2.0));
+  CHECK(isinf(ac_norm_sq_rounded(AC_F16, 65520.0 * 65520.0, 1.0)));
+  CHECK(ac_norm_sq_rounded(AC_F16, 65504.0 * 65504.0, 1.0) == 65504.0 * 65504.0);
+  CHECK(isnan(ac_norm_sq_rounded(AC_BF16, NAN, 1.0)) && isinf(ac_norm_sq_rounded(AC_BF16, INFINITY, 1.0)));
+  /* the scale applies before the rounding: a loss-scaled fp16 norm past 65504 is finite unscaled */
+  CHECK(isinf(ac_norm_sq_rounded(AC_F16, 1e6 * 1e6, 1.0)));
+  CHECK(ac_norm_sq_rounded(AC_F16, 1e6 * 1e6, 1.0 / 65536.0) == 15.2578125 * 15.2578125); /* 15.2587890625 in fp16 */
   free(vals);
   ac_kernels_set_isa("scalar");
 }

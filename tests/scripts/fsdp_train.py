@@ -35,6 +35,10 @@ WRAP = sys.argv[3] if len(sys.argv) > 3 else "TRANSFORMER_BASED_WRAP"
 # "ac": FSDP's activation_checkpointing (the plugin's); "reentrant": the model checkpoints each
 # block itself with torch.utils.checkpoint(use_reentrant=True) (nested backwards); "none"
 CKPT = sys.argv[4] if len(sys.argv) > 4 else "none"
+# "untied": the output layer has its own weight (in the root unit, whose first gradient then
+# comes first in backward and its last, the embedding's, last: it holds its staging slot
+# throughout) and five blocks; default: tied to the embedding, three blocks
+UNTIED = (sys.argv[5] if len(sys.argv) > 5 else "tied") == "untied"
 STEPS = 5
 GA = 2
 MAX_NORM = 0.5
@@ -60,9 +64,11 @@ class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = torch.nn.Embedding(37, 24)
-        self.blocks = torch.nn.ModuleList([Block(24), Block(24, frozen=True), Block(24)])
+        self.blocks = torch.nn.ModuleList([Block(24), Block(24, frozen=True), Block(24)] +
+                                          ([Block(24), Block(24)] if UNTIED else []))
         self.head = torch.nn.Linear(24, 37, bias=False)
-        self.head.weight = self.emb.weight  # tied: one parameter
+        if not UNTIED:
+            self.head.weight = self.emb.weight  # tied: one parameter
 
     def forward(self, x):
         h = self.emb(x)

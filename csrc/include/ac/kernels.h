@@ -46,16 +46,18 @@ ac_result_t ac_stats(ac_dtype_t dt, const void *data, size_t n, ac_stats_t *out)
  * count. Use ac_stats when the max-abs or a pure double sum is needed. */
 ac_result_t ac_sumsq(ac_dtype_t dt, const void *data, size_t n, double *sumsq, int *nonfinite);
 
-/* sqrt(sumsq) as torch's norm of a tensor of dt gives it (fp32, then rounded to dt), squared:
- * torch.nn.utils.clip_grad_norm_ takes each gradient's norm in the gradient's own dtype. */
-double ac_norm_sq_rounded(ac_dtype_t dt, double sumsq);
+/* sqrt(sumsq) * scale as torch's norm of a tensor of dt gives it (fp32, then rounded to dt),
+ * squared: torch.nn.utils.clip_grad_norm_ takes each gradient's norm in the gradient's own
+ * dtype, after the gradient was unscaled (scale: the inverse loss scale, or 1). */
+double ac_norm_sq_rounded(ac_dtype_t dt, double sumsq, double scale);
 
 /* Per-parameter sums of squares of a flat buffer of n elements, seg holding nseg (offset,
  * length) pairs in elements: *exact = the sum of every segment's sum of squares (ac_sumsq's),
- * *rounded = the sum of ac_norm_sq_rounded of each (torch's total norm of 16-bit gradients,
- * squared), *nonfinite as ac_sumsq's. Segments outside the buffer are refused. */
+ * *rounded = the sum of ac_norm_sq_rounded(dt, each, scale) (torch's total norm of 16-bit
+ * gradients scaled by `scale`, squared), *nonfinite as ac_sumsq's. Segments outside the buffer
+ * are refused. */
 ac_result_t ac_sumsq_segments(ac_dtype_t dt, const void *data, size_t n, const size_t *seg, size_t nseg,
-                              double *exact, double *rounded, int *nonfinite);
+                              double scale, double *exact, double *rounded, int *nonfinite);
 
 /* *found = 1 if any element is NaN or +-Inf, else 0. */
 ac_result_t ac_nonfinite(ac_dtype_t dt, const void *data, size_t n, int *found);
