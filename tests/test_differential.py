@@ -270,3 +270,27 @@ def test_fsdp_gather_axes_are_drawn_only_where_supported():
     assert {x[1] for x in seen["aux"] if isinstance(x, tuple) and x[0]} == \
         {"NO_WRAP", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP"}
     assert "own unit resharded in bf16" in seen["aux"]
+
+
+def _plain_trace(param, norm=1.5):
+    step = {"params": [param], "grads": [param * 0.5], "norm": norm, "lr": 0.1, "skipped": False, "scale": None}
+    return {"steps": [step], "final": [param]}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_bf16_model_on_one_or_two_processes_is_held_to_torch_bit_for_bit(world):
+    """compare.bitwise: a bf16 model on one or two replicated processes must be torch's bit for
+    bit (a parameter one bf16 ulp off fails there, within the 2e-2 tolerance elsewhere; a norm a
+    bf16 ulp off too); three processes (another summation order) keep the tolerances."""
+    case = _case(1, world=world, param_dtype="bf16", clip="norm2")
+    p = torch.linspace(-1, 1, 12).to(torch.bfloat16).float()
+    ulp = p.clone()
+    ulp[3] = torch.nextafter(p[3].to(torch.bfloat16), torch.tensor(2.0, dtype=torch.bfloat16)).float()
+    assert compare.bitwise(case) == (world <= 2)
+    assert not compare.compare(case, _plain_trace(p.clone()), _plain_trace(p))
+    errors = compare.compare(case, _plain_trace(ulp), _plain_trace(p))
+    assert bool(errors) == (world <= 2), errors
+    errors = compare.compare(case, _plain_trace(p, norm=1.5078125), _plain_trace(p))
+    assert bool(errors) == (world <= 2), errors
+    assert not compare.bitwise(_case(1, world=2, param_dtype="bf16", sharding="zero2"))
+    assert not compare.bitwise(_case(1, world=1, param_dtype="mixed"))
