@@ -36,74 +36,6 @@ WINDOW_SLOTS = MAX_INFLIGHT + 1  # staging buffers in a shared window (over shar
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def held_bytes(tensors) -> int:
-    """Bytes of `tensors`, each memory block once (by data_ptr)."""
-    return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
-
-
-class SharedStaging:
-    """Staging slots in one shared window that several GradShards take turns on: full sharding's
-    shards (one per unit and dtype, each a single bucket of the unit's whole gradient), which
-    reduce one after another and at most MAX_UNITS_IN_FLIGHT at a time (strategies/fsdp.py).
-    Each bucket staged takes the first free slot from the one after the last taken (the same
-    on every process, as every process stages the same units in the same order; a slot held
-    through a whole backward, by a root unit whose first gradient came early, is stepped over),
-    else stages privately: a process that staged differently only costs its peers the
-    zero-copy path (csrc/core/comm_shm.c agrees on it inside the collective), never
-    correctness. When every slot is free the turn starts over at slot 0, so processes that once
-    went apart meet again. A window per shard would map the whole model's gradient, several
-    times, for the job's lifetime."""
-
-    def __init__(self, window: torch.Tensor, slots: int, slot_numel: int):
-        self.window, self.slot_numel = window, slot_numel
-        self.owner = [None] * slots  # (shard, bucket) staged in each slot, or None
-        self.next = 0
-
-    @classmethod
-    def make(cls, shards, slots: int) -> list:
-        """One SharedStaging per dtype of `shards` (their CPU buckets), attached to them, or
-        none where the CPU collectives do not go through shared memory or /dev/shm lacks the
-        room. A collective: every process passes the same shards in the same order."""
-        made = []
-        for dtype in sorted({gs.dtype for gs in shards if not gs.is_cuda}, key=str):
-            members = [gs for gs in shards if gs.dtype == dtype and not gs.is_cuda]
-            slot_numel = max(gs.slot_numel for gs in members)
-            if not slot_numel:
-                continue
-            window = collectives.shared_buffer(slots * slot_numel, dtype, zero_copy_only=True)
-            if window is None:
-                continue
-            pool = cls(window, slots, slot_numel)
-            for gs in members:
-                gs.pool = pool
-            made.append(pool)
-        return made
-
-    def take(self, shard, b: int, n: int):
-        """A zeroed slot of n elements for `shard`'s bucket b, or None (every slot is taken)."""
-        slots = len(self.owner)
-        if n > self.slot_numel:
-            return None
-        if all(o is None for o in self.owner):
-            self.next = 0
-        k = next((j % slots for j in range(self.next, self.next + slots) if self.owner[j % slots] is None), None)
-        if k is None:
-            return None
-        self.owner[k] = (shard, b)
-        self.next = (k + 1) % slots
-        buf = self.window[k * self.slot_numel:k * self.slot_numel + n]
-        buf.zero_()
-        return buf
-
-    def give_back(self, shard, b: int) -> bool:
-        """Frees the slot holding `shard`'s bucket b; False when none does (it staged privately)."""
-        for k, owner in enumerate(self.owner):
-            if owner is not None and owner[0] is shard and owner[1] == b:
-                self.owner[k] = None
-                return True
-        return False
-
-
 def _stats_device(device) -> torch.device:
     """Where this shard's small collective tensors live: NCCL moves CUDA tensors only."""
     if torch.device(device).type == "cuda" and dist.get_backend() == "nccl":
@@ -185,7 +117,6 @@ class GradShard:
         self.slot_bucket = [None] * WINDOW_SLOTS  # bucket staged in each window slot, or None
         if self.window is not None:
             self.keep_free = 0  # a private buffer is the exception then: not kept beside the slots
-        self.pool = None  # a SharedStaging this shard takes turns on with others (full sharding)
 
     # ---- what the hooks call -------------------------------------------------------------
     def _on_first(self):
@@ -229,11 +160,6 @@ class GradShard:
                 buf.zero_()
                 self.staging[b] = buf
                 return buf
-            if self.pool is not None and n:
-                buf = self.pool.take(self, b, n)
-                if buf is not None:
-                    self.staging[b] = buf
-                    return buf
             buf = next((t for t in self.free if t.numel() >= n), None)
             if buf is None:
                 buf = torch.empty(max(n, self.slot_numel),
@@ -302,8 +228,6 @@ class GradShard:
         k = b % WINDOW_SLOTS
         if self.window is not None and self.slot_bucket[k] == b:
             self.slot_bucket[k] = None
-            return
-        if self.pool is not None and self.pool.give_back(self, b):
             return
         self.free.append(buf._base if buf._base is not None else buf)
 
@@ -467,20 +391,14 @@ class GradShard:
         off, n = self.spans[i]
         return full[off - start:off - start + n].view(self.shapes[i]).clone()
 
-    def held(self) -> list:
-        """The tensors this object holds memory in: the shard and the staging buffers (whole, not
-        the views in use; a shared window's slots whether or not a bucket is staged there, a
-        SharedStaging's too, which its other shards list as well: count by data_ptr)."""
+    def nbytes(self) -> int:
+        """Bytes this object holds: the shard and the staging buffers (whole, not the views in use;
+        the shared window's slots once, whether or not a bucket is staged there)."""
         bufs = [self.shard, *self.free, *((t._base if t._base is not None else t) for t in self.staging.values())]
         if self.window is not None:
             bufs.append(self.window)
-        if self.pool is not None:
-            bufs.append(self.pool.window)
-        return bufs
-
-    def nbytes(self) -> int:
-        """Bytes of held(), each buffer once."""
-        return held_bytes(self.held())
+        distinct = {t.data_ptr(): t.numel() * t.element_size() for t in bufs}
+        return sum(distinct.values())
 
     def remove(self):
         for h in self.hooks:

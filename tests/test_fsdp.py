@@ -35,9 +35,8 @@ def test_fsdp_trains_as_torch_with_everything_sharded(world, mp, reshard, wrap, 
     policy written out), 1/N of the parameters and optimizer state per process between steps,
     no full gradient in p.grad, model.state_dict() refused, eval under no_grad/inference_mode;
     with FSDP's activation_checkpointing (each unit recomputed in backward) or the model's own
-    reentrant checkpointing (a nested backward per block); over shared memory every unit's
-    reduce-scatter takes the staging window's zero-copy path, with an untied output layer too
-    (the root holding its slot through the backward)."""
+    reentrant checkpointing (a nested backward per block); with an untied output layer (the
+    root unit's gradients first and last in backward)."""
     _script_passes(world, "fsdp_train.py", mp, reshard, wrap, ckpt, tied,
                    says=f"fsdp {mp} reshard={reshard} {wrap} {ckpt} OK on {world} processes")
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..fsdp_units import build_units, unit_modules
-from ..grad_shards import GradShard, SharedStaging
+from ..grad_shards import GradShard
 from .ddp import broadcast_buffers, check_same_structure
 from .zero import Owned
 from .zero2 import Zero2Strategy
@@ -159,25 +159,17 @@ class FullShardStrategy(Zero2Strategy):
     def adopt_gradients(self, model, manager):
         """A GradShard per trainable group of every unit, in the compute dtype, its shard fp32."""
         fsdp = self.models[id(model)]
-        made = []
         for unit in fsdp.units:
             for ug in unit.groups:
                 if not ug.trainable or any(id(p) in self.held for p in ug.params):
                     continue
                 gs = GradShard(ug.group, ug.params, self.manager.name_of, self.find_unused, id(model),
                                dtype=ug.compute_dtype, shard_dtype=ug.shard.dtype)
-                made.append(gs)
                 gs.on_launched = lambda done, _u=unit, _gs=gs: self._launched(_u, _gs, done)
                 gs.keep_free = 0  # a unit's staging is its whole gradient: none kept between backwards
                 # a process whose backward ran other units than its peers' hears of it here too
                 gs.label = f"{ug.label} (every process must run the same units' forwards and backwards)"
                 self.hold(gs)
-        # over shared memory the units' staging buffers are slots of one shared window per dtype,
-        # which every process's reduce-scatter reads in place (no copy in or out): a slot for
-        # each unit whose reduction may be in flight, one for the unit staging next, and one for
-        # the root, whose first gradient (an untied output layer's) comes early and whose last
-        # (the embedding's) comes last, so it holds its slot through the whole backward
-        SharedStaging.make(made, MAX_UNITS_IN_FLIGHT + 2)
         self.hook_model_zero_grad(model)
 
     def _full_shape(self, shards, p):

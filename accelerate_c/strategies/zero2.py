@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..grad_shards import GradShard, held_bytes
+from ..grad_shards import GradShard
 from ..grads import clip_coef
 from .zero import Zero1Strategy
 
@@ -205,6 +205,6 @@ class Zero2Strategy(Zero1Strategy):
 
     def memory(self) -> dict:
         """Bytes of the gradient shards and their staging buffers on this process."""
-        shards = sum(gs.shard.numel() * gs.shard.element_size() for gs in self.grad_shards)
-        return {"grad_shards": shards,
-                "grad_staging": held_bytes([t for gs in self.grad_shards for t in gs.held()]) - shards}
+        return {"grad_shards": sum(gs.shard.numel() * gs.shard.element_size() for gs in self.grad_shards),
+                "grad_staging": sum(gs.nbytes() for gs in self.grad_shards)
+                - sum(gs.shard.numel() * gs.shard.element_size() for gs in self.grad_shards)}
