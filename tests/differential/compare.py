@@ -463,7 +463,14 @@ def compare(case: dict, sub: dict, ref: dict) -> list[str]:
     if not errors:
         for j, (a, b) in enumerate(zip(sub["final"], ref["final"])):
             if slack is None or not slack:
-                why = _close(a, b, param_rtol(case, last))
+                # against the parameter's scale over the last steps too, as each step's check is
+                # (an update that nearly cancels it leaves a small value): the soak's case
+                # 6461715903 (ZeRO-2, bf16, 2 processes) passed step 6 at 0.059 of the bias's
+                # scale before it, then failed here at 0.233 of its final 0.0037
+                recent = [st["params"][j] for st in ref["steps"][-2:]]
+                floor = max([1e-3] + [t[torch.isfinite(t)].abs().max().item() for t in recent
+                                      if torch.isfinite(t).any()])
+                why = _close(a, b, param_rtol(case, last), floor)
             else:
                 why = _close(a, b, tolerance(case), extra=slack[-1][j])
             if why:
