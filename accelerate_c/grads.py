@@ -45,7 +45,8 @@ class GradGroup(GradLayout):
             self.found_dev = torch.zeros(1, dtype=torch.float32, device=self.device)
             self.stats_dev = torch.zeros(3, dtype=torch.float32, device=self.device)  # sumsq, maxabs, non-finite
             # a 16-bit buffer's own stats before its clip sum is replaced (_clip_cuda)
-            self.part_dev = torch.zeros(3, dtype=torch.float32, device=self.device)
+            self.part_dev = torch.zeros(3, dtype=torch.float32, device=self.device) \
+                if self.dtype in (torch.float16, torch.bfloat16) else None
 
     def alloc_buffer(self, numel: int) -> torch.Tensor:
         return self.manager.strategy.alloc_buffer(numel, self.dtype, self.device)

@@ -59,8 +59,8 @@ static PyObject *py_sumsq(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   return Py_BuildValue("(dO)", sq, nf ? Py_True : Py_False);
 }
 
-/* segs: a buffer of native size_t (array.array('N')... or 'Q' on LP64) holding (offset,
- * length) pairs, built once per layout by the caller, so a step parses no Python ints. */
+/* segs: array('Q') of (offset, length) pairs (64-bit size_t), built once per layout
+ * (GradLayout.build), so a step parses no Python ints. */
 static PyObject *py_sumsq_segments(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   pyac_view v;
   Py_buffer segs;

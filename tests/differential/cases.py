@@ -261,12 +261,16 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     c["f64"] = c["sharding"] == "none" and not c["reentrant"] and r.random() < 0.2
     # a gradient scaled through `.data` between backward and the step (older training code):
     # torch's `.data` has a version counter of its own, so a cached norm would survive it
-    # unless the view's `.data` shares the view's (grad_layout.GradView)
-    # (grad_layout.GradView). Where a full gradient exists between backward and the step
+    # unless the view's `.data` shares the view's (grad_layout.GradView). Where a full gradient
+    # exists between backward and the step
     c["grad_data"] = c["sharding"] in ("none", "zero1") and r.random() < 0.15
     # the optimizer's multi-tensor implementation (foreach=True): its _foreach_ ops read the
     # gradient views (and under ZeRO, the rebuilt optimizer over the owned runs must keep it)
     c["foreach"] = r.random() < 0.25
+    # the 16-bit model in fp16 instead of bf16 (its clip rounds each gradient's norm to fp16, as
+    # torch's: past 65504 a norm is inf). Replicated, without autocast: torch's GradScaler
+    # refuses fp16 gradients, and bf16 autocast over fp16 weights is no one's loop
+    c["fp16"] = c["param_dtype"] == "bf16" and c["mp"] == "no" and c["sharding"] == "none" and r.random() < 0.5
     return c
 
 
@@ -280,7 +284,7 @@ def _case(seed: int, **overrides) -> dict:
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
          "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0,
          "nonreentrant": False, "sync_each": False, "staged": False, "f64": False,
-         "grad_data": False, "foreach": False}
+         "grad_data": False, "foreach": False, "fp16": False}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -363,7 +367,8 @@ def describe(c: dict) -> str:
         parts.append(f"rank_skip={c['rank_skip']}")
     # axes added later (absent from older saved cases): named when on
     for flag, shown in (("nonreentrant", "nonreentrant"), ("sync_each", "sync_each_batch"), ("staged", "staged"),
-                        ("f64", "f64"), ("grad_data", "grad_data"), ("foreach", "foreach")):
+                        ("f64", "f64"), ("grad_data", "grad_data"), ("foreach", "foreach"),
+                        ("fp16", "fp16")):
         if c.get(flag):
             parts.append(shown)
     if c.get("sharding") == "zero3":

@@ -337,9 +337,9 @@ def _num_close(a, b, rtol) -> bool:
 
 
 def bitwise(case: dict) -> bool:
-    """Cases the subject must match bit for bit: a bf16 model (every update rounded to bf16, so
-    a difference in the last bit of any norm, coefficient or sum shows in the parameters) on one
-    or two replicated processes, where an average has one order. The tolerances below would
+    """Cases the subject must match bit for bit: a bf16 model, or fp16 (axis fp16) (every update
+    rounded to 16 bits, so a difference in the last bit of any norm, coefficient or sum shows in
+    the parameters) on one or two replicated processes, where an average has one order. The tolerances below would
     let a systematic rounding difference pass: the per-gradient norms torch's clip rounds to 16
     bits, summed exactly instead, moved bf16 runs by a few ulps a step (soak case 6453089873,
     one process: a norm 2% off at step 3, beyond the tolerance only there)."""

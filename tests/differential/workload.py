@@ -41,7 +41,7 @@ class Net(torch.nn.Module):
             self.mid2.weight = self.mid.weight  # one Parameter in two modules
         dt = case["param_dtype"]
         if dt == "bf16":
-            self.to(torch.bfloat16)
+            self.to(torch.float16 if case.get("fp16") else torch.bfloat16)
         elif dt == "mixed":
             self.mid.to(torch.bfloat16)
             if self.tied:
