@@ -346,6 +346,9 @@ REGRESSIONS = {
     "a bf16 model on 2 processes clipped by its 2-norm (the per-bucket sums after each all-reduce)":
         _case(REGRESSION_SEED + 24, world=2, param_dtype="bf16", clip="norm2", max_norm=0.5, tiny_buckets=True,
               batch_size=2, batches=6),
+    "a float64 layer under the fp16 comm hook, a sync backward per micro-batch (torch averages after each one)":
+        _case(REGRESSION_SEED + 25, world=2, f64=True, comm_hook="fp16", sync_each=True, ga=2, batches=4,
+              param_dtype="bf16", mp="bf16"),
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }

@@ -4,7 +4,8 @@ torch DDP under torch's Join on the same seed and data: two forward/backward pai
 optimizer step, and (second part) two joined models, one of them without a float64 layer; then
 (third part, no join) the output layer in a reentrant checkpoint, whose inner backward delivers
 the first gradients and ends before the outer one has delivered the rest (the float64
-gradients wait for the step there). The float64 gradients are
+gradients wait until each has its gradient there); then (fifth part) the fp16 comm hook with two
+sync backwards per step. The float64 gradients are
 averaged at the end of every sync backward under join, after the model's buffers, so the process
 that ran out of data shadows them per backward (DDPStrategy.reduce_unbuffered, shadow_unbuffered). Prints
 "float64 OK" when the parameters are torch's bit for bit."""
@@ -17,7 +18,11 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
 from accelerate_c import Accelerator
+from accelerate_c.state import AcceleratorState, GradientState
+from accelerate_c.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
 
 class Half64(nn.Module):
@@ -145,6 +150,37 @@ for x, _ in data[:2]:
     opt.zero_grad()
 for k, (m, r) in enumerate(zip(models, refs)):
     same(m, r.module, f"float64-only models, reentrant checkpoint, model {k}")
+
+
+# 5. the fp16 comm hook, two sync backwards per step (raw backwards, no no_sync), no join: torch
+#    averages the float64 bucket after each backward, re-rounding the running sum (the previous
+#    average plus the new local gradient) through fp16 each time; averaging the two backwards'
+#    sum once at the step differs by an fp16 rounding (soak case 6464376765). The gradients read
+#    right after each backward are torch's too.
+AcceleratorState._reset_state()
+GradientState._reset_state()
+acc = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)])
+torch.manual_seed(7)
+base = Half64()
+ref = DDP(copy.deepcopy(base))
+ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+model = copy.deepcopy(base)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model, opt = acc.prepare(model, opt)
+for x1, x2 in zip(data[:2], data[1:3] if len(data) > 2 else data[:2]):
+    for x in (x1[0], x2[0] * 3.7):
+        ref(x).pow(2).sum().backward()
+        acc.backward(model(x).pow(2).sum())
+        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+            if not torch.equal(p.grad, q.grad):
+                fails.append(f"fp16 hook, .grad of {name} after a backward differs from torch DDP's by "
+                             f"{(p.grad - q.grad).abs().max().item():.3g}")
+    ref_opt.step()
+    ref_opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
+same(model, ref.module, "fp16 comm hook, two sync backwards per step")
 
 everyone = [None] * dist.get_world_size()
 dist.all_gather_object(everyone, fails)
