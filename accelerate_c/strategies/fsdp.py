@@ -87,6 +87,10 @@ class FullShardStrategy(Zero2Strategy):
     """FSDP's FULL_SHARD (reshard_after_forward=True) and SHARD_GRAD_OP (False)."""
 
     stage = 3
+    # free_memory() keeps the units: a model prepared again after it (find_executable_batch_size)
+    # is already sharded and finds them (prepare_model); a dropped model stays held until the
+    # Accelerator goes (docs/sharding.md)
+    forgets_prepared = False
 
     def __init__(self, manager, handler=None, *, wrap_policy="NO_WRAP", wrap_classes=(), min_num_params=0,
                  reshard_after_forward=True, param_dtype=None, activation_checkpointing=False, device=None,

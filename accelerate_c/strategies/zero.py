@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -138,6 +139,8 @@ class Zero1Strategy(DDPStrategy):
 
     stage = 1
     sharded_state = True  # save_state / load_state go through zero_checkpoint.py
+    # free_memory() forgets the prepared models and optimizers (clear_held)
+    forgets_prepared = True
 
     def __init__(self, manager, handler=None, fp32_masters: bool = False, ignore_unused: bool = False):
         super().__init__(manager, handler)
@@ -148,6 +151,8 @@ class Zero1Strategy(DDPStrategy):
         self._next_scale = 1.0  # scale_next_step's factor
         self.models: dict = {}  # id(model) -> ModelShards
         self.optimizers: dict = {}  # id(torch optimizer) -> ShardedOptimizer
+        # every optimizer rebuilt over owned runs, also those free_memory() made the strategy forget
+        self.rebuilt = weakref.WeakSet()
 
     # ---- prepare ------------------------------------------------------------------------
     def prepare_model(self, model, manager):
@@ -171,6 +176,11 @@ class Zero1Strategy(DDPStrategy):
                              f"its own update rule knows which elements it mixes); supported: {names}")
         if id(optimizer) in self.optimizers:
             return
+        if optimizer in self.rebuilt:
+            raise ValueError(f"ZeRO stage {self.stage}: this {type(optimizer).__name__} was prepared before "
+                             "free_memory(), which dropped it; its param_groups now list the runs of the old "
+                             "shards, not the model's parameters. Create a new optimizer after free_memory() (as "
+                             "accelerate's find_executable_batch_size loop does)")
         book = ShardedOptimizer()
         old_state = optimizer.state
         new_state = type(old_state)() if isinstance(old_state, dict) else {}
@@ -201,6 +211,17 @@ class Zero1Strategy(DDPStrategy):
             group["params"] = kept
         optimizer.state = new_state
         self.optimizers[id(optimizer)] = book
+        self.rebuilt.add(optimizer)
+
+    def clear_held(self) -> None:
+        """free_memory(): the prepared models' shards and the rebuilt optimizers are forgotten, so
+        a model and optimizer the loop drops are freed with their parameter buffers (shared
+        windows under the shm collectives; kept until the Accelerator went before). A model
+        prepared again gets new shards (prepare_model), an optimizer prepared again is refused
+        by name (prepare_optimizer)."""
+        super().clear_held()
+        if self.forgets_prepared:
+            self.models, self.optimizers = {}, {}
 
     def _run_view(self, shards, p, o):
         """The 1-D tensor the rebuilt optimizer steps for the run `o` of `p`."""

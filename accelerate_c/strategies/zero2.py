@@ -108,6 +108,7 @@ class Zero2Strategy(Zero1Strategy):
         for gs in self.grad_shards:
             gs.remove()
         self.grad_shards, self.held = [], {}
+        super().clear_held()
 
     def _split(self, params):
         """{GradShard: [indices]} of the params whose gradients this strategy holds, and whether

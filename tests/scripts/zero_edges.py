@@ -4,6 +4,9 @@ each against plain torch DDP run in the same process (launched by tests/test_zer
 - accelerate's find_executable_batch_size pattern: free_memory(), then the same model prepared
   again with a new optimizer: both attempts train (stage 2 once stacked a second hook that left
   every gradient None), with one forward-sync hook on the model (every prepare once added one);
+- free_memory(), then the loop drops its model and optimizer: freed, with the parameters' flat
+  buffer (the strategy once kept them until the Accelerator went); the old optimizer prepared
+  again is refused by name;
 - model.zero_grad() between a discarded backward and the real one: the step reads only the
   second backward's gradients (stage 2 once kept the first's in its shard);
 - a backward that raises midway on every process, caught, both optimizers (each over part of the
@@ -15,7 +18,9 @@ each against plain torch DDP run in the same process (launched by tests/test_zer
 """
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -25,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from accelerate.utils import DeepSpeedPlugin
 
 import accelerate_c.state
+from accelerate_c import collectives
 from accelerate_c import Accelerator
 
 STAGE = int(sys.argv[1])
@@ -70,6 +76,58 @@ def free_memory_then_prepare_again(rank):
         # one forward-sync hook whatever the number of prepares (torch DDP wraps once; a hook per
         # prepare would broadcast buffers once per prepare, and mismatch join's shadow all-reduce)
         assert len(pm._forward_pre_hooks) == 1, f"attempt {attempt}: {len(pm._forward_pre_hooks)} forward pre-hooks"
+
+
+def _shm_mappings() -> set:
+    """The shared-memory segments this process maps (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f if "/dev/shm/" in line}
+
+
+def free_memory_releases_what_was_prepared(rank):
+    """free_memory(), then the loop drops its model and optimizer: they are freed, with the flat
+    buffer the parameters live in (a shared window under the shm collectives): the strategy kept
+    every prepared model's shards and rebuilt optimizer until the Accelerator went. The dropped
+    optimizer, prepared again instead, is refused by name (its param_groups list the old runs).
+    The next model prepared on the same Accelerator trains as torch DDP does."""
+    acc = make_acc()
+    torch.manual_seed(0)
+    shm = collectives.cpu_comm() == "shm"
+    mapped = _shm_mappings()
+    m = torch.nn.Linear(64, 32)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    pm, popt = acc.prepare(m, opt)
+    acc.backward(pm(x_of(rank, d=64)).square().sum())
+    popt.step()
+    popt.zero_grad()
+    # under the shm collectives the parameters live in a shared window: one more mapping
+    assert not shm or len(_shm_mappings() - mapped) >= 1, "the parameters are not in a shared window"
+    held = [weakref.ref(m.weight), weakref.ref(opt)]
+    acc.free_memory()
+    try:
+        acc.prepare(opt)
+    except ValueError as e:
+        assert "prepared before free_memory()" in str(e), e
+    else:
+        raise AssertionError("an optimizer rebuilt before free_memory() was prepared again")
+    del m, opt, pm, popt
+    gc.collect()
+    alive = [w for w in held if w() is not None]
+    assert not alive, f"after free_memory() and the loop dropping them, still alive: {[type(w()).__name__ for w in alive]}"
+    left = _shm_mappings() - mapped
+    assert not left, f"after free_memory() and the loop dropping the model, still mapped: {sorted(left)}"
+    torch.manual_seed(1)
+    m2 = torch.nn.Linear(4, 2)
+    ref = torch.nn.Linear(4, 2)
+    ref.load_state_dict(m2.state_dict())
+    ddp = DDP(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    m2, opt2 = acc.prepare(m2, torch.optim.SGD(m2.parameters(), lr=0.1))
+    acc.backward(m2(x_of(rank)).square().sum())
+    opt2.step()
+    ddp(x_of(rank)).square().sum().backward()
+    ref_opt.step()
+    close(list(m2.parameters()), list(ref.parameters()), "a model prepared after free_memory()")
 
 
 def model_zero_grad_discards(rank):
@@ -199,7 +257,7 @@ def main():
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    for check in (free_memory_then_prepare_again, model_zero_grad_discards, failed_backward_is_forgotten,
+    for check in (free_memory_then_prepare_again, free_memory_releases_what_was_prepared, model_zero_grad_discards, failed_backward_is_forgotten,
                   reentrant_first_gradient_in_a_segment, replaced_storage_is_refused):
         check(rank)
     dist.barrier()
