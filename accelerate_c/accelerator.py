@@ -322,7 +322,9 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         for kinds in ((torch.nn.Module,), (torch.optim.Optimizer, torch.utils.data.DataLoader),
                       (torch.optim.lr_scheduler.LRScheduler,)):
             for i, (obj, dp) in enumerate(zip(args, device_placement)):
-                if isinstance(obj, kinds) and not isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler)):
+                # prepared optimizers and loaders too (registered again after free_memory(), as
+                # accelerate does); a prepared scheduler is no LRScheduler and passes through, as there
+                if isinstance(obj, kinds):
                     out[i] = self._prepare_one(obj, dp, engine=i in built)
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -412,6 +414,13 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         if isinstance(optimizer, AcceleratedOptimizer):
+            # prepared before: registered again if free_memory() dropped it (accelerate does,
+            # for its find_executable_batch_size loop; transformers' Trainer re-prepares its
+            # optimizer that way), so save_state includes it; under ZeRO-1/2, whose free_memory()
+            # forgot the rebuilt optimizer, the strategy refuses it by name
+            if all(opt is not optimizer for opt in self._optimizers):
+                self._grads.strategy.prepare_optimizer(optimizer.optimizer)
+                self._optimizers.append(optimizer)
             return optimizer
         if device_placement is None:
             device_placement = self.device_placement
@@ -430,6 +439,8 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         """`_engine`: built from the DeepSpeed configuration by this prepare() call, so the
         engine's, stepped once per optimizer step (AcceleratedScheduler.once_per_step)."""
         if isinstance(scheduler, AcceleratedScheduler):
+            if all(s is not scheduler for s in self._schedulers):  # dropped by free_memory(): as accelerate
+                self._schedulers.append(scheduler)
             return scheduler
         optimizer = self._optimizers
         for opt in self._optimizers:
@@ -444,6 +455,8 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         if isinstance(data_loader, (DataLoaderShard, DataLoaderDispatcher)):
+            if all(d is not data_loader for d in self._dataloaders):  # dropped by free_memory(): as accelerate
+                self._dataloaders.append(data_loader)
             return data_loader
         if device_placement is None:
             device_placement = self.device_placement
@@ -524,6 +537,7 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         try:
             loss.backward(**kwargs)
             self._grads.finish_awaiting()
+            self._grads.end_of_backward_call()
         except BaseException:
             self._grads.abort_backward()  # a failed backward must not leave buckets half-marked
             raise

@@ -214,14 +214,8 @@ class GradManager:
         # id() of a prepared model -> its unbuffered params, in the order they were found (the
         # same on every rank)
         self.unbuffered_of: dict = {}
-        # id()s of the models whose unbuffered params wait for their average (note_sync_backward)
+        # id()s of the models whose unbuffered params wait for the step's reduction
         self.unbuffered_pending: set = set()
-        # id(model) -> id()s of its unbuffered params that got a gradient in the sync backwards
-        # since their last average (note_sync_backward averages them when all have one)
-        self.unbuffered_arrived: dict = {}
-        # id()s of the models whose unbuffered params were averaged at the end of a backward and
-        # got no gradient since: that backward's groups do not mark them pending again
-        self.unbuffered_averaged: set = set()
         self.names: dict[int, str] = {}  # id(param) -> its name in the model, for error messages
         # bucket sizes of the reducer: torch DDP's (first bucket 1 MiB, then bucket_cap_mb)
         self.bucket_caps = (1024 * 1024, 25 * 1024 * 1024)
@@ -302,7 +296,7 @@ class GradManager:
                         self.unbuffered.append(p)
                         self.unbuffered_of.setdefault(model_key, []).append(p)
                         self.unbuffered_hooks.append(p.register_post_accumulate_grad_hook(
-                            lambda param, key=model_key: self.note_sync_backward(key, param)))
+                            lambda param, key=model_key: self._unbuffered_hook(key)))
                 continue
             g = GradGroup(group_params, dtype, device, self, model_key=model_key)
             # a group broken during a sync backward missed its bucketed reduction
@@ -323,6 +317,21 @@ class GradManager:
                 g.finish_backward()
         self.strategy.finish_awaiting()
 
+    def end_of_backward_call(self):
+        """The end of Accelerator.backward (finish_awaiting first): the float64 parameters a sync
+        backward left pending are averaged now, as torch DDP averages the bucket holding them
+        after every backward that reduces, rather than at the step: with several sync backwards
+        before a step a 16-bit comm hook then re-rounds the running sum as torch's does (soak
+        cases 6464376765, 6467673569), and `.grad` read after the call is the average. Here, not
+        in their hooks or at the autograd engine's end of backward: every rank reaches this
+        point with the whole backward done (under reentrant checkpointing too), whatever order
+        its autograd delivered gradients in or which of them control flow left out, and the
+        pending models are averaged in the manager's order (flags agreed first:
+        reduce_unbuffered). A raw loss.backward() leaves them for the step (prepare_step)."""
+        if self.distributed and self.unbuffered_pending:
+            self.strategy.sync_missed([], self.unbuffered_pending)
+            self.unbuffered_pending = set()
+
     def abort_backward(self):
         """After a backward that raised: forget half-marked buckets so the next one starts clean."""
         for g in self.groups:
@@ -331,38 +340,20 @@ class GradManager:
             # redone by the next step's fallback over gradients a later backward reduced itself
             g.pending_sync = False
         self.unbuffered_pending = set()
-        self.unbuffered_arrived, self.unbuffered_averaged = {}, set()
         self.strategy.abort_held()
 
-    def note_sync_backward(self, model_key, param=None):
-        """A backward that may reduce delivered a gradient of `model_key`: `param`, one of its
-        unbuffered (float64) params (their hook), or None (a group's first gradient:
-        GradGroup.begin_backward). If it reduces, the strategy averages the unbuffered params
-        at its end in a fixed order (find_unused_parameters, join: unbuffered_backward);
-        elsewhere they are averaged as soon as each of them has its gradient of this backward,
-        counted param by param, not by the autograd graph task, whose end under reentrant
-        checkpointing comes before the outer backward has delivered them. That is once per
-        sync backward, as torch DDP averages the bucket holding them (a 16-bit comm hook
-        re-rounds the running sum each time: soak case 6464376765). A backward that leaves
-        some without a gradient (torch DDP would stop on it) leaves them pending: they are
-        averaged at the step, marked on every rank by the groups' first gradients too."""
-        if model_key not in self.unbuffered_of or not self.distributed or not self.sync_now(model_key):
-            return
-        if self.strategy.unbuffered_backward(model_key):
-            return
-        if param is None:
-            if model_key not in self.unbuffered_averaged:  # not already averaged in this backward
+    def _unbuffered_hook(self, model_key):
+        self.note_sync_backward(model_key)
+
+    def note_sync_backward(self, model_key):
+        """A backward that may reduce delivered a gradient of `model_key` (an unbuffered
+        param's hook, or a group's first gradient: GradGroup.begin_backward). If it does reduce
+        and the model has unbuffered (float64) params, the strategy averages them at its end,
+        or they wait for the step: marked on every rank, also where control flow gave none of
+        them a gradient here (the reduction is a collective: every rank must decide alike)."""
+        if model_key in self.unbuffered_of and self.distributed and self.sync_now(model_key):
+            if not self.strategy.unbuffered_backward(model_key):
                 self.unbuffered_pending.add(model_key)
-            return
-        self.unbuffered_averaged.discard(model_key)
-        self.unbuffered_pending.add(model_key)
-        arrived = self.unbuffered_arrived.setdefault(model_key, set())
-        arrived.add(id(param))
-        if len(arrived) == len(self.unbuffered_of[model_key]):
-            del self.unbuffered_arrived[model_key]
-            self.unbuffered_pending.discard(model_key)
-            self.unbuffered_averaged.add(model_key)
-            self.strategy.sync_missed([], {model_key})
 
     def prepare_step(self):
         """What every entry point that reads gradients (clip, unscale, optimizer step) runs
@@ -379,7 +370,6 @@ class GradManager:
             for g in todo:
                 g.pending_sync = False
             self.unbuffered_pending = set()
-        self.unbuffered_arrived, self.unbuffered_averaged = {}, set()
 
     def sync_views(self):
         """One walk per group: resyncs the `.grad` assignments of intact groups and rebuilds
@@ -408,7 +398,6 @@ class GradManager:
         self.groups, self.where, self.outside, self.unbuffered, self.unbuffered_hooks = [], {}, {}, [], []
         self.unbuffered_of = {}
         self.unbuffered_pending = set()
-        self.unbuffered_arrived, self.unbuffered_averaged = {}, set()
         self.epoch += 1
         self._full_cache = None
 

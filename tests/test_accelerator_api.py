@@ -461,6 +461,35 @@ def test_free_memory_return_values_and_state():
         assert torch.equal(p.grad, q.grad)
 
 
+def test_prepared_objects_prepared_again_after_free_memory_are_registered_again_as_in_accelerate():
+    """accelerate's find_executable_batch_size loop (and transformers' Trainer) hand the prepared
+    optimizer, scheduler and loader back to prepare() after free_memory(): accelerate registers
+    them again (so save_state includes them) and returns them as they are; so must we."""
+    accelerate = _accelerate()
+
+    def run(acc):
+        model = make_model(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+        model, opt, sched, dl = acc.prepare(model, opt, sched, make_loader(n=8, batch_size=4))
+        acc.free_memory()
+        again = acc.prepare(model, opt, sched, dl)
+        same = [a is b for a, b in zip(again[1:], (opt, sched, dl))]
+        counts = [len(acc._optimizers), len(acc._schedulers), len(acc._dataloaders)]
+        # prepare() passes a prepared scheduler through unregistered (it is no LRScheduler);
+        # prepare_scheduler registers it again
+        direct = acc.prepare_scheduler(sched) is sched
+        return same, counts, direct, len(acc._schedulers)
+
+    theirs = run(accelerate.Accelerator(cpu=True))
+    from accelerate.state import AcceleratorState as A
+
+    A._reset_state(True)
+    ours = run(Accelerator())
+    assert ours == theirs, (ours, theirs)
+    assert ours[0] == [True, True, True] and ours[1][0] == 1 and ours[1][2] == 1 and ours[3] == 1
+
+
 def test_backward_divides_by_accumulation_steps_like_accelerate():
     accelerate = _accelerate()
 

@@ -105,9 +105,9 @@ class GradStrategy:
 
     def unbuffered_backward(self, model_key) -> bool:
         """A backward that reduces runs through a model with unbuffered (float64) params
-        (several processes only): True when the strategy averages them at its end, else the
-        manager does once each has its gradient of the backward, or at the step for those a
-        backward left without one (sync_missed either way)."""
+        (several processes only): True when the strategy averages them at its end, else they
+        wait for the end of Accelerator.backward, or for the step after a raw backward
+        (sync_missed either way)."""
         return False
 
     # ---- norm, found_inf, step, state dict -----------------------------------------------

@@ -232,9 +232,10 @@ class DDPStrategy(GradStrategy):
         float64 parameters (no buffer): they are averaged after its groups, one all-reduce each,
         where every rank (and a joined one's shadow, per backward) knows the place, also when
         control flow gave them no gradient on some rank. Elsewhere float64 parameters are
-        averaged once each has its gradient of the backward (GradManager.note_sync_backward,
-        through sync_missed), which holds under reentrant checkpointing, whose inner backwards
-        end before the outer one has delivered every gradient."""
+        averaged at the end of Accelerator.backward, or at the step after a raw backward
+        (GradManager.end_of_backward_call, prepare_step: sync_missed), which holds under
+        reentrant checkpointing, whose inner backwards end before the outer one has delivered
+        every gradient."""
         f64 = model_key in self.manager.unbuffered_of
         if self.joining.get(model_key) is not None:
             return f64 or len(self.manager.groups_of(model_key)) > 1

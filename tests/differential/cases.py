@@ -253,8 +253,8 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     c["staged"] = c["world"] > 1 and r.random() < 0.3
     # a float64 layer beside the middle one (`side`, left out with it by rank_skip): float64 has
     # no flat buffer (no C kernels), so its gradients stay torch tensors, averaged one all-reduce
-    # each once every one has its gradient of a sync backward, or at the end of backward under
-    # find_unused or join (docs/ddp.md);
+    # each at the end of Accelerator.backward, or at the end of backward under find_unused or
+    # join (docs/ddp.md);
     # unscaled, checked and clipped by torch
     # ops beside the buffers. Replicated training only (the sharding strategies lay every
     # trainable parameter out in their own buffers); not with the model's reentrant

@@ -4,8 +4,9 @@ torch DDP under torch's Join on the same seed and data: two forward/backward pai
 optimizer step, and (second part) two joined models, one of them without a float64 layer; then
 (third part, no join) the output layer in a reentrant checkpoint, whose inner backward delivers
 the first gradients and ends before the outer one has delivered the rest (the float64
-gradients wait until each has its gradient there); then (fifth part) the fp16 comm hook with two
-sync backwards per step. The float64 gradients are
+gradients wait for the end of Accelerator.backward there); then (fifth part) the fp16 comm hook
+with two sync backwards per step, and (sixth) a forward whose branch order depends on each rank's
+data. The float64 gradients are
 averaged at the end of every sync backward under join, after the model's buffers, so the process
 that ran out of data shadows them per backward (DDPStrategy.reduce_unbuffered, shadow_unbuffered). Prints
 "float64 OK" when the parameters are torch's bit for bit."""
@@ -181,6 +182,47 @@ for x1, x2 in zip(data[:2], data[1:3] if len(data) > 2 else data[:2]):
     opt.step()
     opt.zero_grad()
 same(model, ref.module, "fp16 comm hook, two sync backwards per step")
+
+
+# 6. the same, with a forward whose branch order depends on each rank's data (so each rank's
+#    autograd delivers the float64 and fp32 gradients in its own order; torch DDP is fine, as
+#    its buckets launch in bucket order): averaging the float64 layer from inside the backward
+#    (when its last gradient landed) had the ranks call their collectives in different orders
+class Flip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.wide = nn.Linear(5, 3).double()
+
+    def forward(self, x, flip):
+        if flip:
+            a = self.lin(x)
+            b = self.wide(x.double()).float()
+        else:
+            b = self.wide(x.double()).float()
+            a = self.lin(x)
+        return a + b
+
+
+torch.manual_seed(8)
+base = Flip()
+ref = DDP(copy.deepcopy(base))
+ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+model = copy.deepcopy(base)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = acc.prepare(model, opt)
+flips = torch.Generator().manual_seed(90 + rank)
+for x, _ in data[:2]:
+    for _ in range(2):
+        flip = bool(torch.rand((), generator=flips) > 0.5)
+        ref(x, flip).pow(2).sum().backward()
+        acc.backward(model(x, flip).pow(2).sum())
+    ref_opt.step()
+    ref_opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
+same(model, ref.module, "fp16 comm hook, forward order depending on each rank's data")
 
 everyone = [None] * dist.get_world_size()
 dist.all_gather_object(everyone, fails)

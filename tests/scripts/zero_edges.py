@@ -104,13 +104,14 @@ def free_memory_releases_what_was_prepared(rank):
     assert not shm or len(_shm_mappings() - mapped) >= 1, "the parameters are not in a shared window"
     held = [weakref.ref(m.weight), weakref.ref(opt)]
     acc.free_memory()
-    try:
-        acc.prepare(opt)
-    except ValueError as e:
-        assert "prepared before free_memory()" in str(e), e
-    else:
-        raise AssertionError("an optimizer rebuilt before free_memory() was prepared again")
-    del m, opt, pm, popt
+    for again in (opt, popt):  # the user's optimizer, and the wrapper prepare() returned (the Trainer's)
+        try:
+            acc.prepare(again)
+        except ValueError as e:
+            assert "prepared before free_memory()" in str(e), e
+        else:
+            raise AssertionError(f"an optimizer rebuilt before free_memory() was prepared again ({type(again).__name__})")
+    del m, opt, pm, popt, again
     gc.collect()
     alive = [w for w in held if w() is not None]
     assert not alive, f"after free_memory() and the loop dropping them, still alive: {[type(w()).__name__ for w in alive]}"
