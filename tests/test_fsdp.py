@@ -207,6 +207,13 @@ def test_meta_models_are_refused_by_name_where_they_cannot_be_loaded():
     _script_passes(2, "meta_models.py", says="meta models refused OK on 2 processes")
 
 
+def test_free_memory_keeps_a_model_prepared_again_and_frees_a_dropped_one():
+    """tests/scripts/fsdp_free_memory.py: the same model and optimizer prepared again after
+    free_memory() train as torch DDP; a model and optimizer dropped after it are freed (the
+    strategy held every prepared model's units before)."""
+    _script_passes(2, "fsdp_free_memory.py", says="fsdp free_memory OK")
+
+
 def test_the_next_units_gather_is_launched_while_this_one_computes():
     """Prefetch (forward order, reverse in backward): launched before the current unit computes,
     at most one unit gathered ahead, a prefetched unit that a forward leaves out released; the

@@ -16,6 +16,7 @@ and the gradients' shards fp32, as FSDP2 keeps them.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -88,8 +89,8 @@ class FullShardStrategy(Zero2Strategy):
 
     stage = 3
     # free_memory() keeps the units: a model prepared again after it (find_executable_batch_size)
-    # is already sharded and finds them (prepare_model); a dropped model stays held until the
-    # Accelerator goes (docs/sharding.md)
+    # is already sharded and finds them (prepare_model). They are held weakly (self.models): the
+    # model's own hooks hold its FsdpModel, so a model the loop drops goes with its units
     forgets_prepared = False
 
     def __init__(self, manager, handler=None, *, wrap_policy="NO_WRAP", wrap_classes=(), min_num_params=0,
@@ -116,6 +117,9 @@ class FullShardStrategy(Zero2Strategy):
         self._final_queued = False
         self._in_flight: list = []  # GradShards whose reduce-scatters may still be running, oldest first
         self._state_dict_ok = 0  # > 0 while the strategy itself reads model.state_dict()
+        # id(model) -> FsdpModel, weakly: each is held by its model's hooks (prepare_model), so it
+        # lives as long as the model does, and a model dropped after free_memory() is freed
+        self.models = weakref.WeakValueDictionary()
 
     # ---- prepare ------------------------------------------------------------------------
     def prepare_model(self, model, manager):

@@ -117,6 +117,12 @@ def _param_buffer(group) -> torch.Tensor:
     return torch.zeros(group.plan.total, dtype=group.dtype, device=group.device)
 
 
+def _forget_book(books: dict, key: int, book) -> None:
+    """A rebuilt optimizer was collected: its entry goes, unless its id() now names another."""
+    if books.get(key) is book:
+        del books[key]
+
+
 class ShardedOptimizer:
     """The bookkeeping of one optimizer rebuilt over owned runs."""
 
@@ -212,6 +218,9 @@ class Zero1Strategy(DDPStrategy):
         optimizer.state = new_state
         self.optimizers[id(optimizer)] = book
         self.rebuilt.add(optimizer)
+        # the book holds the model's parameters: it goes with the optimizer (full sharding keeps
+        # its books across free_memory(), so a dropped optimizer must not keep a dropped model)
+        weakref.finalize(optimizer, _forget_book, self.optimizers, id(optimizer), book)
 
     def clear_held(self) -> None:
         """free_memory(): the prepared models' shards and the rebuilt optimizers are forgotten, so
