@@ -534,10 +534,11 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
+        self._grads.average_pending_unbuffered()  # a raw sync backward's, before this one adds
         try:
             loss.backward(**kwargs)
             self._grads.finish_awaiting()
-            self._grads.end_of_backward_call()
+            self._grads.average_pending_unbuffered()
         except BaseException:
             self._grads.abort_backward()  # a failed backward must not leave buckets half-marked
             raise
@@ -556,6 +557,7 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         gradient_accumulation_steps batches and at the end of the data loader; in between, the
         given models do not communicate (unless GradientAccumulationPlugin(sync_each_batch=True))."""
         self._do_sync()
+        self._grads.average_pending_unbuffered()  # a raw sync backward's, before the next one adds
         allow_sync = self.sync_gradients or (self.use_distributed and self.gradient_state.sync_each_batch)
         with contextlib.ExitStack() as stack:
             if not allow_sync:
@@ -567,6 +569,7 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
     def no_sync(self, model):
         """Backward inside does not communicate: gradients accumulate locally in the buffers
         until a backward outside reduces the sum (a no-op on one process)."""
+        self._grads.average_pending_unbuffered()  # a raw sync backward's, before a local one adds
         key = id(model)
         depth = self._grads.no_sync_models
         depth[key] = depth.get(key, 0) + 1

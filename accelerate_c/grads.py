@@ -317,17 +317,21 @@ class GradManager:
                 g.finish_backward()
         self.strategy.finish_awaiting()
 
-    def end_of_backward_call(self):
-        """The end of Accelerator.backward (finish_awaiting first): the float64 parameters a sync
-        backward left pending are averaged now, as torch DDP averages the bucket holding them
-        after every backward that reduces, rather than at the step: with several sync backwards
-        before a step a 16-bit comm hook then re-rounds the running sum as torch's does (soak
-        cases 6464376765, 6467673569), and `.grad` read after the call is the average. Here, not
-        in their hooks or at the autograd engine's end of backward: every rank reaches this
-        point with the whole backward done (under reentrant checkpointing too), whatever order
-        its autograd delivered gradients in or which of them control flow left out, and the
-        pending models are averaged in the manager's order (flags agreed first:
-        reduce_unbuffered). A raw loss.backward() leaves them for the step (prepare_step)."""
+    def average_pending_unbuffered(self):
+        """At both ends of Accelerator.backward (finish_awaiting first at its end), and on entering
+        accumulate() and no_sync(): the float64
+        parameters a sync backward left pending are averaged now, as torch DDP averages the
+        bucket holding them after every backward that reduces, rather than at the step: with
+        several sync backwards before a step a 16-bit comm hook then re-rounds the running sum
+        as torch's does (soak cases 6464376765, 6467673569), and `.grad` read after the call is
+        the average. At the other points for a raw sync loss.backward() before them, whose
+        gradients must be averaged before the next backward adds more (a review: a raw sync
+        backward, then a no_sync micro-batch). Here, not in their hooks or at the autograd engine's end of backward:
+        every rank reaches these points with no backward running, under reentrant
+        checkpointing too, whatever order its autograd delivered gradients in or which of them
+        control flow left out, and the pending models are averaged in the manager's order
+        (flags agreed first: reduce_unbuffered). Raw sync backwards with none of these calls
+        between them, or before the step, are averaged together at the step (prepare_step)."""
         if self.distributed and self.unbuffered_pending:
             self.strategy.sync_missed([], self.unbuffered_pending)
             self.unbuffered_pending = set()

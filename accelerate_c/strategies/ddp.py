@@ -233,7 +233,7 @@ class DDPStrategy(GradStrategy):
         where every rank (and a joined one's shadow, per backward) knows the place, also when
         control flow gave them no gradient on some rank. Elsewhere float64 parameters are
         averaged at the end of Accelerator.backward, or at the step after a raw backward
-        (GradManager.end_of_backward_call, prepare_step: sync_missed), which holds under
+        (GradManager.average_pending_unbuffered, prepare_step: sync_missed), which holds under
         reentrant checkpointing, whose inner backwards end before the outer one has delivered
         every gradient."""
         f64 = model_key in self.manager.unbuffered_of

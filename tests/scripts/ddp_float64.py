@@ -5,8 +5,8 @@ optimizer step, and (second part) two joined models, one of them without a float
 (third part, no join) the output layer in a reentrant checkpoint, whose inner backward delivers
 the first gradients and ends before the outer one has delivered the rest (the float64
 gradients wait for the end of Accelerator.backward there); then (fifth part) the fp16 comm hook
-with two sync backwards per step, and (sixth) a forward whose branch order depends on each rank's
-data. The float64 gradients are
+with two sync backwards per step, (sixth) a forward whose branch order depends on each rank's
+data, and (seventh) a raw sync backward followed by a no_sync micro-batch. The float64 gradients are
 averaged at the end of every sync backward under join, after the model's buffers, so the process
 that ran out of data shadows them per backward (DDPStrategy.reduce_unbuffered, shadow_unbuffered). Prints
 "float64 OK" when the parameters are torch's bit for bit."""
@@ -223,6 +223,36 @@ for x, _ in data[:2]:
     opt.step()
     opt.zero_grad()
 same(model, ref.module, "fp16 comm hook, forward order depending on each rank's data")
+
+
+# 7. a raw sync loss.backward(), then a micro-batch under no_sync() (through Accelerator.backward,
+#    or raw), then the step: torch averages the first backward's float64 gradient and adds the
+#    second's locally; averaging the two together (at the step, or at the end of the second
+#    call) is another average (a review of the change above); under the fp16 hook of part 5
+for second in ("Accelerator.backward", "raw loss.backward()"):
+    torch.manual_seed(9)
+    base = Half64()
+    ref = DDP(copy.deepcopy(base))
+    ref.register_comm_hook(None, default_hooks.fp16_compress_hook)  # as `acc` above has it
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    (x1, _), (x2, _) = data[0], data[1]
+    ref(x1).pow(2).sum().backward()
+    with ref.no_sync():
+        ref(x2).pow(2).sum().backward()
+    model(x1).pow(2).sum().backward()
+    with acc.no_sync(model):
+        loss = model(x2).pow(2).sum()
+        acc.backward(loss) if second == "Accelerator.backward" else loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+        if not torch.equal(p.grad, q.grad):
+            fails.append(f"raw sync backward, then {second} under no_sync: .grad of {name} differs from torch DDP's "
+                         f"by {(p.grad - q.grad).abs().max().item():.3g}")
+    ref_opt.step()
+    opt.step()
+    same(model, ref.module, f"raw sync backward, then {second} under no_sync")
 
 everyone = [None] * dist.get_world_size()
 dist.all_gather_object(everyone, fails)
