@@ -206,6 +206,5 @@ class Zero2Strategy(Zero1Strategy):
 
     def memory(self) -> dict:
         """Bytes of the gradient shards and their staging buffers on this process."""
-        return {"grad_shards": sum(gs.shard.numel() * gs.shard.element_size() for gs in self.grad_shards),
-                "grad_staging": sum(gs.nbytes() for gs in self.grad_shards)
-                - sum(gs.shard.numel() * gs.shard.element_size() for gs in self.grad_shards)}
+        shards = sum(gs.shard.numel() * gs.shard.element_size() for gs in self.grad_shards)
+        return {"grad_shards": shards, "grad_staging": sum(gs.nbytes() for gs in self.grad_shards) - shards}

@@ -45,6 +45,12 @@ data = [(torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)) for
 fails = []
 
 
+def same_grads(ours, theirs, what):
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        if not torch.equal(p.grad, q.grad):
+            fails.append(f"{what}: .grad of {name} differs from torch DDP's by {(p.grad - q.grad).abs().max().item():.3g}")
+
+
 def same(ours, theirs, what):
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         if not torch.equal(p, q):
@@ -173,10 +179,7 @@ for x1, x2 in zip(data[:2], data[1:3] if len(data) > 2 else data[:2]):
     for x in (x1[0], x2[0] * 3.7):
         ref(x).pow(2).sum().backward()
         acc.backward(model(x).pow(2).sum())
-        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
-            if not torch.equal(p.grad, q.grad):
-                fails.append(f"fp16 hook, .grad of {name} after a backward differs from torch DDP's by "
-                             f"{(p.grad - q.grad).abs().max().item():.3g}")
+        same_grads(model, ref.module, "fp16 hook, after a backward")
     ref_opt.step()
     ref_opt.zero_grad()
     opt.step()
@@ -246,10 +249,7 @@ for second in ("Accelerator.backward", "raw loss.backward()"):
     with acc.no_sync(model):
         loss = model(x2).pow(2).sum()
         acc.backward(loss) if second == "Accelerator.backward" else loss.backward()
-    for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
-        if not torch.equal(p.grad, q.grad):
-            fails.append(f"raw sync backward, then {second} under no_sync: .grad of {name} differs from torch DDP's "
-                         f"by {(p.grad - q.grad).abs().max().item():.3g}")
+    same_grads(model, ref.module, f"raw sync backward, then {second} under no_sync")
     ref_opt.step()
     opt.step()
     same(model, ref.module, f"raw sync backward, then {second} under no_sync")
