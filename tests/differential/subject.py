@@ -198,7 +198,10 @@ def _micro(case, acc, models, params, opts, sched, x, y, i, epoch, window_end, t
             loss = loss / case["ga"]
         if (case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0) or (epoch == -2 and rank == 0):
             loss = loss * float("inf")
-        acc.backward(loss)
+        if case.get("raw_backward"):
+            (loss / acc.gradient_accumulation_steps).backward()
+        else:
+            acc.backward(loss)
         if case["sharding"] in ("zero2", "zero3", "fsdp"):  # no full gradient exists, as with DeepSpeed's stage 2
             assert all(p.grad is None for p in params), "ZeRO-2 left a full gradient in p.grad"
         # accumulate(): accelerate decides; no_sync: the loop does (its Accelerator has ga=1)
