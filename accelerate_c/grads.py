@@ -94,11 +94,22 @@ class GradGroup(GradLayout):
         group to deliver (torch DDP waits for its last bucket instead). So when gradients are
         still missing on a reduced backward, the group waits: the next of its hooks queues this
         again on the task then running, and finish_awaiting() (after Accelerator.backward, or
-        before the step reads gradients) completes a backward that delivers no more."""
-        if self.reducer.launching and not self.broken and (
-                self.reducer.pending() or self.manager.strategy.finishes_in_order(self)):
-            self.reducer.requeue = True  # the group waits for its next hook, or finish_awaiting
-            return
+        before the step reads gradients) completes a backward that delivers no more.
+        With find_unused_parameters, at the end of the outermost backward (no autograd node is
+        running on this thread: a nested task's end runs inside its outer node) the missing
+        gradients are unused, and the group finishes there, as torch DDP's reducer does by the
+        end of backward: a raw loss.backward() leaves `.grad` averaged before the loop reads or
+        replaces it (join_uneven_inputs + find_unused drew that: a `.grad` replaced after a raw
+        backward was overwritten by the local value at the step)."""
+        strategy = self.manager.strategy
+        if self.reducer.launching and not self.broken:
+            if strategy.finishes_in_order(self):
+                self.reducer.requeue = True  # the strategy's callback ends this backward
+                return
+            if self.reducer.pending() and not (strategy.missing_means_unused(self)
+                                               and torch._C._current_autograd_node() is None):
+                self.reducer.requeue = True  # the group waits for its next hook, or finish_awaiting
+                return
         self.finish_backward()
 
     def finish_backward(self):

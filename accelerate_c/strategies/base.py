@@ -89,6 +89,11 @@ class GradStrategy:
         groups of that backward in a fixed order, rather than by the group's own callback."""
         return False
 
+    def missing_means_unused(self, group) -> bool:
+        """Whether a parameter still without a gradient when the outermost backward ends is
+        unused in that backward (find_unused_parameters: zeros in the sum), so that the group
+        finishes there rather than waiting for finish_awaiting."""
+        return False
 
     def start_join(self, model, manager):
         """join_uneven_inputs(): torch's Joinable for `model`, or None when nothing is shadowed."""

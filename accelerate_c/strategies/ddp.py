@@ -307,6 +307,9 @@ class DDPStrategy(GradStrategy):
     def finishes_in_order(self, g) -> bool:
         return g.model_key in self.ordered
 
+    def missing_means_unused(self, g) -> bool:
+        return self.find_unused
+
     def abort_held(self):
         self.ordered.clear()
         self._ordered_task = None

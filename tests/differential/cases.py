@@ -275,13 +275,11 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # the loop calls loss.backward() itself (divided by the accumulation steps, as
     # Accelerator.backward would) rather than Accelerator.backward: what is averaged when then
     # rests on the step's entry points and accumulate()/no_sync() (float64 layers: docs/ddp.md).
-    # Replicated, without fp16's loss scale (which only Accelerator.backward applies). Not
-    # join_uneven_inputs with find_unused_parameters: a known defect, open (docs/ddp.md): raw
-    # backwards there give gradients off torch's (drawn cases 149 and 167 on 2-3 processes:
-    # relative 0.4-1.0 at step 0; 5 of 25 such cases failed, 0 of 25 under join without the flag)
-    r_raw = r.random()
-    c["raw_backward"] = (c["sharding"] == "none" and c["mp"] != "fp16" and not (c["uneven"] and c["unused"])
-                         and r_raw < 0.2)
+    # Replicated, without fp16's loss scale (which only Accelerator.backward applies). Under
+    # join_uneven_inputs with find_unused_parameters it found a defect (drawn cases 149 and 167
+    # on 2-3 processes: a `.grad` replaced after the backward was overwritten at the step):
+    # GradGroup._end_of_backward now finishes at the outermost backward's end
+    c["raw_backward"] = c["sharding"] == "none" and c["mp"] != "fp16" and r.random() < 0.2
     return c
 
 
@@ -360,6 +358,8 @@ REGRESSIONS = {
     "a float64 layer under the fp16 comm hook, a sync backward per micro-batch (torch averages after each one)":
         _case(REGRESSION_SEED + 25, world=2, f64=True, comm_hook="fp16", sync_each=True, ga=2, batches=4,
               param_dtype="bf16", mp="bf16"),
+    "find_unused_parameters, a raw loss.backward(), a .grad replaced before the step (the step overwrote the average with it)":
+        _case(REGRESSION_SEED + 26, world=2, unused=True, rank_skip=2, assign_grad=True, raw_backward=True),
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
