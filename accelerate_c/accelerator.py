@@ -23,7 +23,8 @@ from .strategies.zero import Zero1Strategy
 from .strategies.zero2 import Zero2Strategy
 from .strategies.fsdp import FullShardStrategy
 from .fsdp_plugin import fsdp_settings, resolve_fsdp_plugin
-from .grads import GradManager, clip_coef
+from .clip_math import clip_coef
+from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
 from .accelerator_process import ProcessFacade
 from .accelerator_tracking import TrackerFacade
@@ -282,6 +283,8 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
 
         self.step = 0
         self._grads = GradManager()
+        # a sharding plugin on one process keeps its flat buffers (its strategies are built on them)
+        self._grads.allow_loose = self.sharding is None and self._fsdp is None
         # the C kernels use as many threads as torch's intra-op pool (the launcher sets
         # OMP_NUM_THREADS per process): never more threads than the cores the process was given
         _C.set_num_threads(max(1, torch.get_num_threads()))
@@ -655,6 +658,14 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
                                  param_dtype=self._compute_dtype, device=self.device, empty_at_rest=True,
                                  ignore_unused=s.ignore_unused_parameters, sharded_weights=True)
 
+    def _unscale_rest(self, inside: set, inv: float) -> None:
+        """fp16: as accelerate's clip, which unscales every optimizer's gradients first, those
+        outside the clipped set (ids in `inside`) now; the clipped ones are unscaled with their
+        norm pass."""
+        rest = [p for opt in self._opt_list(None) for p in _model_parameters(opt) if id(p) not in inside]
+        if rest:
+            self._grads.ready(rest, inv)
+
     def _clip_norm(self, params, max_norm, norm_type):
         """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
         self._grads.prepare_step()
@@ -666,6 +677,14 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         # frozen parameters are simply outside every group (no gradient: nothing to count, as
         # in torch); not filtering them saves a walk over every parameter right after backward,
         # when each one it touches is a cache miss
+        loose = self._grads.loose.cover(params) if (max_norm is not None and norm_type == 2.0) else None
+        if loose is not None:  # one CPU process: autograd's gradients, measured in their hooks
+            inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
+            if inv is not None:
+                self._unscale_rest({id(p) for p in loose}, inv)
+            total = self._grads.loose.clip(loose, max_norm, inv, self._grads.outside)
+            if total is not None:
+                return total
         groups = self._grads.full_groups(params) or None if params else None
         if groups is not None and norm_type in (2.0, math.inf):
             # under DeepSpeed nothing is unscaled in place: its engine unscales the fp32 copies
@@ -673,10 +692,7 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
             if inv is not None:
                 # as accelerate's clip, which unscales every optimizer's gradients first: those
                 # outside the clipped buffers now, the clipped ones fused with their norm pass
-                inside = {id(p) for g in groups for p in g.params}
-                rest = [p for opt in self._opt_list(None) for p in _model_parameters(opt) if id(p) not in inside]
-                if rest:
-                    self._grads.ready(rest, inv)
+                self._unscale_rest({id(p) for g in groups for p in g.params}, inv)
             total = self._grads.clip_norm_fused(groups, max_norm, norm_type, inv)
             if total is not None:
                 return total

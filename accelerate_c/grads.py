@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import math
 import operator
-import struct
+import os
 
 import torch
+from torch.autograd.graph import increment_version
 
 from . import _C
+from .clip_math import FINITE_MAX, clip_coef, norm_dtype
 from .grad_layout import GradLayout
+from .loose_grads import LooseGrads, kernel_ok as loose_kernel_ok
 from .strategies import GradStrategy
 
-_FINITE_MAX = {torch.float32: torch.finfo(torch.float32).max, torch.float16: torch.finfo(torch.float16).max,
-               torch.bfloat16: torch.finfo(torch.bfloat16).max}
+
 
 
 class GradGroup(GradLayout):
@@ -162,42 +164,10 @@ class GradGroup(GradLayout):
         return bool(_C.nonfinite(self.buf)) if whole else any(_C.nonfinite(self.views[i]) for i in indices)
 
 
-_F32 = struct.Struct("f")
-
-
-def _f32(x: float) -> float:
-    """x rounded to the nearest fp32 value (inf beyond fp32's range), as a Python float."""
-    try:
-        return _F32.unpack(_F32.pack(x))[0]
-    except OverflowError:  # rounds to +-inf
-        return math.copysign(math.inf, x)
-
-
-_EPS32 = _f32(1e-6)
-
-
-def clip_coef(total: float, max_norm: float, dtype):
-    """(norm, coefficient) of torch.nn.utils.clip_grad_norm_ for a total norm `total`: the norm
-    as a 0-dim tensor of `dtype`, and clamp(max_norm / (norm + 1e-6), max=1) computed in it.
-    fp32 (every fp32 model): the same fp32 operations in Python floats (torch's __rdiv__ is a
-    reciprocal, then a product), each done in double and rounded once to fp32, which for +, x
-    and / of fp32 operands is the correctly rounded fp32 result; the five torch ops on 0-dim
-    tensors it replaces cost ~0.2 ms right after a backward, when clip is otherwise one
-    scaling pass. Other dtypes: torch's ops."""
-    if dtype == torch.float32:
-        n32 = _f32(total)
-        c = _f32(_f32(1.0 / _f32(n32 + _EPS32)) * _f32(max_norm))
-        return torch.full((), n32, dtype=torch.float32), (1.0 if c > 1.0 else c)  # clamp; NaN stays NaN
-    norm = torch.tensor(total, dtype=dtype)
-    return norm, float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-
-
 def _norm_dtype(groups):
-    """The dtype of the norm torch's clip_grad_norm_ returns: that of the per-gradient norms it
-    stacks, of the gradients present only (fp32 when they mix dtypes, or when there is none: its
-    0-dim zero). A bf16 model with an fp32 layer that got no gradient clips in bf16."""
-    live = {g.dtype for g in groups if g.has_gradients()}
-    return live.pop() if len(live) == 1 else torch.float32
+    """torch's clip norm dtype (clip_math.norm_dtype) for the groups' gradients present: a bf16
+    model with an fp32 layer that got no gradient clips in bf16."""
+    return norm_dtype(g.dtype for g in groups if g.has_gradients())
 
 
 def _combine_stats(accs):
@@ -215,8 +185,9 @@ class GradManager:
         self.where: dict[int, tuple[GradGroup, int]] = {}  # id(param) -> (group, index)
         self.epoch = 0  # bumped whenever groups or `where` change (full_groups' cache key)
         self._full_cache = None
-        # params an optimizer steps that are outside the buffers (not in a prepared model, or
-        # float64): id -> [needs_unscale, hook]
+        # params an optimizer steps that are outside the buffers (not in a prepared model,
+        # float64, or one CPU process: loose_grads.py): id -> [needs_unscale, hook, non-finite
+        # when last unscaled (what the step skips on, as GradScaler records found_inf at unscale_)]
         self.outside: dict[int, list] = {}
         # trainable params of prepared models that have no buffer (float64: no C kernels); their
         # gradients stay ordinary torch tensors
@@ -234,6 +205,11 @@ class GradManager:
         # id(model) -> depth of Accelerator.no_sync(model): its backward does not communicate
         self.no_sync_models: dict[int, int] = {}
         self.force_sync = 0  # inside Accelerator.trigger_sync_in_backward()
+        # one CPU process: gradients left as autograd's tensors (loose_grads.py), unless the
+        # Accelerator runs a sharding plugin there (allow_loose False) or
+        # ACCELERATE_C_GRAD_BUFFERS=flat asks for the flat buffers
+        self.loose = LooseGrads(self)
+        self.allow_loose = True
 
     def configure(self, strategy: GradStrategy, bucket_cap_mb: float | None = None):
         """Multi-process runs: the strategy and the bucket cap (DistributedDataParallelKwargs)."""
@@ -272,7 +248,20 @@ class GradManager:
         """Flat buffers for the trainable parameters of `model`."""
         for name, p in model.named_parameters():
             self.names.setdefault(id(p), name)
-        self._add_params(list(model.parameters()), model_key=id(model))
+        params = list(model.parameters())
+        if self._loose_wanted():
+            self.loose.add([p for p in params if p.device.type == "cpu"], id(model))
+            params = [p for p in params if p.device.type != "cpu"]
+        self._add_params(params, model_key=id(model))
+
+    def _loose_wanted(self) -> bool:
+        """One process, no sharding plugin, CPU parameters: no flat buffer (loose_grads.py says
+        why), unless ACCELERATE_C_GRAD_BUFFERS=flat."""
+        mode = os.environ.get("ACCELERATE_C_GRAD_BUFFERS", "auto").strip().lower() or "auto"
+        if mode not in ("auto", "flat"):
+            raise ValueError(f"ACCELERATE_C_GRAD_BUFFERS={mode!r}: expected 'auto' (the default: no flat gradient "
+                             "buffers on one CPU process) or 'flat' (always)")
+        return mode == "auto" and self.allow_loose and not self.distributed
 
     def start_join(self, model):
         """join_uneven_inputs(): the Joinable that shadows `model`'s collectives once this
@@ -293,7 +282,7 @@ class GradManager:
         state carries over)."""
         by_key: dict = {}
         for p in params:
-            if not p.requires_grad or id(p) in self.where:
+            if not p.requires_grad or id(p) in self.where or id(p) in self.loose.params:
                 continue  # frozen params need no buffer; shared params are registered once
             if p.is_sparse or p.layout != torch.strided:
                 raise ValueError("sparse or non-strided parameters are not supported by the gradient buffers")
@@ -301,7 +290,7 @@ class GradManager:
             if all(q is not p for q in bucket):
                 bucket.append(p)
         for (dtype, device), group_params in by_key.items():
-            if dtype not in _FINITE_MAX:
+            if dtype not in FINITE_MAX:
                 for p in group_params:
                     if all(q is not p for q in self.unbuffered):
                         self.unbuffered.append(p)
@@ -406,13 +395,14 @@ class GradManager:
         self.strategy.clear_held()
         for g in self.groups:
             g.remove()
-        for _, hook in self.outside.values():
-            hook.remove()
+        for entry in self.outside.values():
+            entry[1].remove()
         for h in self.unbuffered_hooks:
             h.remove()
         self.groups, self.where, self.outside, self.unbuffered, self.unbuffered_hooks = [], {}, {}, [], []
         self.unbuffered_of = {}
         self.unbuffered_pending = set()
+        self.loose.clear()
         self.epoch += 1
         self._full_cache = None
 
@@ -421,10 +411,10 @@ class GradManager:
         a hook keeps track, so each gradient is unscaled exactly once."""
         entry = self.outside.get(id(p))
         if entry is None:
-            entry = [True, None]
+            entry = [True, None, False]
 
             def hook(param, entry=entry):
-                entry[0] = True
+                entry[0], entry[2] = True, False
 
             entry[1] = p.register_post_accumulate_grad_hook(hook)
             self.outside[id(p)] = entry
@@ -506,11 +496,21 @@ class GradManager:
             else:
                 found = found or f
         for p in outside:
-            if p.grad is not None and self._outside_needs_unscale(p):
-                p.grad.mul_(inv_scale)
-                self.outside[id(p)][0] = False
-            if p.grad is not None and not found:
-                found = not bool(torch.isfinite(p.grad).all())
+            g = p.grad
+            if g is None:
+                continue
+            if self._outside_needs_unscale(p):
+                entry = self.outside[id(p)]
+                if loose_kernel_ok(g):  # one C pass scales and checks (one process: every gradient)
+                    entry[2] = bool(_C.scale_stats_(g, inv_scale)[2])
+                    increment_version(g)  # a write through DLPack, which torch cannot see
+                else:
+                    g.mul_(inv_scale)
+                    entry[2] = not bool(torch.isfinite(g).all())
+                entry[0] = False
+            # as GradScaler: what unscaling found, not what a later write (a clip by value
+            # clamping an inf) left
+            found = found or self.outside[id(p)][2]
         if device_flags and not found:
             found = bool(torch.stack(device_flags).sum().item())
         return self.strategy.any_found_inf(found)
@@ -554,7 +554,7 @@ class GradManager:
                 sumsq *= inv * inv
                 if norm_type == 2.0 and rounds:  # rare: a loss scale below 1
                     sumsq = g.sums(scale=inv)[1]
-            found = bool(nonfinite) or maxabs * inv > _FINITE_MAX[g.dtype]
+            found = bool(nonfinite) or maxabs * inv > FINITE_MAX[g.dtype]
             per.append((g, inv, sumsq, maxabs * inv, found))
         # the strategy adds the other processes' parts (replicated gradients: none)
         sumsq = self.strategy.total_sumsq(sum(s for _, _, s, _, _ in per))
@@ -638,4 +638,4 @@ class GradManager:
         for p in outside:
             entry = self.outside.get(id(p))
             if entry is not None:
-                entry[0] = True
+                entry[0], entry[2] = True, False

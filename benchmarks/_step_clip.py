@@ -2,7 +2,8 @@
 
 A separate benchmark times clip_grad_norm_ in a real loop (one process, CPU): after a
 real bf16-autocast backward, the hooks have measured each gradient's sum of squares as it was
-written, so accelerator.clip_grad_norm_ is one scaling pass of the flat buffer. It is timed
+written, so accelerator.clip_grad_norm_ is one scaling pass of the gradients (on one CPU process autograd's
+own tensors, accelerate_c/loose_grads.py; ACCELERATE_C_GRAD_BUFFERS=flat: the flat buffer). It is timed
 alone against an in-place scale of the same buffer after the same backward (torch's mul_ and
 _C.scale_; the faster is the limit), and beside the same clip with those sums invalidated (a read
 pass plus the scaling pass). Checked first: the clip reads no buffer, and its norm and gradients
@@ -37,13 +38,14 @@ def bench_clip_in_loop(cfg, dataset, batch_size, repeats):
     """After a real backward (bf16 autocast, zero_grad(set_to_none=True) before it, as the
     step benchmark's loop), times accelerator.clip_grad_norm_(params, max_norm) alone (params:
     the model's parameters, listed once): on one process the hooks measured each gradient while
-    backward wrote it, so the clip is one scaling pass of the flat buffer. Held to an in-place scale of the same buffer after the same backward
+    backward wrote it, so the clip is one scaling pass of the gradients. Held to an in-place scale of the same buffer after the same backward
     (torch's mul_ and _C.scale_). Also timed, for comparison: the same clip with the hooks'
     sums invalidated (a version bump, no data touched), i.e. a read pass plus the scaling pass,
     what every clip cost before. Returns (ok, times, info)."""
     from torch.autograd.graph import increment_version
 
     from accelerate_c import grads as grads_mod
+    from accelerate_c import loose_grads as loose_mod
 
     reset_singletons()
     torch.manual_seed(SEED)
@@ -52,18 +54,22 @@ def bench_clip_in_loop(cfg, dataset, batch_size, repeats):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     accelerator = accelerate_c.Accelerator(mixed_precision="bf16", cpu=True)
     model, opt = accelerator.prepare(model, opt)
-    groups = accelerator._grads.groups
+    groups = accelerator._grads.groups  # the flat buffers (none on one CPU process by default)
     x = torch.stack([dataset[i][0] for i in range(batch_size)])
     y = torch.stack([dataset[i][1] for i in range(batch_size)])
     params = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(g.flat.numel() for g in groups)
-    esize = groups[0].flat.element_size()
+
+    def targets():
+        """What the clip scales: the flat buffers, or the gradients themselves (loose_grads.py)."""
+        return [g.flat for g in groups] if groups else [p.grad for p in params]
 
     def backward():
         opt.zero_grad(set_to_none=True)
         accelerator.backward(model(x, y))
 
     backward()
+    numel = sum(t.numel() for t in targets())
+    esize = targets()[0].element_size()
     norm0 = float(accelerator.clip_grad_norm_(model.parameters(), math.inf))  # asks for 2-norms; no clipping
     max_norm = CLIP_REL * norm0
     coef = max_norm / (norm0 + 1e-6)
@@ -80,18 +86,18 @@ def bench_clip_in_loop(cfg, dataset, batch_size, repeats):
     ref_coef = min(1.0, max_norm / (want + 1e-6))
     real, reads = grads_mod._C, [0]
 
-    class Counting:  # counts the whole-buffer read passes clip makes
+    class Counting:  # counts the read passes clip makes (of a buffer, or of one gradient)
         def __getattr__(self, name):
             fn = getattr(real, name)
-            if name in ("sumsq", "stats"):
+            if name in ("sumsq", "sumsq_segments", "stats"):
                 reads[0] += 1
             return fn
 
-    grads_mod._C = Counting()
+    grads_mod._C = loose_mod._C = Counting()
     try:
         got = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
     finally:
-        grads_mod._C = real
+        grads_mod._C = loose_mod._C = real
     grad_rel = max(float(((p.grad.double() - g.double() * ref_coef).abs()
                           / (g.double() * ref_coef).abs().clamp_min(1e-300)).max()) for p, g in zip(params, saved))
     info = dict(numel=numel, esize=esize, norm=norm0, max_norm=max_norm, reads=reads[0],
@@ -102,16 +108,15 @@ def bench_clip_in_loop(cfg, dataset, batch_size, repeats):
 
     def uncached_setup():
         backward()
-        for g in groups:
-            increment_version(g.flat)  # the hooks' sums no longer match: clip reads the buffer
+        for t in targets():
+            increment_version(t)  # the hooks' sums no longer match: clip reads the gradients
 
     def mul_():
-        for g in groups:
-            g.flat.mul_(coef)
+        torch._foreach_mul_(targets(), coef)
 
     def scale_():
-        for g in groups:
-            _C.scale_(g.buf, coef)
+        for t in targets():
+            _C.scale_(t, coef)
 
     def clip():  # `params` listed once: iterating model.parameters() is the loop's cost, not the clip's
         accelerator.clip_grad_norm_(params, max_norm)

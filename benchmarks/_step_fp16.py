@@ -6,7 +6,9 @@ scaled by 65536 (accelerate_c's Accelerator(mixed_precision="fp16")), it times
   torch         torch.amp.GradScaler("cpu", init_scale=65536).unscale_(opt) +
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), on a copy of the same grads
   accelerate_c  accelerator.clip_grad_norm_(model.parameters(), 1.0) (unscale + non-finite
-                check + norm + clip, fused in C over the flat gradient buffer)
+                check + norm + clip, fused in C: over each gradient on one CPU process,
+                accelerate_c/loose_grads.py; over the flat buffers with
+                ACCELERATE_C_GRAD_BUFFERS=flat and on CUDA)
 restoring the scaled gradients (untimed) before every call. The results are checked first
 (a failure exits non-zero): accelerate_c's norm and gradients within 1e-6 relative of an fp64
 reference computed from the same scaled gradients, and of torch's gradients within 1e-6 plus
@@ -53,12 +55,13 @@ def bench_fp16_postprocess(cfg, dataset, batch_size, repeats):
         x, y = x.to(_step_common.DEVICE), y.to(_step_common.DEVICE)
     loss = model(x, y)
     accelerator.backward(loss)  # loss * 65536 -> scaled grads in the flat buffers
-    groups = accelerator._grads.groups
-    if not groups or any(g.is_cuda != on_cuda() for g in groups):
+    groups = accelerator._grads.groups  # the flat buffers; none on one CPU process (loose_grads.py)
+    if (on_cuda() and not groups) or any(g.is_cuda != on_cuda() for g in groups):
         raise SystemExit(f"expected accelerate_c's gradient buffers on {_step_common.DEVICE.type}, got "
                          f"{[str(g.flat.device) for g in groups]}")
-    saved = [g.flat.clone() for g in groups]
     params = [p for p in model.parameters() if p.requires_grad]
+    tensors = [g.flat for g in groups] if groups else [p.grad for p in params]  # what the clip unscales
+    saved = [t.clone() for t in tensors]
     if not all(torch.isfinite(p.grad).all() for p in params):
         raise SystemExit("the fp16 backward overflowed at scale 65536; cannot benchmark on these gradients")
 
@@ -89,10 +92,13 @@ def bench_fp16_postprocess(cfg, dataset, batch_size, repeats):
         return torch.nn.utils.clip_grad_norm_(model_t.parameters(), MAX_NORM)
 
     def ours_setup():
-        for g, s in zip(groups, saved):
-            g.flat.copy_(s)  # in place: the .grad views stay valid
+        for t, s in zip(tensors, saved):
+            t.copy_(s)  # in place: the .grad views stay valid
+        for g in groups:
             g.needs_unscale = True  # the scaler's state machine unscales once per step
             g.found_inf = False
+        for p in ([] if groups else params):
+            accelerator._grads.outside[id(p)][0] = True  # the same for the gradients outside buffers
 
     def ours_fn():
         return accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)

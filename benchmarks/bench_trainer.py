@@ -48,6 +48,10 @@ BENCH = "bench_trainer"
 TARGET = 1.0
 TARGET_LATER_2P = 1.05
 CONTENDERS = ("accelerate", "accelerate_c")
+# information beside them on one process: accelerate_c with ACCELERATE_C_GRAD_BUFFERS=flat (the
+# flat gradient buffers every multi-process run uses; one CPU process leaves them out by default,
+# accelerate_c/loose_grads.py says why)
+FLAT = "accelerate_c (flat buffers)"
 
 
 # ---------------------------------------------------------------------- the script (one contender)
@@ -104,13 +108,17 @@ def _free_port() -> int:
 
 
 def _launch(backend, world, a, tmp, i):
-    out, result = os.path.join(tmp, f"{backend}-{world}-{i}"), os.path.join(tmp, f"{backend}-{world}-{i}.json")
+    tag = backend.replace(" ", "_").replace("(", "").replace(")", "")
+    out, result = os.path.join(tmp, f"{tag}-{world}-{i}"), os.path.join(tmp, f"{tag}-{world}-{i}.json")
     argv = [os.path.abspath(__file__), "--worker", "--backend", backend, "--out", out, "--result", result,
             "--steps", str(a.steps), "--warmup", str(a.warmup)]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = str(a.threads or max(1, logical_cpus() // world))
     bindir = os.path.dirname(sys.executable)
+    env.pop("ACCELERATE_C_GRAD_BUFFERS", None)
+    if backend == FLAT:
+        env["ACCELERATE_C_GRAD_BUFFERS"] = "flat"
     if backend == "accelerate":
         env["ACCELERATE_USE_CPU"] = "true"
         cmd = [sys.executable, *argv] if world == 1 else \
@@ -134,7 +142,7 @@ def _launch(backend, world, a, tmp, i):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--backend", choices=CONTENDERS, help=argparse.SUPPRESS)
+    ap.add_argument("--backend", choices=CONTENDERS + (FLAT,), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=3)
@@ -150,13 +158,14 @@ def main(argv=None) -> int:
     failed = False
     with tempfile.TemporaryDirectory(prefix="bench_trainer-") as tmp:
         for world in (int(w) for w in a.worlds.split(",")):
-            runs = {c: [] for c in CONTENDERS}
+            contenders = CONTENDERS + ((FLAT,) if world == 1 else ())
+            runs = {c: [] for c in contenders}
             for i in range(a.repeats):
-                order = CONTENDERS if i % 2 == 0 else CONTENDERS[::-1]
+                order = contenders if i % 2 == 0 else contenders[::-1]
                 for c in order:
                     runs[c].append(_launch(c, world, a, tmp, i))
-            rate = {c: Summary.of([r["steps_per_s"] for r in runs[c]]) for c in CONTENDERS}
-            rss = {c: Summary.of([r["rss"] for r in runs[c]]) for c in CONTENDERS}
+            rate = {c: Summary.of([r["steps_per_s"] for r in runs[c]]) for c in contenders}
+            rss = {c: Summary.of([r["rss"] for r in runs[c]]) for c in contenders}
             ratio = rate["accelerate_c"].median / rate["accelerate"].median
             rss_ratio = rss["accelerate"].median / rss["accelerate_c"].median
             la, lo = runs["accelerate"][0]["last_loss"], runs["accelerate_c"][0]["last_loss"]
@@ -165,13 +174,17 @@ def main(argv=None) -> int:
                   f"(median of {a.repeats}; last loss accelerate {la:.4f}, ours {lo:.4f}: "
                   f"{'agree' if agree else 'DIFFER'})")
             rows = [[c, f"{rate[c].median:.3f}", f"{rate[c].q1:.3f}-{rate[c].q3:.3f}",
-                     f"{rss[c].median / 2**20:.0f}"] for c in CONTENDERS]
+                     f"{rss[c].median / 2**20:.0f}"] for c in contenders]
             print_table(["contender", "steps/s", "q1-q3", "peak RSS MiB/process"], rows)
             ok = ratio >= TARGET
             print(f"steps/s vs accelerate: {ratio:.3f}x (target >= {TARGET}x: {verdict(ok)}); "
                   f"peak RSS accelerate / ours: {rss_ratio:.3f}x")
             _targets.target(BENCH, f"train steps/s vs accelerate, {world} process(es)", ratio, TARGET)
             _targets.info(BENCH, f"peak RSS accelerate / ours, {world} process(es)", rss_ratio)
+            if world == 1:
+                flat = rate[FLAT].median / rate["accelerate"].median
+                print(f"with the flat gradient buffers (ACCELERATE_C_GRAD_BUFFERS=flat): {flat:.3f}x accelerate")
+                _targets.info(BENCH, "train steps/s vs accelerate, 1 process, flat gradient buffers", flat)
             if world == 2:
                 _targets.info(BENCH, f"train steps/s vs accelerate, 2 processes (later target {TARGET_LATER_2P}x "
                               "with shared-memory collectives)", ratio)

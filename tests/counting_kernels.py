@@ -6,6 +6,7 @@ import contextlib
 
 from accelerate_c import grad_layout as layout_mod
 from accelerate_c import grads as grads_mod
+from accelerate_c import loose_grads as loose_mod
 
 
 class CountingKernels:
@@ -27,11 +28,11 @@ class CountingKernels:
 
 @contextlib.contextmanager
 def counting_reads():
-    """grads._C and grad_layout._C are one CountingKernels inside the block; the real module
+    """grads._C, grad_layout._C and loose_grads._C are one CountingKernels inside the block; the real module
     is put back however the block ends, so a failing check cannot leave later code counting."""
     counting = CountingKernels(grads_mod._C)
-    grads_mod._C = layout_mod._C = counting
+    grads_mod._C = layout_mod._C = loose_mod._C = counting
     try:
         yield counting
     finally:
-        grads_mod._C = layout_mod._C = counting.real
+        grads_mod._C = layout_mod._C = loose_mod._C = counting.real

@@ -36,6 +36,13 @@ from helpers import (  # noqa: F401
 )
 
 
+@pytest.fixture(autouse=True)
+def _flat_buffers(monkeypatch):
+    """These tests are about the flat buffers, which one CPU process leaves out by default
+    (accelerate_c/loose_grads.py; tests/test_loose_grads.py tests that path)."""
+    monkeypatch.setenv("ACCELERATE_C_GRAD_BUFFERS", "flat")
+
+
 def hook_sums_match_the_buffer(accelerator):
     """The hooks' sums, where valid, agree with a read of the buffer (the same fp32-block kernel
     over other block boundaries: ~1e-7 relative) and with a sum in double; the rounded one with

@@ -27,6 +27,13 @@ from helpers import (  # noqa: F401
 )
 
 
+@pytest.fixture(autouse=True)
+def _flat_buffers(monkeypatch):
+    """These tests are about the flat buffers, which one CPU process leaves out by default
+    (accelerate_c/loose_grads.py; tests/test_loose_grads.py tests that path)."""
+    monkeypatch.setenv("ACCELERATE_C_GRAD_BUFFERS", "flat")
+
+
 def storage_ptr(t):
     return t.untyped_storage().data_ptr()
 

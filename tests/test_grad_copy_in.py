@@ -22,6 +22,13 @@ from accelerate_c.grad_layout import GradLayout
 from helpers import fresh_state  # noqa: F401
 
 
+@pytest.fixture(autouse=True)
+def _flat_buffers(monkeypatch):
+    """These tests are about the flat buffers, which one CPU process leaves out by default
+    (accelerate_c/loose_grads.py; tests/test_loose_grads.py tests that path)."""
+    monkeypatch.setenv("ACCELERATE_C_GRAD_BUFFERS", "flat")
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()

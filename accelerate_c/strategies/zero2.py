@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..grad_shards import GradShard
-from ..grads import clip_coef
+from ..clip_math import clip_coef
 from .zero import Zero1Strategy
 
 

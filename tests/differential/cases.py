@@ -280,6 +280,9 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # on 2-3 processes: a `.grad` replaced after the backward was overwritten at the step):
     # GradGroup._end_of_backward now finishes at the outermost backward's end
     c["raw_backward"] = c["sharding"] == "none" and c["mp"] != "fp16" and r.random() < 0.2
+    # one process keeps its gradients as autograd's tensors (accelerate_c/loose_grads.py) unless
+    # ACCELERATE_C_GRAD_BUFFERS=flat: that path drawn too
+    c["flat_buffers"] = c["world"] == 1 and r.random() < 0.3
     return c
 
 
@@ -293,7 +296,7 @@ def _case(seed: int, **overrides) -> dict:
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
          "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0,
          "nonreentrant": False, "sync_each": False, "staged": False, "f64": False,
-         "grad_data": False, "foreach": False, "fp16": False, "raw_backward": False}
+         "grad_data": False, "foreach": False, "fp16": False, "raw_backward": False, "flat_buffers": False}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -360,6 +363,8 @@ REGRESSIONS = {
               param_dtype="bf16", mp="bf16"),
     "find_unused_parameters, a raw loss.backward(), a .grad replaced before the step (the step overwrote the average with it)":
         _case(REGRESSION_SEED + 26, world=2, unused=True, rank_skip=2, assign_grad=True, raw_backward=True),
+    "one process without flat buffers, fp16, an overflow, clip_grad_value_ (the step re-checked the clamped gradients and did not skip)":
+        _case(REGRESSION_SEED + 27, mp="fp16", clip="value", overflow=(0, 3)),
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
@@ -382,7 +387,7 @@ def describe(c: dict) -> str:
     # axes added later (absent from older saved cases): named when on
     for flag, shown in (("nonreentrant", "nonreentrant"), ("sync_each", "sync_each_batch"), ("staged", "staged"),
                         ("f64", "f64"), ("grad_data", "grad_data"), ("foreach", "foreach"),
-                        ("fp16", "fp16"), ("raw_backward", "raw_backward")):
+                        ("fp16", "fp16"), ("raw_backward", "raw_backward"), ("flat_buffers", "flat_buffers")):
         if c.get(flag):
             parts.append(shown)
     if c.get("sharding") == "zero3":

@@ -1,0 +1,290 @@
+"""One CPU process without flat buffers (accelerate_c/loose_grads.py): gradients stay autograd's
+tensors; once clip_grad_norm_ asked for a 2-norm the hooks measure each one as it lands, and the
+clip then reads no gradient, unless something wrote or replaced it since. Every norm, gradient
+and parameter here is compared with torch's (clip_grad_norm_, GradScaler) on a copy of the model
+given the same data and the same writes; the read counts show which path clip took."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from accelerate_c import Accelerator
+from accelerate_c.grad_layout import GradView
+from counting_kernels import counting_reads
+from helpers import (  # noqa: F401
+    FP32_ATOL,
+    FP32_RTOL,
+    assert_params_close,
+    assert_rel,
+    batches_of,
+    fresh_state,
+    loss_function,
+    make_loader,
+    make_model,
+    make_optimizer,
+    tols,
+    torch_reference_train,
+)
+
+
+@pytest.fixture(autouse=True)
+def _auto_buffers(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_C_GRAD_BUFFERS", raising=False)
+
+
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("reset", ["set_to_none", "zeros"])
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16", "fp16"])
+def test_a_real_loop_is_torchs_and_clips_without_reading(mixed_precision, accum, reset):
+    """The accelerate idiom (accumulate, backward, clip on sync steps, step, zero_grad): no
+    flat buffer; the first clip measures every gradient, the later ones none (the hooks did, on
+    the backwards that end a window only); norms and parameters are torch's."""
+    n_batches, max_norm = 12, 0.05
+    model = make_model(0)
+    ref_model = copy.deepcopy(model)
+    ref_opt = make_optimizer("sgd", ref_model.parameters())
+    set_to_none = reset == "set_to_none"
+    ref = torch_reference_train(ref_model, ref_opt, None, batches_of(make_loader(n=4 * n_batches, batch_size=4)),
+                                mixed_precision=mixed_precision, accum=accum, max_norm=max_norm,
+                                reset=lambda: ref_opt.zero_grad(set_to_none=set_to_none))
+    ref_norms = [r["norm"] for r in ref if "norm" in r]
+
+    accelerator = Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=accum, cpu=True)
+    optimizer = make_optimizer("sgd", model.parameters())
+    loader = make_loader(n=4 * n_batches, batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    assert accelerator._grads.groups == [] and len(accelerator._grads.loose.params) == len(_trainable(model))
+    norms, reads = [], []
+    for inputs, targets in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_function(model(inputs), targets))
+            if accelerator.sync_gradients:
+                with counting_reads() as c:
+                    norms.append(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+                reads.append(c.reads)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+    assert len(norms) == len(ref_norms)
+    for i, (got, want) in enumerate(zip(norms, ref_norms)):
+        assert_rel(got, want, msg=f"step {i} norm")
+        assert got.dtype == want.dtype
+    assert reads == [len(_trainable(model))] + [0] * (len(reads) - 1), reads
+    rtol, atol = tols(mixed_precision)
+    assert_params_close(model, ref_model, rtol=rtol, atol=atol)
+    # the gradients are autograd's own tensors, not views of one buffer
+    ptrs = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    assert not ptrs or len(ptrs) == len(_trainable(model))
+
+
+class WithBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.branch = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x, use_branch=True):
+        h = torch.relu(self.fc1(x))
+        if use_branch:
+            h = h + torch.relu(self.branch(h))
+        return self.fc2(h)
+
+
+# what is done to the gradients on step 2, and how many of them its clip must measure again
+# (the rest it takes from the hooks); every norm and gradient is checked against torch's
+WRITES = {
+    "none": 0,
+    "grad_assign": 1,  # .grad = a new tensor
+    "no_grad_param": 0,  # a parameter without gradient (set_to_none): nothing to count
+    "grad_mul": 1,  # p.grad.mul_(): its version moves
+    "grad_data_mul": 1,  # p.grad.data.mul_(): counted through GradView's .data
+    "grad_data_assign": 1,  # p.grad.data = a new tensor: its memory moved
+    "grad_data_read": 0,  # p.grad.data.norm(): a read
+    "grad_assign_and_grad_mul": 2,
+    "no_grad_param_zeros": 2,  # zero_grad(set_to_none=False): the zeros were written since (weight, bias)
+    "unscale_fp16": 6,  # unscale_gradients() scaled every gradient
+    "clip_twice": 0,  # the first clip uses the sums; the second measures all again (checked apart)
+    "hook_mul": 1,  # a user's hook scales one gradient after ours measured it
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_clip_takes_the_hooks_sums_only_while_they_hold(write):
+    fp16 = write == "unscale_fp16"
+    model = make_model(0, cls=WithBranch)
+    ref_model = copy.deepcopy(model)
+    accelerator = Accelerator(mixed_precision="fp16" if fp16 else "no", cpu=True)
+    optimizer = make_optimizer("sgd", model.parameters())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ref_opt = make_optimizer("sgd", ref_model.parameters())
+    scaler = torch.amp.GradScaler("cpu") if fp16 else None
+    max_norm, step_holder = 0.05, [0]
+    rtol, atol = tols("fp16" if fp16 else "no")
+
+    def scaled_in_hook(m):
+        def hook(p):
+            if step_holder[0] == 2:
+                p.grad.mul_(3.0)
+        return m.fc2.weight.register_post_accumulate_grad_hook(hook)
+
+    if write == "hook_mul":  # registered after prepare: runs after accelerate_c's own hook
+        scaled_in_hook(model)
+        scaled_in_hook(ref_model)
+
+    def apply_write(m, unscale):
+        if write in ("grad_assign", "grad_assign_and_grad_mul"):
+            m.fc1.weight.grad = m.fc1.weight.grad * 2.0
+        if write in ("grad_mul", "grad_assign_and_grad_mul"):
+            m.fc2.bias.grad.mul_(0.5)
+        elif write == "grad_data_mul":
+            m.fc2.bias.grad.data.mul_(2.0)
+        elif write == "grad_data_assign":
+            m.fc2.bias.grad.data = m.fc2.bias.grad * 2.0
+        elif write == "grad_data_read":
+            float(m.fc2.bias.grad.data.norm())
+        elif write == "unscale_fp16":
+            unscale()
+
+    set_to_none = write != "no_grad_param_zeros"
+    reads = []
+    for step, (inputs, targets) in enumerate(batches_of(make_loader(n=16, batch_size=4))):
+        step_holder[0] = step
+        use_branch = not (write.startswith("no_grad_param") and step == 2)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):  # as the fp16 Accelerator's forward
+            out = ref_model(inputs, use_branch).float()
+        loss = loss_function(out, targets)
+        (scaler.scale(loss) if fp16 else loss).backward()
+        if step == 2:
+            apply_write(ref_model, lambda: scaler.unscale_(ref_opt))
+        if fp16 and not (step == 2 and write == "unscale_fp16"):
+            scaler.unscale_(ref_opt)
+        want = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm)
+        twice = write == "clip_twice" and step == 2
+        want2 = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm) if twice else None
+
+        accelerator.backward(loss_function(model(inputs, use_branch), targets))
+        if step == 2:
+            apply_write(model, accelerator.unscale_gradients)
+        with counting_reads() as c:
+            got = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        reads.append(c.reads)
+        assert_rel(got, want, msg=f"{write}: step {step} norm")
+        if want2 is not None:
+            with counting_reads() as c:
+                got2 = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+            assert c.reads == 6, "the second clip trusted the sums of the gradients before the first"
+            assert_rel(got2, want2, msg=f"{write}: step {step} second norm")
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            if q.grad is None:
+                assert p.grad is None, name
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol,
+                                           msg=lambda m, n=name: f"{write}: step {step} grad {n}: {m}")
+        if fp16:
+            scaler.step(ref_opt)
+            scaler.update()
+        else:
+            ref_opt.step()
+        optimizer.step()
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        optimizer.zero_grad(set_to_none=set_to_none)
+    assert accelerator._grads.loose.measure
+    want_reads = [6, 0, WRITES[write], 0]
+    assert reads == want_reads, f"{write}: gradients measured per clip {reads}, expected {want_reads}"
+    assert_params_close(model, ref_model, rtol=rtol, atol=atol, msg=write)
+
+
+class HalfAndFull(nn.Module):
+    """A bf16 layer and an fp32 layer: torch rounds the bf16 gradients' norms to bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16).to(torch.bfloat16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x.to(torch.bfloat16))).float())
+
+
+class Checkpointed(nn.Module):
+    """A reentrant-checkpointed segment whose weight is also used outside it: its gradient is
+    accumulated twice in one backward (two hooks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.fc1(t)), x, use_reentrant=True)
+        return self.fc2(self.fc1(h))
+
+
+@pytest.mark.parametrize("cls,backwards", [(HalfAndFull, 1), (Checkpointed, 1), (None, 2)])
+def test_mixed_dtypes_reentrant_and_two_backwards_clip_as_torch(cls, backwards):
+    """bf16 beside fp32 gradients (the norm comes out in fp32, the bf16 norms rounded as
+    torch's), a weight accumulated twice in one backward, two backwards before one clip (no
+    accumulate(): both measured, the second's sums hold)."""
+    model = make_model(0, **({} if cls is None else {"cls": cls}))
+    ref_model = copy.deepcopy(model)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(model)
+    batches = batches_of(make_loader(n=8 * backwards, batch_size=4 // backwards if backwards == 2 else 4))
+    reads = []
+    for step in range(3):
+        for inputs, targets in batches[backwards * step:backwards * step + backwards] or batches[:backwards]:
+            if cls is Checkpointed:
+                inputs = inputs.requires_grad_()
+            accelerator.backward(loss_function(model(inputs), targets))
+            loss_function(ref_model(inputs.detach().requires_grad_(cls is Checkpointed)), targets).backward()
+        with counting_reads() as c:
+            got = accelerator.clip_grad_norm_(model.parameters(), 0.01)
+        reads.append(c.reads)
+        want = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.01)
+        assert got.dtype == want.dtype
+        rtol = 2 ** -8 if cls is HalfAndFull else 1e-6
+        torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=0)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=2 ** -7 if cls is HalfAndFull else FP32_RTOL,
+                                       atol=1e-6 if cls is HalfAndFull else FP32_ATOL)
+        model.zero_grad()
+        ref_model.zero_grad()
+    assert reads == [len(_trainable(model)), 0, 0], reads
+
+
+def test_grad_data_writes_count_and_pickles_stay_plain():
+    """After a measured backward `.grad` is a GradView over autograd's own tensor: `.data`
+    writes move its version (so clip measures again), copies and pickles are plain tensors."""
+    import pickle
+
+    model = nn.Linear(4, 3)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(model)
+    for _ in range(2):  # the first clip switches the hooks' measuring on
+        model(torch.randn(2, 4)).sum().backward()
+        accelerator.clip_grad_norm_(model.parameters(), 1e9)
+    g = model.weight.grad
+    assert type(g) is GradView
+    v = g._version
+    g.data.mul_(2.0)
+    assert g._version > v
+    assert type(copy.deepcopy(g)) is torch.Tensor and type(pickle.loads(pickle.dumps(g))) is torch.Tensor
+
+
+def test_the_buffers_switch(monkeypatch):
+    """ACCELERATE_C_GRAD_BUFFERS=flat keeps the flat buffers on one process; another value is
+    refused by name at prepare."""
+    monkeypatch.setenv("ACCELERATE_C_GRAD_BUFFERS", "flat")
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(nn.Linear(4, 3))
+    assert len(accelerator._grads.groups) == 1 and not accelerator._grads.loose.params
+    monkeypatch.setenv("ACCELERATE_C_GRAD_BUFFERS", "loose-ish")
+    with pytest.raises(ValueError, match="ACCELERATE_C_GRAD_BUFFERS='loose-ish'"):
+        Accelerator(cpu=True).prepare(nn.Linear(4, 3))
