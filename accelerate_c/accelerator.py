@@ -680,9 +680,11 @@ class Accelerator(ProcessFacade, TrackerFacade, ParallelismNames):
         loose = self._grads.loose.cover(params) if (max_norm is not None and norm_type == 2.0) else None
         if loose is not None:  # one CPU process: autograd's gradients, measured in their hooks
             inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
+            stepped = frozenset()
             if inv is not None:
+                stepped = frozenset(id(p) for opt in self._opt_list(None) for p in _model_parameters(opt))
                 self._unscale_rest({id(p) for p in loose}, inv)
-            total = self._grads.loose.clip(loose, max_norm, inv, self._grads.outside)
+            total = self._grads.loose.clip(loose, max_norm, inv, self._grads.outside, stepped)
             if total is not None:
                 return total
         groups = self._grads.full_groups(params) or None if params else None

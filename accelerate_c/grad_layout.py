@@ -95,6 +95,9 @@ class GradView(torch.Tensor):
     @data.setter
     def data(self, value):
         torch.Tensor.data.__set__(self, value)
+        # torch's assignment keeps the version; the memory it brings may sit where the old one
+        # was (a cache keyed on the version and the address would take it for the same data)
+        increment_version(self)
 
     def __reduce_ex__(self, proto):
         return self.as_subclass(torch.Tensor).__reduce_ex__(proto)

@@ -23,8 +23,6 @@ from .loose_grads import LooseGrads, kernel_ok as loose_kernel_ok
 from .strategies import GradStrategy
 
 
-
-
 class GradGroup(GradLayout):
     """One flat buffer (GradLayout) with the unscale state of the current step and the hook
     phases, which it hands to the manager's strategy."""
@@ -245,7 +243,8 @@ class GradManager:
                 self.strategy.adopt_gradients(model, self)
 
     def add_model(self, model: torch.nn.Module):
-        """Flat buffers for the trainable parameters of `model`."""
+        """Flat buffers for the trainable parameters of `model` (on one CPU process its hooks
+        instead: loose_grads.py)."""
         for name, p in model.named_parameters():
             self.names.setdefault(id(p), name)
         params = list(model.parameters())

@@ -22,7 +22,6 @@ import weakref
 from array import array
 
 import torch
-from torch.autograd.graph import increment_version
 
 from . import _C
 from .clip_math import FINITE_MAX, clip_coef, norm_dtype
@@ -54,11 +53,7 @@ class LooseGrads:
     def __init__(self, manager):
         self.manager = manager
         self.params: dict[int, torch.nn.Parameter] = {}  # id -> param
-        self.keys: dict[int, int] = {}  # id(param) -> id(model)
         self.measure = False  # set by the first 2-norm clip: the hooks measure from then on
-        # id(param) -> (weakref to the gradient measured, its _version and data_ptr then, exact,
-        # rounded, non-finite)
-        self.sums: dict[int, tuple] = {}
         self._cover_cache = None
 
     def add(self, params, model_key) -> None:
@@ -66,7 +61,9 @@ class LooseGrads:
             if not p.requires_grad or id(p) in self.params:
                 continue
             self.params[id(p)] = p
-            self.keys[id(p)] = model_key
+            old = self.manager.outside.get(id(p))  # unscaled before it was prepared: hooked already
+            if old is not None:
+                old[1].remove()
             entry = [True, None, False]  # the manager's outside entry: [carries the loss scale, hook, found]
             entry[1] = p.register_post_accumulate_grad_hook(self._hook(entry, model_key))
             self.manager.outside[id(p)] = entry
@@ -79,27 +76,30 @@ class LooseGrads:
             entry[0], entry[2] = True, False  # a new (scaled) gradient: unscaled once at the step
             me = ref()
             if me is not None and me.measure and me.manager.sync_now(model_key):
-                me._remember(p)
+                LooseGrads._remember(p)
         return hook
 
-    def _remember(self, p) -> None:
+    @staticmethod
+    def _remember(p) -> None:
+        """Measures p's gradient and keeps the sums on the tensor itself (a replaced gradient is
+        another object, without them). A plain tensor becomes a GradView in place (the same
+        object: not a view, no weak reference), whose `.data` writes and assignments move its
+        version (torch's `.data` has a counter of its own: grad_layout.GradView)."""
         g = p.grad
-        if g is None or not kernel_ok(g):
-            self.sums.pop(id(p), None)
+        if g is None:
             return
-        if type(g) is not GradView:
-            # the same memory and version counter, but a `.data` whose writes count in that
-            # version (torch's `.data` has a counter of its own: grad_layout.GradView)
-            g = g.as_subclass(GradView)
-            p.grad = g
-        self.sums[id(p)] = (weakref.ref(g), g._version, g.data_ptr(), *_measure(g))
+        if type(g) is torch.Tensor and kernel_ok(g):
+            g.__class__ = GradView
+        if type(g) is GradView and kernel_ok(g):
+            g._ac_sums = (g._version, g.data_ptr(), *_measure(g))
 
-    def _cached(self, p, g):
-        """The hook's (exact, rounded, non-finite) of `g` if it is the gradient measured and
-        nothing wrote it since (its version; its memory, which assigning `.data` swaps)."""
-        c = self.sums.get(id(p))
-        if c is not None and c[0]() is g and c[1] == g._version and c[2] == g.data_ptr():
-            return c[3:]
+    @staticmethod
+    def _cached(g):
+        """The hook's (exact, rounded, non-finite) of `g` if nothing wrote it since it was
+        measured (its version; its memory, checked too)."""
+        c = getattr(g, "_ac_sums", None)
+        if c is not None and c[0] == g._version and c[1] == g.data_ptr():
+            return c[2:]
         return None
 
     def cover(self, params):
@@ -116,12 +116,13 @@ class LooseGrads:
             return None
         return c[1]
 
-    def clip(self, params, max_norm: float, inv_scale: float | None, outside: dict):
+    def clip(self, params, max_norm: float, inv_scale: float | None, outside: dict, stepped: set = frozenset()):
         """torch.nn.utils.clip_grad_norm_(params, max_norm) (2-norm) over loose gradients, those
         still carrying the loss scale unscaled in the same pass (inv_scale; `outside`: the
-        manager's entries). Returns the norm as torch's (a 0-dim tensor of the gradients' dtype),
-        or None for torch's own clip to do it (a gradient the kernels do not cover, a loss scale
-        below 1)."""
+        manager's entries) if an optimizer steps them (`stepped`: their ids), as accelerate's
+        clip unscales every optimizer's gradients first and GradScaler only those. Returns the
+        norm as torch's (a 0-dim tensor of the gradients' dtype), or None for torch's own clip
+        to do it (a gradient the kernels do not cover, a loss scale below 1)."""
         self.measure = True
         per = []
         for p in params:
@@ -130,7 +131,7 @@ class LooseGrads:
                 continue
             if not kernel_ok(g):
                 return None
-            carries = inv_scale is not None and outside[id(p)][0]
+            carries = inv_scale is not None and outside[id(p)][0] and id(p) in stepped
             inv = inv_scale if carries else 1.0
             if inv > 1.0:  # unscaling could overflow: torch's path checks it
                 return None
@@ -138,7 +139,7 @@ class LooseGrads:
         sumsq, nonfinite, found = 0.0, False, []
         for p, g, inv in per:
             rounds = g.dtype in _SIXTEEN
-            c = None if (rounds and inv != 1.0) else self._cached(p, g)
+            c = None if (rounds and inv != 1.0) else self._cached(g)
             if c is not None:
                 ex, ro, nf = c  # measured in its hook, unchanged since (at scale 1)
                 s = (ro if rounds else ex) * inv * inv
@@ -153,19 +154,21 @@ class LooseGrads:
         if nonfinite:  # squares are >= 0: only a NaN gradient makes their sum NaN
             total = math.nan if math.isnan(sumsq) else math.inf
         norm, coef = clip_coef(total, max_norm, norm_dtype(g.dtype for _, g, _ in per))
-        written = []
+        by_factor: dict = {}
         for (p, g, inv), nf in zip(per, found):
             f = inv * coef
             if f != 1.0:
-                _C.scale_(g, f)
-                written.append(g)
+                by_factor.setdefault(f, []).append(g)
             if inv != 1.0:  # unscaled here: what the step skips on (GradManager.unscale)
                 outside[id(p)][0], outside[id(p)][2] = False, nf
-        if written:
-            increment_version(written)  # writes through DLPack, which torch cannot see
+        # torch's multi-tensor multiply: each element times f computed in fp32 and rounded once,
+        # as a C kernel would, at the speed of one pass over memory scattered in many tensors
+        # (per-tensor C calls paid their conversion on each); the versions move as torch's do
+        for f, grads in by_factor.items():
+            torch._foreach_mul_(grads, f)
         return norm
 
     def clear(self) -> None:
-        self.params, self.keys, self.sums = {}, {}, {}
+        self.params = {}
         self.measure = False
         self._cover_cache = None

@@ -288,3 +288,84 @@ def test_the_buffers_switch(monkeypatch):
     monkeypatch.setenv("ACCELERATE_C_GRAD_BUFFERS", "loose-ish")
     with pytest.raises(ValueError, match="ACCELERATE_C_GRAD_BUFFERS='loose-ish'"):
         Accelerator(cpu=True).prepare(nn.Linear(4, 3))
+
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+        self.extra = nn.Parameter(torch.ones(4))  # trainable, but no optimizer holds it
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) * self.extra
+
+
+def _fp16_step(model, opt, scaler, x, y):
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x).float()
+    scaler.scale(loss_function(out, y)).backward()
+    scaler.unscale_(opt)
+
+
+def test_a_trainable_parameter_no_optimizer_holds_stays_scaled_as_in_torch():
+    """fp16: GradScaler unscales the optimizers' gradients only; clip over all parameters then
+    counts the other one still scaled, as torch and accelerate do."""
+    model = make_model(0, cls=Two)
+    ref = copy.deepcopy(model)
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    opt = torch.optim.SGD([p for n, p in model.named_parameters() if n != "extra"], lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    ref_opt = torch.optim.SGD([p for n, p in ref.named_parameters() if n != "extra"], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    for step, (x, y) in enumerate(batches_of(make_loader(n=12, batch_size=4))):
+        _fp16_step(ref, ref_opt, scaler, x, y)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        scaler.step(ref_opt)
+        scaler.update()
+        accelerator.backward(loss_function(model(x), y))
+        got = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        assert_rel(got, want, msg=f"step {step}")
+        torch.testing.assert_close(model.extra.grad, ref.extra.grad, rtol=1e-6, atol=0)
+        opt.step()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m.extra.grad = None
+
+
+def test_kept_gradients_survive_the_idioms_of_older_loops():
+    """zero_grad(set_to_none=False) keeps the gradient objects: after clip has measured them
+    they are autograd's own tensors re-classed in place (no view, no weak reference), so
+    `p.grad.detach_()`, torch's swap of parameters on conversion, and `.data` assigned twice
+    (memory that may land where the measured one was: the version moves) all behave as in
+    torch, and the norm stays torch's."""
+    model = make_model(0, cls=WithBranch)
+    ref = copy.deepcopy(model)
+    accelerator = Accelerator(cpu=True)
+    opt = make_optimizer("sgd", model.parameters())
+    model, opt = accelerator.prepare(model, opt)
+    ref_opt = make_optimizer("sgd", ref.parameters())
+    for step, (x, y) in enumerate(batches_of(make_loader(n=16, batch_size=4))):
+        for m in (model, ref):
+            loss_function(m(x), y).backward() if m is ref else accelerator.backward(loss_function(m(x), y))
+            for _ in range(2):
+                m.fc2.bias.grad.data = m.fc2.bias.grad * 1.5
+        got = accelerator.clip_grad_norm_(model.parameters(), 0.05)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        assert_rel(got, want, msg=f"step {step}")
+        g = model.fc1.weight.grad
+        assert g._base is None and not g._is_view()
+        opt.step()
+        ref_opt.step()
+        for p in list(model.parameters()) + list(ref.parameters()):
+            p.grad.detach_()
+            p.grad.zero_()
+    assert_params_close(model, ref)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+        ref.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert model.fc1.weight.grad.dtype == torch.float64

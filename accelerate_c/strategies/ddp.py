@@ -308,7 +308,9 @@ class DDPStrategy(GradStrategy):
         return g.model_key in self.ordered
 
     def missing_means_unused(self, g) -> bool:
-        return self.find_unused
+        # the flag as passed: DeepSpeed's ignore_unused_parameters alone (ZeRO) keeps the wait,
+        # whose finish_awaiting completes groups in the manager's order on every rank
+        return self.asked_find_unused
 
     def abort_held(self):
         self.ordered.clear()
