@@ -44,8 +44,9 @@ Targets (a MISS is reported, not an error):
   * tuned:    median(accelerate_c) / median(accelerate) >= 1.00
 Printed without a target: accelerate_c / plain torch in both tables, with what makes the gap
 (accelerate_c runs torch's own forward, backward and AdamW; around them it adds the library's
-per-step work and one copy of each gradient into its flat buffer, and saves time in the fused
-clip: --breakdown shows the phases), and what the tuning buys each contender (tuned / defaults).
+per-step work and a read of each gradient in its hook (on one CPU process the gradients stay
+autograd's tensors; ACCELERATE_C_GRAD_BUFFERS=flat copies them into flat buffers instead), and
+saves time in the clip: --breakdown shows the phases), and what the tuning buys each contender (tuned / defaults).
 
 Two more parts run after it, each in a fresh process: the fp16 gradient post-processing
 that accelerate_c's C core replaces (benchmarks/_step_fp16.py says what it times and checks;
@@ -353,9 +354,10 @@ def breakdown(names, cfg, dataset, batch_size, steps, warmup):
 GAP_TO_TORCH = (
     "accelerate_c runs torch's own forward, backward and AdamW. Around them, each optimizer step it adds "
     "what the library does for the user (the accumulate() context, the autocast and fp32-output wrapper of the "
-    "forward, the prepared data loader, the optimizer and scheduler wrappers) and one copy of each gradient into "
-    "its flat buffer ({grad_mb:.0f} MB, read and written once per step: torch keeps backward's tensor as .grad), "
-    "and saves time in the clip (one fused C pass over the buffer against torch's per-tensor norms). "
+    "forward, the prepared data loader, the optimizer and scheduler wrappers) and a read of each gradient in its "
+    "hook ({grad_mb:.0f} MB: its sum of squares, while it is fresh; with ACCELERATE_C_GRAD_BUFFERS=flat a copy "
+    "into the flat buffer instead, read and written once per step), and saves time in the clip (one scaling "
+    "pass over those sums against torch's per-tensor norms and scaling). "
     "--breakdown prints each contender's step by phase.")
 
 
