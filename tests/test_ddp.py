@@ -65,6 +65,18 @@ def test_float64_parameters_match_torch_ddp_under_join_and_reentrant_checkpointi
     assert "float64 OK" in res.stdout
 
 
+def test_reentrant_checkpointing_where_groups_finish_in_order():
+    """tests/scripts/ddp_reentrant_join.py: the output layer in a reentrant checkpoint, inside
+    join_uneven_inputs and/or with find_unused_parameters, bf16 + fp32 (+ float64) layers,
+    Accelerator.backward and raw backward: the nested backward's end is not taken for the
+    backward's (it raised "received no gradient"); every gradient equals torch's local
+    gradients summed over the ranks that had the batch / world size, in the parameter's dtype."""
+    res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "ddp_reentrant_join.py")], timeout=wait_s(300))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    assert "reentrant join OK" in res.stdout
+
+
 def test_clip_of_16bit_gradients_matches_torch_ddp_bit_for_bit():
     """tests/scripts/ddp_clip16.py: bf16 and fp16 models under DDP with several buckets, clipped:
     each parameter's norm rounded to 16 bits as torch's clip_grad_norm_ takes it, from the

@@ -254,10 +254,27 @@ class DDPStrategy(GradStrategy):
         self.ordered.add(model_key)
 
     def _finish_ordered(self) -> None:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            # the end of a nested backward (a reentrant checkpoint's, queued by a first gradient
+            # delivered inside it): the outer backward goes on and may deliver more. Once the
+            # node running the nested one returns, this is queued again on the outer backward
+            self._defer_ordered(node)
+            return
         try:
             self.finish_ordered_groups()
         finally:
             self.abort_held()
+
+    def _defer_ordered(self, node) -> None:
+        handle = None
+
+        def requeue(grad_inputs, grad_outputs):
+            handle.remove()
+            self._ordered_task = torch._C._current_graph_task_id()  # the outer backward's
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_ordered)
+
+        handle = node.register_hook(requeue)
 
     def finish_ordered_groups(self) -> None:
         """The models in `ordered`, model after model in a fixed order: every group of it, in
