@@ -19,6 +19,7 @@ from torch import nn
 
 from accelerate_c import Accelerator, _C
 from accelerate_c import grads as grads_mod
+from clip_models import Checkpointed, HalfAndFull, WithBranch
 from counting_kernels import counting_reads
 from helpers import (  # noqa: F401
     FP32_ATOL,
@@ -108,18 +109,6 @@ def test_clip_in_a_real_loop_reads_no_buffer_after_the_first_step(mixed_precisio
     assert_params_close(model, ref_model, rtol=rtol, atol=atol)
 
 
-class HalfAndFull(nn.Module):
-    """A bf16 layer and an fp32 layer: two buffers, each measured in its own hooks."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 16).to(torch.bfloat16)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x.to(torch.bfloat16))).float())
-
-
 def test_bf16_and_fp32_buffers_both_use_their_hook_sums():
     model = make_model(0, cls=HalfAndFull)
     ref_model = copy.deepcopy(model)
@@ -147,20 +136,6 @@ def test_bf16_and_fp32_buffers_both_use_their_hook_sums():
 # --------------------------------------------------------------------------------------------
 # the cached path is not used once something wrote the buffer after the measurements
 # --------------------------------------------------------------------------------------------
-class WithBranch(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.branch = nn.Linear(16, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x, use_branch=True):
-        h = torch.relu(self.fc1(x))
-        if use_branch:
-            h = h + torch.relu(self.branch(h))
-        return self.fc2(h)
-
-
 # what is done to the gradients on step 2, and whether its clip may use the hooks' sums
 WRITES = {
     "none": True,
@@ -307,20 +282,6 @@ def test_accumulation_without_accumulate_measures_the_sum_of_both_backwards():
         ref_model.zero_grad()
 
 
-class Checkpointed(nn.Module):
-    """A reentrant-checkpointed segment whose weight is also used outside it: its gradient is
-    accumulated twice in one backward (two hooks), by two graph tasks."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 8)
-        self.fc2 = nn.Linear(8, 4)
-
-    def forward(self, x):
-        h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.fc1(t)), x, use_reentrant=True)
-        return self.fc2(self.fc1(h))
-
-
 def test_reentrant_checkpointing_norm_is_torchs():
     model = make_model(0, cls=Checkpointed)
     ref_model = copy.deepcopy(model)
@@ -341,7 +302,6 @@ def test_reentrant_checkpointing_norm_is_torchs():
         model.zero_grad()
         ref_model.zero_grad()
     assert reads == [1, 0, 0], reads
-
 
 
 def test_clip_coefficient_is_torchs_bit_for_bit():

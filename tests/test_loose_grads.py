@@ -13,6 +13,7 @@ from torch import nn
 
 from accelerate_c import Accelerator
 from accelerate_c.grad_layout import GradView
+from clip_models import Checkpointed, HalfAndFull, WithBranch
 from counting_kernels import counting_reads
 from helpers import (  # noqa: F401
     FP32_ATOL,
@@ -81,20 +82,6 @@ def test_a_real_loop_is_torchs_and_clips_without_reading(mixed_precision, accum,
     # the gradients are autograd's own tensors, not views of one buffer
     ptrs = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
     assert not ptrs or len(ptrs) == len(_trainable(model))
-
-
-class WithBranch(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.branch = nn.Linear(16, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x, use_branch=True):
-        h = torch.relu(self.fc1(x))
-        if use_branch:
-            h = h + torch.relu(self.branch(h))
-        return self.fc2(h)
 
 
 # what is done to the gradients on step 2, and how many of them its clip must measure again
@@ -199,32 +186,6 @@ def test_clip_takes_the_hooks_sums_only_while_they_hold(write):
     want_reads = [6, 0, WRITES[write], 0]
     assert reads == want_reads, f"{write}: gradients measured per clip {reads}, expected {want_reads}"
     assert_params_close(model, ref_model, rtol=rtol, atol=atol, msg=write)
-
-
-class HalfAndFull(nn.Module):
-    """A bf16 layer and an fp32 layer: torch rounds the bf16 gradients' norms to bf16."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 16).to(torch.bfloat16)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x.to(torch.bfloat16))).float())
-
-
-class Checkpointed(nn.Module):
-    """A reentrant-checkpointed segment whose weight is also used outside it: its gradient is
-    accumulated twice in one backward (two hooks)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 8)
-        self.fc2 = nn.Linear(8, 4)
-
-    def forward(self, x):
-        h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.fc1(t)), x, use_reentrant=True)
-        return self.fc2(self.fc1(h))
 
 
 @pytest.mark.parametrize("cls,backwards", [(HalfAndFull, 1), (Checkpointed, 1), (None, 2)])
