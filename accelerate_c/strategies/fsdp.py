@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..fsdp_units import build_units, unit_modules
 from ..grad_shards import GradShard
-from .ddp import broadcast_buffers, check_same_structure
+from .replicas import broadcast_buffers, check_same_structure
 from .zero import Owned
 from .zero2 import Zero2Strategy
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from accelerate_c import Accelerator
-from accelerate_c.strategies.ddp import check_same_structure
+from accelerate_c.strategies.replicas import check_same_structure
 
 
 def net(meta: bool) -> torch.nn.Module:

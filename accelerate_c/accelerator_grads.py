@@ -1,0 +1,152 @@
+"""The Accelerator's gradient post-processing entry points (unscale, clip by norm or value,
+the full gradient of a parameter): what each asks of the GradManager (grads.py), the one-process
+loose gradients (loose_grads.py) or the sharding strategy, as accelerate's Accelerator does
+them. A mixin of accelerator.Accelerator, whose state (`_grads`, `scaler`, `sharding`,
+`_optimizers`) it reads."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .clip_math import clip_coef
+from .optimizer import AcceleratedOptimizer
+
+
+def model_parameters(opt) -> list:
+    """The model parameters `opt` updates: a prepared optimizer knows them (under sharding its
+    param_groups hold views of the owned parts); a plain one lists them."""
+    if isinstance(opt, AcceleratedOptimizer):
+        return opt.model_parameters()
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+class GradientFacade:
+    """unscale_gradients, clip_grad_norm_, clip_grad_value_, get_full_grad and what they share."""
+
+    def _opt_list(self, optimizer):
+        if optimizer is None:
+            return self._optimizers
+        return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+
+    def unscale_gradients(self, optimizer=None):
+        """Divides the gradients of the optimizer(s) by the loss scale (fp16 only), once per step."""
+        if self.scaler is None or self.sharding is not None:
+            return  # as accelerate under DeepSpeed: the engine unscales inside its step
+        inv = 1.0 / self.scaler.get_scale()
+        for opt in self._opt_list(optimizer):
+            self._grads.ready(model_parameters(opt), inv)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Unscales (fp16) and clips the gradients' total norm; returns that norm (before
+        clipping), as torch.nn.utils.clip_grad_norm_ does. When `parameters` are exactly the
+        trainable parameters of prepared models, the C core does it in one read pass and one
+        scaling pass per flat buffer.
+
+        Under DeepSpeed, as in accelerate, the engine clips inside the optimizer step at the
+        configuration's gradient_clipping, and this only returns the norm (a float): the one
+        the step is about to clip on a sync step, the last step's otherwise."""
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        if self.sharding is not None:
+            if not self.sync_gradients:
+                norms = [o.engine_norm for o in self._optimizers if o.engine_norm is not None]
+                return float(norms[-1]) if norms else None
+            return float(self._deepspeed_norm(list(parameters)))
+        return self._clip_norm(list(parameters), float(max_norm), float(norm_type))
+
+    def _deepspeed_norm(self, params):
+        """The 2-norm DeepSpeed's engine computes: in fp32, of the gradients as the step will
+        read them (under fp16 the loss scale divided out of the norm, not out of the gradients,
+        which keep it until the fp32 copies are made)."""
+        norm = self._clip_norm(params, None, 2.0)
+        return norm / self.scaler.get_scale() if self.scaler is not None else norm
+
+    def _unscale_rest(self, inside: set, inv: float) -> None:
+        """fp16: as accelerate's clip, which unscales every optimizer's gradients first, those
+        outside the clipped set (ids in `inside`) now; the clipped ones are unscaled with their
+        norm pass."""
+        rest = [p for opt in self._opt_list(None) for p in model_parameters(opt) if id(p) not in inside]
+        if rest:
+            self._grads.ready(rest, inv)
+
+    def _clip_norm(self, params, max_norm, norm_type):
+        """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
+        self._grads.prepare_step()
+        strategy = self._grads.strategy
+        if not strategy.buffers_gradients:  # ZeRO-2 / full sharding: shards the strategy holds
+            held = strategy.sharded_norm([p for p in params if p.requires_grad], max_norm, norm_type)
+            if held is not None:
+                return held
+        # frozen parameters are simply outside every group (no gradient: nothing to count, as
+        # in torch); not filtering them saves a walk over every parameter right after backward,
+        # when each one it touches is a cache miss
+        loose = self._grads.loose.cover(params) if (max_norm is not None and norm_type == 2.0) else None
+        if loose is not None:  # one CPU process: autograd's gradients, measured in their hooks
+            inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
+            stepped = frozenset()
+            if inv is not None:
+                stepped = frozenset(id(p) for opt in self._opt_list(None) for p in model_parameters(opt))
+                self._unscale_rest({id(p) for p in loose}, inv)
+            total = self._grads.loose.clip(loose, max_norm, inv, self._grads.outside, stepped)
+            if total is not None:
+                return total
+        groups = self._grads.full_groups(params) or None if params else None
+        if groups is not None and norm_type in (2.0, math.inf):
+            # under DeepSpeed nothing is unscaled in place: its engine unscales the fp32 copies
+            inv = 1.0 / self.scaler.get_scale() if self.scaler is not None and self.sharding is None else None
+            if inv is not None:
+                # as accelerate's clip, which unscales every optimizer's gradients first: those
+                # outside the clipped buffers now, the clipped ones fused with their norm pass
+                self._unscale_rest({id(p) for g in groups for p in g.params}, inv)
+            total = self._grads.clip_norm_fused(groups, max_norm, norm_type, inv)
+            if total is not None:
+                return total
+        self.unscale_gradients()
+        if max_norm is None:  # in fp32, as DeepSpeed reports it
+            self._grads.ready(params)
+            return torch.nn.utils.get_total_norm([p.grad.float() for p in params if p.grad is not None], norm_type)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def _engine_clip(self, params):
+        """DeepSpeed's clip inside the optimizer step, at the configuration's gradient_clipping
+        (2-norm, torch's formula; None: no clipping); the norm is returned either way, as
+        DeepSpeed computes it for every step. A 16-bit model's gradients are not rounded again:
+        as DeepSpeed clips the fp32 copies the optimizer reads, the coefficient (computed in
+        fp32 from the fp32 norm) goes to the strategy, which applies it while widening them."""
+        clip = self.sharding.gradient_clipping
+        if self._compute_dtype is None or not getattr(self._grads.strategy, "fp32_masters", False):
+            # the optimizer reads fp32 gradients in place (a 32-bit model, or stage 3's fp32
+            # gradient shards): clipped there
+            return self._clip_norm(list(params), clip, 2.0)
+        norm = self._deepspeed_norm(list(params))
+        factor = 1.0 / self.scaler.get_scale() if self.scaler is not None else 1.0  # fp16: the unscale
+        if clip is not None:
+            factor *= clip_coef(float(norm), clip, torch.float32)[1]  # fp32, NaN for a NaN norm (as torch's)
+        if factor != 1.0:
+            self._grads.strategy.scale_next_step(factor)
+        return norm
+
+    def clip_grad_value_(self, parameters, clip_value):
+        if self.sharding is not None:  # as accelerate: the engine only clips norms
+            raise RuntimeError("clip_grad_value_ is not supported under DeepSpeed (accelerate refuses it too): the "
+                               "DeepSpeed engine clips the gradients' norm at the configuration's gradient_clipping; "
+                               "use clip_grad_norm_")
+        if not self._grads.strategy.buffers_gradients:  # p.grad is None: nothing would be clipped
+            raise RuntimeError("clip_grad_value_ is not supported under FSDP (accelerate refuses it too): each "
+                               "process holds a shard of the gradients; use clip_grad_norm_")
+        self.unscale_gradients()
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        self._grads.ready(params)
+        torch.nn.utils.clip_grad_value_(params, clip_value)
+
+    # ---- collectives (identity on one process) ----------------------------------------
+
+    def get_full_grad(self, param):
+        """The whole gradient of `param` as the optimizer step will read it (averaged over the
+        processes, before the engine's clip; under DeepSpeed's fp16 still carrying the loss
+        scale), or None. Under ZeRO stage 2 no process holds it whole (`param.grad` is None):
+        it is gathered, a collective that every process must call for the same parameter, as
+        DeepSpeed's `safe_get_full_grad`. Elsewhere it is `param.grad`."""
+        self._grads.prepare_step()
+        return self._grads.strategy.full_grad(param)
