@@ -147,7 +147,9 @@ class DDPStrategy(GradStrategy):
         # group after group in a fixed order (_in_order), and the autograd graph task that
         # callback is queued on (a backward that raised never ran it: the next one queues anew)
         self.ordered: set = set()
-        self._ordered_task = None
+        # graph tasks a _finish_ordered is queued on for the backward in progress: while one is
+        # pending, another task is a nested one of that backward (a reentrant checkpoint's)
+        self._queued_tasks: set = set()
 
     def prepare_model(self, model, manager):
         broadcast_model(model)  # every replica starts from rank 0's weights
@@ -245,14 +247,23 @@ class DDPStrategy(GradStrategy):
         return f64 or len(self.ordered_members()) > 1
 
     def order(self, model_key) -> None:
-        """`model_key`'s backward now running ends in _finish_ordered (queued once per backward,
-        on the graph task of its first gradient)."""
+        """`model_key`'s backward now running ends in _finish_ordered, queued on the graph task
+        of its first gradient. A first gradient in another task while a finish is pending comes
+        from a nested backward of the same one (reentrant checkpointing: two checkpoints, or one
+        below a model whose gradients came first): the models already ordered stay, and the
+        callback queued there defers to the outer backward (_defer_ordered). What a raw
+        backward that raised left is forgotten at the next forward (forget_stale_order)."""
         task = torch._C._current_graph_task_id()
-        if task != self._ordered_task:
-            self.ordered.clear()  # what a backward that raised left
-            self._ordered_task = task
+        if task not in self._queued_tasks:
+            self._queued_tasks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_ordered)
         self.ordered.add(model_key)
+
+    def forget_stale_order(self) -> None:
+        """At a forward outside any backward: no ordered finish can be pending then, unless a
+        raw backward raised after queuing it (its callbacks never ran)."""
+        if self._queued_tasks and torch._C._current_graph_task_id() < 0:
+            self.abort_held()
 
     def _finish_ordered(self) -> None:
         node = torch._C._current_autograd_node()
@@ -272,8 +283,10 @@ class DDPStrategy(GradStrategy):
 
         def requeue(grad_inputs, grad_outputs):
             handle.remove()
-            self._ordered_task = torch._C._current_graph_task_id()  # the outer backward's
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_ordered)
+            task = torch._C._current_graph_task_id()  # the outer backward's
+            if self._queued_tasks and task not in self._queued_tasks:  # else finished or queued there
+                self._queued_tasks.add(task)
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_ordered)
 
         handle = node.register_hook(requeue)
 
@@ -332,7 +345,7 @@ class DDPStrategy(GradStrategy):
 
     def abort_held(self):
         self.ordered.clear()
-        self._ordered_task = None
+        self._queued_tasks = set()
 
     def abort_backward(self, g):
         """A backward raised: the all-reduces it launched still finish (every process launched
@@ -641,6 +654,7 @@ def register_forward_sync(model: torch.nn.Module, manager, strategy):
     state = {"sync": True}
 
     def pre_hook(module, args):
+        strategy.forget_stale_order()
         bcast = has_buffers and state["sync"]
         will_reduce = torch.is_grad_enabled() and manager.sync_now(key)
         state["sync"] = will_reduce
