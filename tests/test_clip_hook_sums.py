@@ -19,7 +19,7 @@ from torch import nn
 
 from accelerate_c import Accelerator, _C
 from accelerate_c import grads as grads_mod
-from clip_models import Checkpointed, HalfAndFull, WithBranch
+from clip_models import Checkpointed, HalfAndFull, run_write_scenario
 from counting_kernels import counting_reads
 from helpers import (  # noqa: F401
     FP32_ATOL,
@@ -169,94 +169,10 @@ def test_clip_uses_the_hook_sums_only_when_nothing_else_wrote_the_buffer(write):
     1's sum). The clip of step 2 reads the buffer unless WRITES says the sums still hold; those
     of steps 1 and 3 never do; every norm and gradient is torch's, from a copy given the same
     writes."""
-    fp16 = write == "unscale_fp16"
-    model = make_model(0, cls=WithBranch)
-    ref_model = copy.deepcopy(model)
-    accelerator = Accelerator(mixed_precision="fp16" if fp16 else "no", cpu=True)
-    optimizer = make_optimizer("sgd", model.parameters())
-    model, optimizer = accelerator.prepare(model, optimizer)
-    ref_opt = make_optimizer("sgd", ref_model.parameters())
-    scaler = torch.amp.GradScaler("cpu") if fp16 else None
-    max_norm = 0.05
-    rtol, atol = tols("fp16" if fp16 else "no")
-
-    def scaled_in_hook(m, step_holder):
-        def hook(p):
-            if step_holder[0] == 2:
-                p.grad.mul_(3.0)
-        return m.fc2.weight.register_post_accumulate_grad_hook(hook)
-
-    step_holder = [0]
-    if write == "hook_mul":  # registered after prepare: runs after accelerate_c's own hook
-        scaled_in_hook(model, step_holder)
-        scaled_in_hook(ref_model, step_holder)
-
-    def apply_write(m, opt_unscale):
-        if write == "grad_assign":
-            m.fc1.weight.grad = m.fc1.weight.grad * 2.0
-        elif write == "grad_assign_and_grad_mul":
-            m.fc1.weight.grad = m.fc1.weight.grad * 2.0
-            m.fc2.weight.grad.mul_(0.5)  # unmeasured, before resync measures the assigned one
-        elif write == "grad_mul":
-            m.fc2.bias.grad.mul_(2.0)
-        elif write == "grad_data_mul":
-            m.fc2.bias.grad.data.mul_(2.0)
-        elif write == "grad_data_assign":
-            m.fc2.bias.grad.data = m.fc2.bias.grad * 2.0
-        elif write == "grad_data_read":
-            float(m.fc2.bias.grad.data.norm())
-        elif write == "unscale_fp16":
-            opt_unscale()
-
-    set_to_none = write != "no_grad_param_zeros"
-    batches = batches_of(make_loader(n=16, batch_size=4))
-    reads = []
-    for step, (inputs, targets) in enumerate(batches):
-        step_holder[0] = step
-        use_branch = not (write.startswith("no_grad_param") and step == 2)
-        # torch
-        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):  # as the fp16 Accelerator's forward
-            out = ref_model(inputs, use_branch).float()
-        loss = loss_function(out, targets)
-        (scaler.scale(loss) if fp16 else loss).backward()
-        if step == 2:
-            apply_write(ref_model, lambda: scaler.unscale_(ref_opt))
-        if fp16 and not (step == 2 and write == "unscale_fp16"):
-            scaler.unscale_(ref_opt)
-        want = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm)
-        twice = write == "clip_twice" and step == 2
-        want2 = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm) if twice else None
-        # accelerate_c
-        accelerator.backward(loss_function(model(inputs, use_branch), targets))
-        if step == 2:
-            apply_write(model, accelerator.unscale_gradients)
-        with counting_reads() as c:
-            got = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-        reads.append(c.reads)
-        assert_rel(got, want, msg=f"{write}: step {step} norm")
-        if want2 is not None:
-            with counting_reads() as c:
-                got2 = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-            assert c.reads == 1, "the second clip trusted the sums of the gradients before the first"
-            assert_rel(got2, want2, msg=f"{write}: step {step} second norm")
-        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-            if q.grad is None:
-                assert p.grad is None, name
-            else:
-                torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol,
-                                           msg=lambda m, n=name: f"{write}: step {step} grad {n}: {m}")
-        if fp16:
-            scaler.step(ref_opt)
-            scaler.update()
-        else:
-            ref_opt.step()
-        optimizer.step()
-        ref_opt.zero_grad(set_to_none=set_to_none)
-        optimizer.zero_grad(set_to_none=set_to_none)
+    reads, accelerator = run_write_scenario(write, second_clip_reads=1)
     assert accelerator._grads.groups[0].reducer.measure  # steps after the first were measured
     expect = [1, 0, 0 if WRITES[write] else 1, 0]
     assert reads == expect, f"{write}: buffer reads per clip {reads}, expected {expect}"
-    assert_params_close(model, ref_model, rtol=rtol, atol=atol, msg=write)
 
 
 def test_accumulation_without_accumulate_measures_the_sum_of_both_backwards():
