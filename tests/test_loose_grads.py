@@ -62,13 +62,17 @@ def test_a_real_loop_is_torchs_and_clips_without_reading(mixed_precision, accum,
     loader = make_loader(n=4 * n_batches, batch_size=4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     assert accelerator._grads.groups == [] and len(accelerator._grads.loose.params) == len(_trainable(model))
-    norms, reads = [], []
+    norms, reads, separate = [], [], []
     for inputs, targets in loader:
         with accelerator.accumulate(model):
             accelerator.backward(loss_function(model(inputs), targets))
             if accelerator.sync_gradients:
                 with counting_reads() as c:
                     norms.append(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+                # after each sync backward: every gradient its own tensor, none a view of a buffer
+                storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+                separate.append(len(storages) == len(_trainable(model)) and
+                                all(p.grad._base is None for p in model.parameters()))
                 reads.append(c.reads)
             optimizer.step()
             optimizer.zero_grad(set_to_none=set_to_none)
@@ -80,8 +84,7 @@ def test_a_real_loop_is_torchs_and_clips_without_reading(mixed_precision, accum,
     rtol, atol = tols(mixed_precision)
     assert_params_close(model, ref_model, rtol=rtol, atol=atol)
     # the gradients are autograd's own tensors, not views of one buffer
-    ptrs = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
-    assert not ptrs or len(ptrs) == len(_trainable(model))
+    assert separate and all(separate), separate
 
 
 # what is done to the gradients on step 2, and how many of them its clip must measure again
