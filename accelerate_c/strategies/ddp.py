@@ -34,7 +34,7 @@ from torch.distributed.algorithms.join import Joinable
 from .. import _C
 from .. import collectives
 from .base import GradStrategy
-from .replicas import broadcast_buffers, broadcast_model, check_same_structure
+from .replicas import broadcast_buffers, broadcast_model
 
 _WIRE: dict = {}  # (backend, dtype) -> the dtype that backend all-reduces it in
 
