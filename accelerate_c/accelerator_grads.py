@@ -81,14 +81,13 @@ class GradientFacade:
         # frozen parameters are simply outside every group (no gradient: nothing to count, as
         # in torch); not filtering them saves a walk over every parameter right after backward,
         # when each one it touches is a cache miss
-        loose = self._grads.loose.cover(params) if (max_norm is not None and norm_type == 2.0) else None
-        if loose is not None:  # one CPU process: autograd's gradients, measured in their hooks
-            inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
-            stepped = frozenset()
-            if inv is not None:
-                stepped = frozenset(id(p) for opt in self._opt_list(None) for p in model_parameters(opt))
-                self._unscale_rest({id(p) for p in loose}, inv)
-            total = self._grads.loose.clip(loose, max_norm, inv, self._grads.outside, stepped)
+        fp16 = self.scaler is not None
+        loose = self._grads.loose.cover(params) if (fp16 and max_norm is not None and norm_type == 2.0) else None
+        if loose is not None:  # one CPU process, fp16: autograd's gradients, unscaled within the clip
+            inv = 1.0 / self.scaler.get_scale()
+            stepped = frozenset(id(p) for opt in self._opt_list(None) for p in model_parameters(opt))
+            self._unscale_rest({id(p) for p in loose}, inv)
+            total = self._grads.loose.clip(loose, max_norm, inv, stepped)
             if total is not None:
                 return total
         groups = self._grads.full_groups(params) or None if params else None

@@ -175,6 +175,20 @@ def _combine_stats(accs):
     return torch.stack([parts[:, 0].sum(), parts[:, 1].max(), parts[:, 2].max()])
 
 
+class OutsideGrad:
+    """fp16 bookkeeping of one parameter whose gradient lives outside the buffers: whether the
+    gradient still carries the loss scale, and whether unscaling it found NaN/Inf (what the step
+    skips on, as GradScaler records found_inf at unscale_, not what a later write left). A
+    post-accumulate-grad hook marks each new gradient (GradManager.track_outside)."""
+    __slots__ = ("carries_scale", "found", "hook")
+
+    def __init__(self):
+        self.carries_scale, self.found, self.hook = True, False, None
+
+    def new_gradient(self) -> None:
+        self.carries_scale, self.found = True, False
+
+
 class GradManager:
     """All flat gradient groups of one Accelerator, and the operations the step needs."""
 
@@ -184,9 +198,8 @@ class GradManager:
         self.epoch = 0  # bumped whenever groups or `where` change (full_groups' cache key)
         self._full_cache = None
         # params an optimizer steps that are outside the buffers (not in a prepared model,
-        # float64, or one CPU process: loose_grads.py): id -> [needs_unscale, hook, non-finite
-        # when last unscaled (what the step skips on, as GradScaler records found_inf at unscale_)]
-        self.outside: dict[int, list] = {}
+        # float64, or one CPU process: loose_grads.py): id -> their fp16 bookkeeping
+        self.outside: dict[int, OutsideGrad] = {}
         # trainable params of prepared models that have no buffer (float64: no C kernels); their
         # gradients stay ordinary torch tensors
         self.unbuffered: list = []
@@ -249,7 +262,7 @@ class GradManager:
             self.names.setdefault(id(p), name)
         params = list(model.parameters())
         if self._loose_wanted():
-            self.loose.add([p for p in params if p.device.type == "cpu"], id(model))
+            self.loose.add([p for p in params if p.device.type == "cpu"])
             params = [p for p in params if p.device.type != "cpu"]
         self._add_params(params, model_key=id(model))
 
@@ -381,7 +394,8 @@ class GradManager:
         for g in list(self.groups):
             unsynced = g.unsynced()
             if unsynced is not None:
-                g.resync(unsynced)
+                if unsynced:  # most steps none: resync's no_grad context alone costs ~10 us
+                    g.resync(unsynced)
                 continue
             g.remove()
             self.groups.remove(g)
@@ -394,8 +408,8 @@ class GradManager:
         self.strategy.clear_held()
         for g in self.groups:
             g.remove()
-        for entry in self.outside.values():
-            entry[1].remove()
+        for rec in self.outside.values():
+            rec.hook.remove()
         for h in self.unbuffered_hooks:
             h.remove()
         self.groups, self.where, self.outside, self.unbuffered, self.unbuffered_hooks = [], {}, {}, [], []
@@ -405,19 +419,19 @@ class GradManager:
         self.epoch += 1
         self._full_cache = None
 
-    def _outside_needs_unscale(self, p) -> bool:
-        """Whether a param outside the buffers got a (scaled) gradient since its last unscale;
-        a hook keeps track, so each gradient is unscaled exactly once."""
-        entry = self.outside.get(id(p))
-        if entry is None:
-            entry = [True, None, False]
+    def track_outside(self, p) -> OutsideGrad:
+        """The fp16 bookkeeping of `p`, a parameter outside the buffers. Created on first use,
+        when the gradient it finds carries the loss scale; a hook marks each later one, so that
+        each gradient is unscaled exactly once."""
+        rec = self.outside.get(id(p))
+        if rec is None:
+            rec = self.outside[id(p)] = OutsideGrad()
 
-            def hook(param, entry=entry):
-                entry[0], entry[2] = True, False
+            def hook(param, rec=rec):
+                rec.new_gradient()
 
-            entry[1] = p.register_post_accumulate_grad_hook(hook)
-            self.outside[id(p)] = entry
-        return entry[0]
+            rec.hook = p.register_post_accumulate_grad_hook(hook)
+        return rec
 
     def split(self, params):
         """Groups touched by `params`, as {group: [indices]}, plus the params we do not manage."""
@@ -498,18 +512,18 @@ class GradManager:
             g = p.grad
             if g is None:
                 continue
-            if self._outside_needs_unscale(p):
-                entry = self.outside[id(p)]
+            rec = self.track_outside(p)
+            if rec.carries_scale:
                 if loose_kernel_ok(g):  # one C pass scales and checks (one process: every gradient)
-                    entry[2] = bool(_C.scale_stats_(g, inv_scale)[2])
+                    rec.found = bool(_C.scale_stats_(g, inv_scale)[2])
                     increment_version(g)  # a write through DLPack, which torch cannot see
                 else:
                     g.mul_(inv_scale)
-                    entry[2] = not bool(torch.isfinite(g).all())
-                entry[0] = False
+                    rec.found = not bool(torch.isfinite(g).all())
+                rec.carries_scale = False
             # as GradScaler: what unscaling found, not what a later write (a clip by value
             # clamping an inf) left
-            found = found or self.outside[id(p)][2]
+            found = found or rec.found
         if device_flags and not found:
             found = bool(torch.stack(device_flags).sum().item())
         return self.strategy.any_found_inf(found)
@@ -635,6 +649,6 @@ class GradManager:
                 g.needs_unscale = True
                 g.found_inf = False
         for p in outside:
-            entry = self.outside.get(id(p))
-            if entry is not None:
-                entry[0], entry[2] = True, False
+            rec = self.outside.get(id(p))
+            if rec is not None:
+                rec.new_gradient()

@@ -4,28 +4,30 @@ On several processes the flat buffers (grad_layout.py) are what the bucketed all
 on one process they only serve the fused clip and unscale, and cost a copy of every gradient
 into them after backward, the buffer held through the forward beside autograd's fresh
 gradients, and a different pattern of frees (docs/performance.md measured the Trainer 4-5%
-slower with them on one process). Here each gradient stays autograd's tensor and keeps what made
-the buffers' clip cheap: once clip_grad_norm_ asked for a 2-norm, a hook measures each gradient
-as it lands (on a backward that ends an accumulation window), and clip is then one scaling pass
-over the list, by torch's coefficient (clip_math). A gradient replaced or written since its
-measurement is measured again at the clip; what the kernels do not cover (float64, a
-non-contiguous gradient, a gradient with a graph, another norm) goes to torch's own clip.
+slower with them on one process). Here each gradient stays autograd's tensor.
+
+clip_grad_norm_ over them is torch's own (its per-tensor norms, then one multi-tensor
+multiply), except under fp16, where the unscale is folded into the clip: one C read pass per
+gradient (its sum of squares, unscaled) and one `torch._foreach_mul_` by the loss scale's
+inverse times torch's coefficient, where torch's unscale_ then clip makes five passes. The
+gradients are not measured as they land, as the flat buffers' copy-in does for free: here that
+read is a pass of its own, the gradients of a real model are no longer in cache when their
+hooks run, and the read evicts what backward works on (measured in docs/performance.md: backward
+plus clip 1-5 ms slower a step than torch's clip on the benchmarks' 14-15M-parameter models).
 
 fp16's loss-scale bookkeeping is the manager's for parameters outside the buffers
-(GradManager.outside): the hooks here also mark a gradient as carrying the scale.
+(GradManager.track_outside).
 """
 from __future__ import annotations
 
 import math
 import operator
-import weakref
 from array import array
 
 import torch
 
 from . import _C
 from .clip_math import FINITE_MAX, clip_coef, norm_dtype
-from .grad_layout import GradView
 
 _SIXTEEN = (torch.float16, torch.bfloat16)
 
@@ -48,59 +50,18 @@ def kernel_ok(g: torch.Tensor) -> bool:
 
 class LooseGrads:
     """The trainable parameters of the prepared models on one CPU process, their gradients left
-    as autograd's tensors; clip over them from sums measured in their hooks."""
+    as autograd's tensors; fp16's unscale folded into clip_grad_norm_."""
 
     def __init__(self, manager):
         self.manager = manager
         self.params: dict[int, torch.nn.Parameter] = {}  # id -> param
-        self.measure = False  # set by the first 2-norm clip: the hooks measure from then on
         self._cover_cache = None
 
-    def add(self, params, model_key) -> None:
+    def add(self, params) -> None:
         for p in params:
-            if not p.requires_grad or id(p) in self.params:
-                continue
-            self.params[id(p)] = p
-            old = self.manager.outside.get(id(p))  # unscaled before it was prepared: hooked already
-            if old is not None:
-                old[1].remove()
-            entry = [True, None, False]  # the manager's outside entry: [carries the loss scale, hook, found]
-            entry[1] = p.register_post_accumulate_grad_hook(self._hook(entry, model_key))
-            self.manager.outside[id(p)] = entry
+            if p.requires_grad:
+                self.params[id(p)] = p
         self._cover_cache = None
-
-    def _hook(self, entry, model_key):
-        ref = weakref.ref(self)
-
-        def hook(p):
-            entry[0], entry[2] = True, False  # a new (scaled) gradient: unscaled once at the step
-            me = ref()
-            if me is not None and me.measure and me.manager.sync_now(model_key):
-                LooseGrads._remember(p)
-        return hook
-
-    @staticmethod
-    def _remember(p) -> None:
-        """Measures p's gradient and keeps the sums on the tensor itself (a replaced gradient is
-        another object, without them). A plain tensor becomes a GradView in place (the same
-        object: not a view, no weak reference), whose `.data` writes and assignments move its
-        version (torch's `.data` has a counter of its own: grad_layout.GradView)."""
-        g = p.grad
-        if g is None:
-            return
-        if type(g) is torch.Tensor and kernel_ok(g):
-            g.__class__ = GradView
-        if type(g) is GradView and kernel_ok(g):
-            g._ac_sums = (g._version, g.data_ptr(), *_measure(g))
-
-    @staticmethod
-    def _cached(g):
-        """The hook's (exact, rounded, non-finite) of `g` if nothing wrote it since it was
-        measured (its version; its memory, checked too)."""
-        c = getattr(g, "_ac_sums", None)
-        if c is not None and c[0] == g._version and c[1] == g.data_ptr():
-            return c[2:]
-        return None
 
     def cover(self, params):
         """The loose parameters among `params` when the rest hold no gradient (frozen ones, say),
@@ -116,14 +77,13 @@ class LooseGrads:
             return None
         return c[1]
 
-    def clip(self, params, max_norm: float, inv_scale: float | None, outside: dict, stepped: set = frozenset()):
-        """torch.nn.utils.clip_grad_norm_(params, max_norm) (2-norm) over loose gradients, those
-        still carrying the loss scale unscaled in the same pass (inv_scale; `outside`: the
-        manager's entries) if an optimizer steps them (`stepped`: their ids), as accelerate's
-        clip unscales every optimizer's gradients first and GradScaler only those. Returns the
-        norm as torch's (a 0-dim tensor of the gradients' dtype), or None for torch's own clip
-        to do it (a gradient the kernels do not cover, a loss scale below 1)."""
-        self.measure = True
+    def clip(self, params, max_norm: float, inv_scale: float, stepped: set):
+        """fp16: torch.nn.utils.clip_grad_norm_(params, max_norm) (2-norm) over loose gradients,
+        those still carrying the loss scale unscaled in the same pass (inv_scale) if an optimizer
+        steps them (`stepped`: their ids), as accelerate's clip unscales every optimizer's
+        gradients first and GradScaler only those. Returns the norm as torch's (a 0-dim tensor of
+        the gradients' dtype), or None for torch's own clip to do it (nothing to unscale, a
+        gradient the kernels do not cover, a loss scale below 1)."""
         per = []
         for p in params:
             g = p.grad
@@ -131,23 +91,18 @@ class LooseGrads:
                 continue
             if not kernel_ok(g):
                 return None
-            carries = inv_scale is not None and outside[id(p)][0] and id(p) in stepped
-            inv = inv_scale if carries else 1.0
+            rec = self.manager.track_outside(p)
+            inv = inv_scale if (rec.carries_scale and id(p) in stepped) else 1.0
             if inv > 1.0:  # unscaling could overflow: torch's path checks it
                 return None
-            per.append((p, g, inv))
+            per.append((rec, g, inv))
+        if all(inv == 1.0 for _, _, inv in per):
+            return None  # torch's clip, as it is
         sumsq, nonfinite, found = 0.0, False, []
-        for p, g, inv in per:
-            rounds = g.dtype in _SIXTEEN
-            c = None if (rounds and inv != 1.0) else self._cached(g)
-            if c is not None:
-                ex, ro, nf = c  # measured in its hook, unchanged since (at scale 1)
-                s = (ro if rounds else ex) * inv * inv
-            else:  # replaced or written since its hook, or measured before clip first asked
-                ex, ro, nf = _measure(g, inv)
-                # torch unscales before it takes each norm: a 16-bit one is rounded unscaled
-                s = ro if rounds else ex * inv * inv
-            sumsq += s
+        for _, g, inv in per:
+            ex, ro, nf = _measure(g, inv)
+            # torch unscales before it takes each norm: a 16-bit one is rounded unscaled
+            sumsq += ro if g.dtype in _SIXTEEN else ex * inv * inv
             nonfinite = nonfinite or bool(nf)
             found.append(bool(nf))
         total = math.sqrt(sumsq)
@@ -155,12 +110,12 @@ class LooseGrads:
             total = math.nan if math.isnan(sumsq) else math.inf
         norm, coef = clip_coef(total, max_norm, norm_dtype(g.dtype for _, g, _ in per))
         by_factor: dict = {}
-        for (p, g, inv), nf in zip(per, found):
+        for (rec, g, inv), nf in zip(per, found):
             f = inv * coef
             if f != 1.0:
                 by_factor.setdefault(f, []).append(g)
             if inv != 1.0:  # unscaled here: what the step skips on (GradManager.unscale)
-                outside[id(p)][0], outside[id(p)][2] = False, nf
+                rec.carries_scale, rec.found = False, nf
         # torch's multi-tensor multiply: each element times f computed in fp32 and rounded once,
         # as a C kernel would, at the speed of one pass over memory scattered in many tensors
         # (per-tensor C calls paid their conversion on each); the versions move as torch's do
@@ -170,5 +125,4 @@ class LooseGrads:
 
     def clear(self) -> None:
         self.params = {}
-        self.measure = False
         self._cover_cache = None

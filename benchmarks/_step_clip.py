@@ -1,9 +1,12 @@
 """The clip-in-a-real-loop part of bench_step.py.
 
-A separate benchmark times clip_grad_norm_ in a real loop (one process, CPU): after a
-real bf16-autocast backward, the hooks have measured each gradient's sum of squares as it was
-written, so accelerator.clip_grad_norm_ is one scaling pass of the gradients (on one CPU process autograd's
-own tensors, accelerate_c/loose_grads.py; ACCELERATE_C_GRAD_BUFFERS=flat: the flat buffer). It is timed
+A separate benchmark times clip_grad_norm_ in a real loop (one process, CPU) over the flat
+gradient buffers (ACCELERATE_C_GRAD_BUFFERS=flat, set here for its Accelerator: the buffers
+every multi-process run uses): after a real bf16-autocast backward, the C hooks have measured
+each gradient's sum of squares while copying it into its range, so accelerator.clip_grad_norm_
+is one scaling pass of the buffer. (One CPU process by default keeps autograd's gradients and
+clips with torch's: with no copy to measure on the way, a measuring read in the hooks cost more
+than it saved, accelerate_c/loose_grads.py.) It is timed
 alone against an in-place scale of the same buffer after the same backward (torch's mul_ and
 _C.scale_; the faster is the limit), and beside the same clip with those sums invalidated (a read
 pass plus the scaling pass). Checked first: the clip reads no buffer, and its norm and gradients
@@ -16,6 +19,7 @@ the clip's fixed cost (~0.1-0.3 ms of Python and bookkeeping) rather than its pa
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import sys
 
@@ -53,15 +57,23 @@ def bench_clip_in_loop(cfg, dataset, batch_size, repeats):
     model_t = GPT(cfg)  # torch's reference: a copy holding the same gradients
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     accelerator = accelerate_c.Accelerator(mixed_precision="bf16", cpu=True)
-    model, opt = accelerator.prepare(model, opt)
-    groups = accelerator._grads.groups  # the flat buffers (none on one CPU process by default)
+    was = os.environ.get("ACCELERATE_C_GRAD_BUFFERS")
+    os.environ["ACCELERATE_C_GRAD_BUFFERS"] = "flat"  # read at prepare
+    try:
+        model, opt = accelerator.prepare(model, opt)
+    finally:
+        if was is None:
+            del os.environ["ACCELERATE_C_GRAD_BUFFERS"]
+        else:
+            os.environ["ACCELERATE_C_GRAD_BUFFERS"] = was
+    groups = accelerator._grads.groups  # the flat buffers
     x = torch.stack([dataset[i][0] for i in range(batch_size)])
     y = torch.stack([dataset[i][1] for i in range(batch_size)])
     params = [p for p in model.parameters() if p.requires_grad]
 
     def targets():
-        """What the clip scales: the flat buffers, or the gradients themselves (loose_grads.py)."""
-        return [g.flat for g in groups] if groups else [p.grad for p in params]
+        """What the clip scales: the flat buffers."""
+        return [g.flat for g in groups]
 
     def backward():
         opt.zero_grad(set_to_none=True)

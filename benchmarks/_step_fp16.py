@@ -98,7 +98,7 @@ def bench_fp16_postprocess(cfg, dataset, batch_size, repeats):
             g.needs_unscale = True  # the scaler's state machine unscales once per step
             g.found_inf = False
         for p in ([] if groups else params):
-            accelerator._grads.outside[id(p)][0] = True  # the same for the gradients outside buffers
+            accelerator._grads.outside[id(p)].carries_scale = True  # the same for the gradients outside buffers
 
     def ours_fn():
         return accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
