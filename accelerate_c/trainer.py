@@ -3,6 +3,7 @@ Accelerator API. Parameter names and order are transformers' for what it support
 docs/trainer.md for the differences."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -43,6 +44,7 @@ from .trainer_utils import (  # noqa: F401  (get_last_checkpoint, default_data_c
     sorted_checkpoints,
     tracker_config,
 )
+from .utils.operations import fp32_loss_only
 from .utils.random import set_seed
 
 SCHEDULER_NAME = "scheduler.pt"
@@ -321,7 +323,10 @@ class Trainer(EvaluationLoop):
                 inputs = dict(inputs)
                 labels = tuple(inputs.pop(n) for n in (self.args.label_names or ["labels"]) if n in inputs)
                 labels = labels[0] if len(labels) == 1 else (labels or None)
-            outputs = model(**inputs)
+            # only the loss is read: the forward converts nothing else to fp32 (fp32_loss_only)
+            loss_only = not return_outputs and self.compute_loss_func is None
+            with fp32_loss_only() if loss_only else contextlib.nullcontext():
+                outputs = model(**inputs)
         elif isinstance(inputs, (list, tuple)):
             if len(inputs) < 2:
                 raise ValueError("Trainer: a tuple batch must be (inputs..., labels)")

@@ -17,6 +17,7 @@ This module imports the real `transformers` package (absolute imports: this file
 not shadow it)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import inspect
@@ -32,6 +33,7 @@ from accelerate_c import model_shards
 from accelerate_c.checkpointing import (load_model_shards, load_sharded_optimizers, save_model_shards,
                                          save_sharded_optimizers)
 from accelerate_c.fsdp_plugin import FullyShardedDataParallelPlugin
+from accelerate_c.utils.operations import fp32_loss_only
 from accelerate_c.utils.dataclasses import (
     DataLoaderConfiguration,
     DistributedType,
@@ -131,6 +133,16 @@ class Trainer(transformers.Trainer):
         # transformers' FSDP branches call accelerate's torch-FSDP helpers; full sharding here is
         # accelerate_c's own, so the Trainer takes its generic paths and the overrides below
         self.is_fsdp_enabled = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """transformers' compute_loss. Where it reads only the loss of the outputs (no outputs
+        returned, no compute_loss_func, no label smoothing), the prepared forward converts only
+        the loss to fp32 under mixed precision (operations.fp32_loss_only): the same loss, and
+        no fp32 copy of the logits that nothing reads."""
+        reads_outputs = return_outputs or self.compute_loss_func is not None or self.label_smoother is not None
+        with contextlib.nullcontext() if reads_outputs else fp32_loss_only():
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
 
     # ---- full sharding (an accelerate config with distributed_type FSDP) ----------------------
     def _sharded(self) -> bool:

@@ -1,6 +1,8 @@
 """Operations over nested batches (tuples, lists, dicts, namedtuples of tensors)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Mapping
 from functools import update_wrapper
 
@@ -66,15 +68,45 @@ def convert_to_fp32(tensor):
     return recursively_apply(_to_fp32, tensor, test_type=_is_fp16_bf16)
 
 
+# set by fp32_loss_only(): the prepared forwards convert only the loss
+_LOSS_ONLY = contextvars.ContextVar("accelerate_c_fp32_loss_only", default=False)
+
+
+@contextlib.contextmanager
+def fp32_loss_only():
+    """Inside, the forwards of models prepared under mixed precision convert only the loss of
+    their outputs to fp32 (a dict's "loss", a tuple's or list's first element; any other output
+    whole, as outside): for a caller that reads nothing else, such as a Trainer's training step,
+    where the fp32 copy of a language model's logits (accelerate's conversion) costs a pass over
+    them, a fresh allocation and its memory held through backward, and is never read. The loss
+    is converted as before, so what backward and the logged loss see is unchanged."""
+    token = _LOSS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _LOSS_ONLY.reset(token)
+
+
+def _convert_loss_to_fp32(out):
+    if isinstance(out, Mapping) and "loss" in out:
+        return type(out)({k: convert_to_fp32(v) if k == "loss" else v for k, v in out.items()})
+    if isinstance(out, (tuple, list)) and len(out) > 0:
+        items = [convert_to_fp32(out[0]), *out[1:]]
+        return type(out)(*items) if _is_namedtuple(out) else type(out)(items)
+    return convert_to_fp32(out)
+
+
 class ConvertOutputsToFp32:
-    """Wraps a forward so its fp16/bf16 outputs come back in fp32 (picklable, unlike a closure)."""
+    """Wraps a forward so its fp16/bf16 outputs come back in fp32 (picklable, unlike a closure);
+    inside fp32_loss_only(), only the loss."""
 
     def __init__(self, model_forward):
         self.model_forward = model_forward
         update_wrapper(self, model_forward)
 
     def __call__(self, *args, **kwargs):
-        return convert_to_fp32(self.model_forward(*args, **kwargs))
+        out = self.model_forward(*args, **kwargs)
+        return _convert_loss_to_fp32(out) if _LOSS_ONLY.get() else convert_to_fp32(out)
 
     def __getstate__(self):
         raise RuntimeError("Cannot pickle a prepared model with automatic mixed precision; unwrap_model() it first")
