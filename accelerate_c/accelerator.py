@@ -400,10 +400,10 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
             fwd = model.forward
             if hasattr(fwd, "__func__"):
                 wrapped = AutocastForward(fwd.__func__, self.mixed_precision, self.device.type, kw)
-                model.forward = MethodType(convert_outputs_to_fp32(wrapped), model)
+                model.forward = MethodType(convert_outputs_to_fp32(wrapped, model), model)
             else:
                 model.forward = convert_outputs_to_fp32(
-                    AutocastForward(fwd, self.mixed_precision, self.device.type, kw))
+                    AutocastForward(fwd, self.mixed_precision, self.device.type, kw), model)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):

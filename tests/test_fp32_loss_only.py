@@ -168,3 +168,96 @@ def test_a_loss_function_or_label_smoothing_reads_converted_outputs(tmp_path, mo
     t = HFTrainerOnUs(model=Net(), args=args, train_dataset=Rows(8, 1), compute_loss_func=loss_func)
     t.train()
     assert seen == [torch.float32, torch.float32]
+
+
+class Teacher(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.body(x)
+        return (self.head(h), h)  # (logits, hidden), as a transformers model with return_dict=False
+
+
+class Student(nn.Module):
+    """Reads the teacher's second output: accelerate's prepared teacher gives it in fp32."""
+
+    def __init__(self, teacher):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.teacher = nn.Linear(8, 16), [teacher]
+
+    def forward(self, x, labels=None):
+        s = self.body(x)
+        d = s - self.teacher[0](x)[1]
+        return {"loss": (d * d).mean(), "logits": s}
+
+
+def test_models_called_inside_the_forward_and_hooks_see_what_accelerate_gives():
+    """Only the outermost prepared forward converts the loss alone: a prepared model it calls
+    (a teacher) converts all its outputs, and with a forward hook on the model (its own or a
+    global one) nothing is left unconverted. Against accelerate's prepared models."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(5))
+    want = {}
+    for name, mod in (("ref", accelerate), ("ours", accelerate_c)):
+        acc = mod.Accelerator(mixed_precision="bf16", cpu=True)
+        teacher = acc.prepare_model(Teacher(), evaluation_mode=True)
+        student = acc.prepare(Student(teacher))
+        if name == "ref":
+            want = student(x)
+            continue
+        with fp32_loss_only():
+            got = student(x)
+        assert torch.equal(got["loss"], want["loss"])  # differs if the teacher's hidden comes back bf16
+        assert got["logits"].dtype == torch.bfloat16  # the outer forward's own logits: not converted
+        seen = []
+        handle = student.register_forward_hook(lambda m, i, out: seen.append(out["logits"].dtype))
+        with fp32_loss_only():
+            student(x)
+        handle.remove()
+        glob = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, i, out: seen.append(out["logits"].dtype) if m is student else None)
+        with fp32_loss_only():
+            student(x)
+        glob.remove()
+        assert seen == [torch.float32, torch.float32]
+        with fp32_loss_only():
+            assert student(x)["logits"].dtype == torch.bfloat16  # hooks gone: loss only again
+
+
+Named = collections.namedtuple("Named", ["logits", "loss"])
+
+
+class NamedNet(Net):
+    def forward(self, x, labels=None):
+        out = super().forward(x, labels)
+        return Named(out["logits"], out["loss"])
+
+
+def test_a_namedtuple_loss_field_not_first_is_converted(tmp_path, monkeypatch):
+    """accelerate_c.Trainer takes the loss by name (a namedtuple's `loss` field), transformers'
+    first element: both are converted, so the own Trainer trains as with every output
+    converted (accelerate's conversion, patched in for the reference run)."""
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    net = accelerate_c.Accelerator(mixed_precision="bf16", cpu=True).prepare(NamedNet())
+    with fp32_loss_only():
+        out = net(x, labels=y)
+    assert out.loss.dtype == out.logits.dtype == torch.float32  # the first element too (transformers' pick)
+
+    def run(tag):
+        args = accelerate_c.TrainingArguments(output_dir=str(tmp_path / tag), use_cpu=True, bf16=True,
+                                              per_device_train_batch_size=4, max_steps=3,
+                                              gradient_accumulation_steps=3, logging_steps=1, report_to="none",
+                                              disable_tqdm=True, save_strategy="no", learning_rate=0.05, seed=3)
+        t = accelerate_c.Trainer(model=NamedNet(), args=args, train_dataset=Rows(36, 1))
+        t.train()
+        return [h["loss"] for h in t.state.log_history if "loss" in h], [p.detach().clone() for p in t.model.parameters()]
+
+    la, pa = run("loss_only")
+    monkeypatch.setattr(operations, "_convert_loss_to_fp32", operations.convert_to_fp32)
+    lb, pb = run("everything")
+    assert la == lb
+    for p, q in zip(pa, pb):
+        assert torch.equal(p, q)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Mapping
+import weakref
 from functools import update_wrapper
 
 import torch
@@ -68,18 +69,21 @@ def convert_to_fp32(tensor):
     return recursively_apply(_to_fp32, tensor, test_type=_is_fp16_bf16)
 
 
-# set by fp32_loss_only(): the prepared forwards convert only the loss
+# set by fp32_loss_only(): the prepared forward called next converts only the loss
 _LOSS_ONLY = contextvars.ContextVar("accelerate_c_fp32_loss_only", default=False)
 
 
 @contextlib.contextmanager
 def fp32_loss_only():
-    """Inside, the forwards of models prepared under mixed precision convert only the loss of
-    their outputs to fp32 (a dict's "loss", a tuple's or list's first element; any other output
-    whole, as outside): for a caller that reads nothing else, such as a Trainer's training step,
-    where the fp32 copy of a language model's logits (accelerate's conversion) costs a pass over
-    them, a fresh allocation and its memory held through backward, and is never read. The loss
-    is converted as before, so what backward and the logged loss see is unchanged."""
+    """Inside, a forward of a model prepared under mixed precision converts only the loss of its
+    outputs to fp32 (a dict's "loss"; a tuple's or list's first element, and a namedtuple's
+    `loss` field; any other output whole, as outside): for a caller that reads nothing else,
+    such as a Trainer's training step, where the fp32 copy of a language model's logits
+    (accelerate's conversion) costs a pass over them, a fresh allocation and its memory held
+    through backward, and is never read. The loss is converted as before, so what backward and
+    the logged loss see is unchanged. Only the outermost prepared forward: the models it calls
+    in turn convert all their outputs, which it reads; and not where a forward hook on the
+    model (or a global one) would see the outputs."""
     token = _LOSS_ONLY.set(True)
     try:
         yield
@@ -88,32 +92,54 @@ def fp32_loss_only():
 
 
 def _convert_loss_to_fp32(out):
+    """The loss of `out` in fp32, the rest as it is: where transformers' Trainer takes the loss
+    (a dict's "loss", else the first element) and where accelerate_c's does (the "loss" key or
+    field, else the first element)."""
     if isinstance(out, Mapping) and "loss" in out:
         return type(out)({k: convert_to_fp32(v) if k == "loss" else v for k, v in out.items()})
     if isinstance(out, (tuple, list)) and len(out) > 0:
-        items = [convert_to_fp32(out[0]), *out[1:]]
-        return type(out)(*items) if _is_namedtuple(out) else type(out)(items)
+        named = _is_namedtuple(out)
+        at = out._fields.index("loss") if named and "loss" in out._fields else 0
+        items = [convert_to_fp32(v) if i in (0, at) else v for i, v in enumerate(out)]
+        return type(out)(*items) if named else type(out)(items)
     return convert_to_fp32(out)
+
+
+def _hooks_see_outputs(module) -> bool:
+    """Whether forward hooks would read the module's outputs (its own, or global ones)."""
+    if module is None:
+        return True  # unknown: as accelerate
+    glob = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_hooks_with_kwargs
+                or getattr(glob, "_global_forward_hooks", None))
 
 
 class ConvertOutputsToFp32:
     """Wraps a forward so its fp16/bf16 outputs come back in fp32 (picklable, unlike a closure);
-    inside fp32_loss_only(), only the loss."""
+    inside fp32_loss_only(), only the loss. `module`: the model whose forward this is (weakly
+    held), for the forward-hook check."""
 
-    def __init__(self, model_forward):
+    def __init__(self, model_forward, module=None):
         self.model_forward = model_forward
+        self._module = weakref.ref(module) if module is not None else None
         update_wrapper(self, model_forward)
 
     def __call__(self, *args, **kwargs):
-        out = self.model_forward(*args, **kwargs)
-        return _convert_loss_to_fp32(out) if _LOSS_ONLY.get() else convert_to_fp32(out)
+        if not _LOSS_ONLY.get() or _hooks_see_outputs(self._module() if self._module is not None else None):
+            return convert_to_fp32(self.model_forward(*args, **kwargs))
+        token = _LOSS_ONLY.set(False)  # the models this forward calls convert all their outputs
+        try:
+            out = self.model_forward(*args, **kwargs)
+        finally:
+            _LOSS_ONLY.reset(token)
+        return _convert_loss_to_fp32(out)
 
     def __getstate__(self):
         raise RuntimeError("Cannot pickle a prepared model with automatic mixed precision; unwrap_model() it first")
 
 
-def convert_outputs_to_fp32(model_forward):
-    return ConvertOutputsToFp32(model_forward)
+def convert_outputs_to_fp32(model_forward, module=None):
+    return ConvertOutputsToFp32(model_forward, module)
 
 
 def pad_tensor(tensor, size: int, dim: int = 0, pad_index=0, pad_first: bool = False):
