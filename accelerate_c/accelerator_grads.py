@@ -34,7 +34,10 @@ class GradientFacade:
         if self.scaler is None or self.sharding is not None:
             return  # as accelerate under DeepSpeed: the engine unscales inside its step
         inv = 1.0 / self.scaler.get_scale()
-        for opt in self._opt_list(optimizer):
+        opts = self._opt_list(optimizer)
+        for opt in opts:
+            self._grads.refuse_unscale_again(model_parameters(opt), "unscale_gradients()")
+        for opt in opts:
             self._grads.ready(model_parameters(opt), inv)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
@@ -73,6 +76,10 @@ class GradientFacade:
     def _clip_norm(self, params, max_norm, norm_type):
         """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
         self._grads.prepare_step()
+        if self.scaler is not None and self.sharding is None and max_norm is not None:
+            # as accelerate's clip, which unscales every optimizer's gradients first
+            for opt in self._opt_list(None):
+                self._grads.refuse_unscale_again(model_parameters(opt), "clip_grad_norm_()")
         strategy = self._grads.strategy
         if not strategy.buffers_gradients:  # ZeRO-2 / full sharding: shards the strategy holds
             held = strategy.sharded_norm([p for p in params if p.requires_grad], max_norm, norm_type)

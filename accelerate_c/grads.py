@@ -32,6 +32,7 @@ class GradGroup(GradLayout):
         self.model_key = model_key  # id() of the prepared model the parameters came from
         self.needs_unscale = False
         self.found_inf = False  # CPU: bool; CUDA: float32 device tensor (see unscale_)
+        self.unscaled_in_step = False  # unscaled since the last fp16 optimizer step (refuse_unscale_again)
         # a backward on a sync step whose buckets were not reduced yet (the strategy's fallback,
         # sync_missed, does it before the gradients are read)
         self.pending_sync = False
@@ -142,6 +143,7 @@ class GradGroup(GradLayout):
             self.found_inf = bool(nonfinite)
         self.wrote()
         self.needs_unscale = False
+        self.unscaled_in_step = True
 
     def found_in(self, indices) -> bool | torch.Tensor:
         """Whether the (already unscaled) gradients of these params hold NaN/Inf: the group's
@@ -180,13 +182,21 @@ class OutsideGrad:
     gradient still carries the loss scale, and whether unscaling it found NaN/Inf (what the step
     skips on, as GradScaler records found_inf at unscale_, not what a later write left). A
     post-accumulate-grad hook marks each new gradient (GradManager.track_outside)."""
-    __slots__ = ("carries_scale", "found", "hook")
+    __slots__ = ("carries_scale", "found", "hook", "unscaled_in_step")
 
     def __init__(self):
         self.carries_scale, self.found, self.hook = True, False, None
+        self.unscaled_in_step = False  # since the last fp16 optimizer step (GradManager.refuse_unscale_again)
 
     def new_gradient(self) -> None:
         self.carries_scale, self.found = True, False
+
+    def unscaled(self, found: bool) -> None:
+        self.carries_scale, self.found, self.unscaled_in_step = False, found, True
+
+    def new_step(self) -> None:
+        self.new_gradient()
+        self.unscaled_in_step = False
 
 
 class GradManager:
@@ -515,12 +525,11 @@ class GradManager:
             rec = self.track_outside(p)
             if rec.carries_scale:
                 if loose_kernel_ok(g):  # one C pass scales and checks (one process: every gradient)
-                    rec.found = bool(_C.scale_stats_(g, inv_scale)[2])
+                    rec.unscaled(bool(_C.scale_stats_(g, inv_scale)[2]))
                     increment_version(g)  # a write through DLPack, which torch cannot see
                 else:
                     g.mul_(inv_scale)
-                    rec.found = not bool(torch.isfinite(g).all())
-                rec.carries_scale = False
+                    rec.unscaled(not bool(torch.isfinite(g).all()))
             # as GradScaler: what unscaling found, not what a later write (a clip by value
             # clamping an inf) left
             found = found or rec.found
@@ -591,6 +600,7 @@ class GradManager:
             if inv != 1.0:
                 g.needs_unscale = False
                 g.found_inf = found
+                g.unscaled_in_step = True
         return norm
 
     def _clip_cuda(self, groups, max_norm, norm_type, inv_scale):
@@ -645,10 +655,33 @@ class GradManager:
         optimizer covers whole: another optimizer over the rest of a group has not stepped."""
         touched, outside = self.split(params)
         for g, idx in touched.items():
+            g.unscaled_in_step = False  # any stepped part: refuse_unscale_again errs on the side of allowing
             if len(set(idx)) == len(g.params):
                 g.needs_unscale = True
                 g.found_inf = False
         for p in outside:
             rec = self.outside.get(id(p))
             if rec is not None:
-                rec.new_gradient()
+                rec.new_step()
+
+    def refuse_unscale_again(self, params, what: str) -> None:
+        """Before a user's unscale (unscale_gradients, clip_grad_norm_, clip_grad_value_ under
+        fp16): torch's GradScaler refuses a second unscale_ of an optimizer before its step
+        (accelerate raises with it). Unscaling here is per gradient, so calling again over
+        gradients already unscaled changes nothing and is let through; but a gradient unscaled
+        earlier in this step that a backward has added to since holds an unscaled part and a
+        scaled one, and unscaling it again would divide the first part twice (clip on every
+        micro-batch of an accumulation window, say): refused, naming a parameter."""
+        touched, outside = self.split(params)
+        bad = [g.params[0] for g in touched if g.needs_unscale and g.unscaled_in_step]
+        for p in outside:
+            rec = self.outside.get(id(p))
+            if rec is not None and p.grad is not None and rec.carries_scale and rec.unscaled_in_step:
+                bad.append(p)
+        if bad:
+            name = self.names.get(id(bad[0]), f"a parameter of shape {tuple(bad[0].shape)}")
+            raise RuntimeError(
+                f"{what} under fp16: the gradients (e.g. of {name}) were unscaled earlier in this step and a backward "
+                "has added to them since; unscaling again would divide the earlier part twice (torch's GradScaler "
+                "refuses a second unscale_() before the optimizer step, and accelerate with it). Under gradient "
+                "accumulation, unscale or clip only when accelerator.sync_gradients is True")

@@ -115,7 +115,7 @@ class LooseGrads:
             if f != 1.0:
                 by_factor.setdefault(f, []).append(g)
             if inv != 1.0:  # unscaled here: what the step skips on (GradManager.unscale)
-                rec.carries_scale, rec.found = False, nf
+                rec.unscaled(nf)
         # torch's multi-tensor multiply: each element times f computed in fp32 and rounded once,
         # as a C kernel would, at the speed of one pass over memory scattered in many tensors
         # (per-tensor C calls paid their conversion on each); the versions move as torch's do

@@ -1,0 +1,113 @@
+"""fp16 on one CPU process (autograd's gradients, and the flat buffers): a gradient unscaled
+earlier in a step that a backward has added to since holds an unscaled part and a scaled one.
+torch's GradScaler refuses the second unscale_() before the optimizer step; accelerate_c refuses
+it too (unscaling again would divide the first part twice), checked against GradScaler in the
+same test. What GradScaler would refuse but leaves the numbers right (a second unscale with no
+backward in between) stays allowed; tests/test_loose_grads.py checks its numbers."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from accelerate_c import Accelerator
+from helpers import fresh_state  # noqa: F401  (autouse: fresh Accelerator states per test)
+
+
+@pytest.fixture(params=["auto", "flat"])
+def buffers(request, monkeypatch):
+    if request.param == "flat":
+        monkeypatch.setenv("ACCELERATE_C_GRAD_BUFFERS", "flat")
+    else:
+        monkeypatch.delenv("ACCELERATE_C_GRAD_BUFFERS", raising=False)
+    return request.param
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
+
+
+def _torch_second_unscale_raises(batches):
+    """torch: unscale_ after micro-batch 1, backward of micro-batch 2, unscale_ again."""
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    for i, (x, y) in enumerate(batches):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = ref(x).float()
+        scaler.scale(nn.functional.mse_loss(out, y) / 2).backward()
+        try:
+            scaler.unscale_(opt)
+        except RuntimeError:
+            return i
+    return None
+
+
+@pytest.mark.parametrize("call", ["clip_grad_norm_", "unscale_gradients", "clip_grad_value_"])
+def test_unscaling_again_after_more_backward_is_refused_as_gradscaler_does(buffers, call):
+    batches = _batches(2)
+    assert _torch_second_unscale_raises(batches) == 1
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True, gradient_accumulation_steps=2)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    assert (len(accelerator._grads.groups) == 1) == (buffers == "flat")
+    for i, (x, y) in enumerate(batches):
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            before = [p.grad.clone() for p in model.parameters()]
+            do = {"clip_grad_norm_": lambda: accelerator.clip_grad_norm_(model.parameters(), 1e9),
+                  "unscale_gradients": accelerator.unscale_gradients,
+                  "clip_grad_value_": lambda: accelerator.clip_grad_value_(model.parameters(), 1e9)}[call]
+            if i == 0:
+                do()
+            else:
+                with pytest.raises(RuntimeError, match=r"unscaled earlier in this step"):
+                    do()
+                # refused before anything was written: the gradients are as the backward left them
+                for p, b in zip(model.parameters(), before):
+                    assert torch.equal(p.grad, b)
+            opt.step()
+            opt.zero_grad()
+
+
+def test_after_the_step_the_next_window_unscales_again(buffers):
+    """The refusal ends at the optimizer step: clipping once per window (the accelerate idiom)
+    goes on as torch's GradScaler + clip, step after step."""
+    batches = _batches(6)
+    ref = _model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True, gradient_accumulation_steps=2)
+    model = copy.deepcopy(ref)
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    norms = []
+    for i, (x, y) in enumerate(batches):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = ref(x).float()
+        scaler.scale(nn.functional.mse_loss(out, y) / 2).backward()
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            if accelerator.sync_gradients:
+                scaler.unscale_(ref_opt)
+                want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+                got = accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                norms.append((float(got), float(want)))
+                scaler.step(ref_opt)
+                scaler.update()
+                ref_opt.zero_grad()
+            opt.step()
+            opt.zero_grad()
+    assert len(norms) == 3
+    for got, want in norms:
+        assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
