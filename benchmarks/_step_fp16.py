@@ -94,11 +94,9 @@ def bench_fp16_postprocess(cfg, dataset, batch_size, repeats):
     def ours_setup():
         for t, s in zip(tensors, saved):
             t.copy_(s)  # in place: the .grad views stay valid
-        for g in groups:
-            g.needs_unscale = True  # the scaler's state machine unscales once per step
-            g.found_inf = False
-        for p in ([] if groups else params):
-            accelerator._grads.outside[id(p)].carries_scale = True  # the same for the gradients outside buffers
+        # as after an optimizer step: every gradient counts as scaled again (the scaler's state
+        # machine unscales once per step), in the buffers and outside them
+        accelerator._grads.new_scaler_step(params)
 
     def ours_fn():
         return accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
