@@ -66,7 +66,7 @@ class GradStrategy:
 
     def measure_in_hooks(self, group, sync: bool) -> bool:
         """Whether the hooks of the backward now starting in `group` measure each gradient's
-        sum of squares as it lands in its range (csrc/python/reducer_py.c, Reducer.sums): once
+        sum of squares as it lands in its range (csrc/python/grad_hook_py.c, Reducer.sums): once
         clip_grad_norm_ asked for a 2-norm, on a backward outside no_sync() (accumulation
         micro-batches are rewritten by the next one: measuring them would be wasted), CPU
         buffers only (clip_norm_fused then pays one scaling pass)."""

@@ -1,6 +1,6 @@
 /* reducer.h — the reducer's launch: the buckets of a bucket plan (ac/bucket.h) all-reduced over a
  * communicator (ac/comm.h). The collectives know nothing of buckets; this is where the two meet.
- * Called from the gradient hooks (csrc/python/reducer_py.c) as buckets become launchable. */
+ * Called from the gradient hooks (csrc/python/grad_hook_py.c) as buckets become launchable. */
 #ifndef AC_REDUCER_H
 #define AC_REDUCER_H
 
