@@ -43,10 +43,9 @@ Targets (a MISS is reported, not an error):
   * defaults: median(accelerate_c) / median(accelerate) >= 0.99
   * tuned:    median(accelerate_c) / median(accelerate) >= 1.00
 Printed without a target: accelerate_c / plain torch in both tables, with what makes the gap
-(accelerate_c runs torch's own forward, backward and AdamW; around them it adds the library's
-per-step work and a read of each gradient in its hook (on one CPU process the gradients stay
-autograd's tensors; ACCELERATE_C_GRAD_BUFFERS=flat copies them into flat buffers instead), and
-saves time in the clip: --breakdown shows the phases), and what the tuning buys each contender (tuned / defaults).
+(accelerate_c runs torch's own forward, backward, clip and AdamW; around them it adds the
+library's per-step work; ACCELERATE_C_GRAD_BUFFERS=flat copies the gradients into flat buffers
+and saves the clip's read pass: --breakdown shows the phases), and what the tuning buys each contender (tuned / defaults).
 
 Two more parts run after it, each in a fresh process: the fp16 gradient post-processing
 that accelerate_c's C core replaces (benchmarks/_step_fp16.py says what it times and checks;
@@ -352,13 +351,12 @@ def breakdown(names, cfg, dataset, batch_size, steps, warmup):
 
 
 GAP_TO_TORCH = (
-    "accelerate_c runs torch's own forward, backward and AdamW. Around them, each optimizer step it adds "
-    "what the library does for the user (the accumulate() context, the autocast and fp32-output wrapper of the "
-    "forward, the prepared data loader, the optimizer and scheduler wrappers) and a read of each gradient in its "
-    "hook ({grad_mb:.0f} MB: its sum of squares, while it is fresh; with ACCELERATE_C_GRAD_BUFFERS=flat a copy "
-    "into the flat buffer instead, read and written once per step), and saves time in the clip (one scaling "
-    "pass over those sums against torch's per-tensor norms and scaling). "
-    "--breakdown prints each contender's step by phase.")
+    "accelerate_c runs torch's own forward, backward, clip and AdamW (on one CPU process the gradients stay "
+    "autograd's tensors, clipped by torch's clip_grad_norm_). Around them, each optimizer step it adds what the "
+    "library does for the user (the accumulate() context, the autocast and fp32-output wrapper of the forward, "
+    "the prepared data loader, the optimizer and scheduler wrappers). With ACCELERATE_C_GRAD_BUFFERS=flat it "
+    "also copies each gradient into the flat buffer ({grad_mb:.0f} MB read and written once per step, measured "
+    "on the way) and saves the clip's read pass. --breakdown prints each contender's step by phase.")
 
 
 def step_table(setting, names, rates, per_step, faults, args):
