@@ -65,21 +65,24 @@ class GradientFacade:
         norm = self._clip_norm(params, None, 2.0)
         return norm / self.scaler.get_scale() if self.scaler is not None else norm
 
-    def _unscale_rest(self, inside: set, inv: float) -> None:
-        """fp16: as accelerate's clip, which unscales every optimizer's gradients first, those
-        outside the clipped set (ids in `inside`) now; the clipped ones are unscaled with their
-        norm pass."""
-        rest = [p for opt in self._opt_list(None) for p in model_parameters(opt) if id(p) not in inside]
+    def _unscale_rest(self, stepped: list, inside: set, inv: float) -> None:
+        """fp16: as accelerate's clip, which unscales every optimizer's gradients first (`stepped`:
+        their parameters), those outside the clipped set (ids in `inside`) now; the clipped ones
+        are unscaled with their norm pass."""
+        rest = [p for p in stepped if id(p) not in inside]
         if rest:
             self._grads.ready(rest, inv)
 
     def _clip_norm(self, params, max_norm, norm_type):
         """clip_grad_norm_'s work; max_norm None: the norm only, the gradients left as they are."""
         self._grads.prepare_step()
-        if self.scaler is not None and self.sharding is None and max_norm is not None:
-            # as accelerate's clip, which unscales every optimizer's gradients first
-            for opt in self._opt_list(None):
-                self._grads.refuse_unscale_again(model_parameters(opt), "clip_grad_norm_()")
+        # fp16 (not under DeepSpeed, whose engine unscales its fp32 copies): the parameters the
+        # optimizers step, whose gradients accelerate's clip unscales first
+        stepped = None
+        if self.scaler is not None and self.sharding is None:
+            stepped = [p for opt in self._opt_list(None) for p in model_parameters(opt)]
+            if max_norm is not None:
+                self._grads.refuse_unscale_again(stepped, "clip_grad_norm_()")
         strategy = self._grads.strategy
         if not strategy.buffers_gradients:  # ZeRO-2 / full sharding: shards the strategy holds
             held = strategy.sharded_norm([p for p in params if p.requires_grad], max_norm, norm_type)
@@ -88,23 +91,20 @@ class GradientFacade:
         # frozen parameters are simply outside every group (no gradient: nothing to count, as
         # in torch); not filtering them saves a walk over every parameter right after backward,
         # when each one it touches is a cache miss
-        fp16 = self.scaler is not None
-        loose = self._grads.loose.cover(params) if (fp16 and max_norm is not None and norm_type == 2.0) else None
+        loose = self._grads.loose.cover(params) if (stepped is not None and max_norm is not None
+                                                    and norm_type == 2.0) else None
         if loose is not None:  # one CPU process, fp16: autograd's gradients, unscaled within the clip
             inv = 1.0 / self.scaler.get_scale()
-            stepped = frozenset(id(p) for opt in self._opt_list(None) for p in model_parameters(opt))
-            self._unscale_rest({id(p) for p in loose}, inv)
-            total = self._grads.loose.clip(loose, max_norm, inv, stepped)
+            self._unscale_rest(stepped, {id(p) for p in loose}, inv)
+            total = self._grads.loose.clip(loose, max_norm, inv, frozenset(map(id, stepped)))
             if total is not None:
                 return total
         groups = self._grads.full_groups(params) or None if params else None
         if groups is not None and norm_type in (2.0, math.inf):
-            # under DeepSpeed nothing is unscaled in place: its engine unscales the fp32 copies
-            inv = 1.0 / self.scaler.get_scale() if self.scaler is not None and self.sharding is None else None
+            inv = 1.0 / self.scaler.get_scale() if stepped is not None else None
             if inv is not None:
-                # as accelerate's clip, which unscales every optimizer's gradients first: those
-                # outside the clipped buffers now, the clipped ones fused with their norm pass
-                self._unscale_rest({id(p) for g in groups for p in g.params}, inv)
+                # those outside the clipped buffers now, the clipped ones fused with their norm pass
+                self._unscale_rest(stepped, {id(p) for g in groups for p in g.params}, inv)
             total = self._grads.clip_norm_fused(groups, max_norm, norm_type, inv)
             if total is not None:
                 return total

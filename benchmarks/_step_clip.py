@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from unittest import mock
 import sys
 
 import torch
@@ -48,8 +49,8 @@ def bench_clip_in_loop(cfg, dataset, batch_size, repeats):
     what every clip cost before. Returns (ok, times, info)."""
     from torch.autograd.graph import increment_version
 
+    from accelerate_c import grad_layout as layout_mod
     from accelerate_c import grads as grads_mod
-    from accelerate_c import loose_grads as loose_mod
 
     reset_singletons()
     torch.manual_seed(SEED)
@@ -57,15 +58,8 @@ def bench_clip_in_loop(cfg, dataset, batch_size, repeats):
     model_t = GPT(cfg)  # torch's reference: a copy holding the same gradients
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     accelerator = accelerate_c.Accelerator(mixed_precision="bf16", cpu=True)
-    was = os.environ.get("ACCELERATE_C_GRAD_BUFFERS")
-    os.environ["ACCELERATE_C_GRAD_BUFFERS"] = "flat"  # read at prepare
-    try:
+    with mock.patch.dict(os.environ, {"ACCELERATE_C_GRAD_BUFFERS": "flat"}):  # read at prepare
         model, opt = accelerator.prepare(model, opt)
-    finally:
-        if was is None:
-            del os.environ["ACCELERATE_C_GRAD_BUFFERS"]
-        else:
-            os.environ["ACCELERATE_C_GRAD_BUFFERS"] = was
     groups = accelerator._grads.groups  # the flat buffers
     x = torch.stack([dataset[i][0] for i in range(batch_size)])
     y = torch.stack([dataset[i][1] for i in range(batch_size)])
@@ -98,18 +92,18 @@ def bench_clip_in_loop(cfg, dataset, batch_size, repeats):
     ref_coef = min(1.0, max_norm / (want + 1e-6))
     real, reads = grads_mod._C, [0]
 
-    class Counting:  # counts the read passes clip makes (of a buffer, or of one gradient)
+    class Counting:  # counts the read passes clip makes over a buffer (GradLayout.sums, or stats)
         def __getattr__(self, name):
             fn = getattr(real, name)
             if name in ("sumsq", "sumsq_segments", "stats"):
                 reads[0] += 1
             return fn
 
-    grads_mod._C = loose_mod._C = Counting()
+    grads_mod._C = layout_mod._C = Counting()
     try:
         got = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
     finally:
-        grads_mod._C = loose_mod._C = real
+        grads_mod._C = layout_mod._C = real
     grad_rel = max(float(((p.grad.double() - g.double() * ref_coef).abs()
                           / (g.double() * ref_coef).abs().clamp_min(1e-300)).max()) for p, g in zip(params, saved))
     info = dict(numel=numel, esize=esize, norm=norm0, max_norm=max_norm, reads=reads[0],
