@@ -36,8 +36,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "comm_shm_reduce.h"
 #include "comm_shm_window.h"
-#include "half.h"
 
 #define SHM_MAGIC 0x3176636d68735f61ULL /* "a_shmcv1" */
 #define SHM_VERSION 2u /* 2: rank_line_t.where */
@@ -52,7 +52,6 @@
 #define SLEEP_NS 10000000L
 #endif
 #define SMALL_BYTES 131072 /* at most this: every rank reduces the whole message itself */
-#define BLOCK 1024        /* elements accumulated at a time (on the stack) */
 #define ALIGN_ELEMS 16
 
 typedef struct {
@@ -98,23 +97,6 @@ struct ac_shm {
 _Static_assert(sizeof(rank_line_t) == 64, "one cache line per rank");
 _Static_assert(offsetof(rank_line_t, pid) == 16, "the pid where the tests' hand-written peers put it");
 _Static_assert(sizeof(shm_header_t) == 64, "the header's fixed part is one cache line");
-
-size_t ac_shm_dtype_size(ac_shm_dtype_t dt) {
-  switch (dt) {
-    case AC_SHM_F32:
-    case AC_SHM_I32: return 4;
-    case AC_SHM_F64:
-    case AC_SHM_I64: return 8;
-    case AC_SHM_F16:
-    case AC_SHM_BF16: return 2;
-  }
-  return 0;
-}
-
-static const char *dtype_name(ac_shm_dtype_t dt) {
-  static const char *names[] = {"float32", "float64", "float16", "bfloat16", "int32", "int64"};
-  return (unsigned)dt < 6 ? names[dt] : "invalid";
-}
 
 static double now_s(void) {
   struct timespec ts;
@@ -460,61 +442,6 @@ static ac_result_t first_barrier(ac_shm_t *c) {
   return check_tags(c);
 }
 
-/* ---- reductions ----------------------------------------------------------------------------- */
-#define MAXF(a, b) (((a) > (b) || (a) != (a)) ? (a) : (b))
-#define MINF(a, b) (((a) < (b) || (a) != (a)) ? (a) : (b))
-#define MAXI(a, b) ((a) > (b) ? (a) : (b))
-#define MINI(a, b) ((a) < (b) ? (a) : (b))
-
-/* dst[i] = op over q of src[q][i], i < n, accumulating in ACC and in rank order; the sources are
- * read block by block before the block of dst is written, so dst may be one of them. */
-#define DEFINE_REDUCE(NAME, T, ACC, LOAD, STORE, ADD, MAX, MIN, AVG_OK)                                  \
-  static void NAME(void *dst_, const void *const *src, int nsrc, size_t n, ac_redop_t op) {          \
-    T *dst = dst_;                                                                                   \
-    ACC acc[BLOCK];                                                                                  \
-    for (size_t i0 = 0; i0 < n; i0 += BLOCK) {                                                       \
-      size_t m = n - i0 < BLOCK ? n - i0 : BLOCK;                                                    \
-      const T *s0 = (const T *)src[0] + i0;                                                          \
-      for (size_t j = 0; j < m; j++) acc[j] = LOAD(s0[j]);                                           \
-      for (int q = 1; q < nsrc; q++) {                                                               \
-        const T *s = (const T *)src[q] + i0;                                                         \
-        if (op == AC_RED_MAX)                                                                        \
-          for (size_t j = 0; j < m; j++) { ACC v = LOAD(s[j]); acc[j] = MAX(acc[j], v); }             \
-        else if (op == AC_RED_MIN)                                                                   \
-          for (size_t j = 0; j < m; j++) { ACC v = LOAD(s[j]); acc[j] = MIN(acc[j], v); }             \
-        else                                                                                         \
-          for (size_t j = 0; j < m; j++) acc[j] = ADD(acc[j], LOAD(s[j]));                           \
-      }                                                                                              \
-      if (AVG_OK && op == AC_RED_AVG)                                                                \
-        for (size_t j = 0; j < m; j++) acc[j] = (ACC)(acc[j] / (ACC)nsrc);                           \
-      for (size_t j = 0; j < m; j++) dst[i0 + j] = STORE(acc[j]);                                    \
-    }                                                                                                \
-  }
-
-#define ID(x) (x)
-#define ADDF(a, b) ((a) + (b))
-#define ADDI32(a, b) ((int32_t)((uint32_t)(a) + (uint32_t)(b)))
-#define ADDI64(a, b) ((int64_t)((uint64_t)(a) + (uint64_t)(b)))
-DEFINE_REDUCE(reduce_f32, float, float, ID, ID, ADDF, MAXF, MINF, 1)
-DEFINE_REDUCE(reduce_f64, double, double, ID, ID, ADDF, MAXF, MINF, 1)
-DEFINE_REDUCE(reduce_f16, uint16_t, float, ac_f16_to_f32, ac_f32_to_f16, ADDF, MAXF, MINF, 1)
-DEFINE_REDUCE(reduce_bf16, uint16_t, float, ac_bf16_to_f32, ac_f32_to_bf16, ADDF, MAXF, MINF, 1)
-DEFINE_REDUCE(reduce_i32, int32_t, int32_t, ID, ID, ADDI32, MAXI, MINI, 0)
-DEFINE_REDUCE(reduce_i64, int64_t, int64_t, ID, ID, ADDI64, MAXI, MINI, 0)
-
-typedef void (*reduce_fn)(void *, const void *const *, int, size_t, ac_redop_t);
-
-static ac_result_t check_op(ac_shm_dtype_t dt, ac_redop_t op, reduce_fn *fn) {
-  static const reduce_fn fns[] = {reduce_f32, reduce_f64, reduce_f16, reduce_bf16, reduce_i32, reduce_i64};
-  if (ac_shm_dtype_size(dt) == 0) return AC_FAIL(AC_ERR_INVALID_ARG, "invalid dtype code %d", (int)dt);
-  if (op != AC_RED_SUM && op != AC_RED_MAX && op != AC_RED_MIN && op != AC_RED_AVG)
-    return AC_FAIL(AC_ERR_UNSUPPORTED, "reduction op %d: shm collectives do sum, max, min and avg", (int)op);
-  if (op == AC_RED_AVG && (dt == AC_SHM_I32 || dt == AC_SHM_I64))
-    return AC_FAIL(AC_ERR_INVALID_ARG, "avg of %s: an integer average would be truncated; sum and divide",
-                   dtype_name(dt));
-  *fn = fns[dt];
-  return AC_OK;
-}
 
 static ac_result_t check_buf(const void *p, size_t n, const char *what) {
   if (n > 0 && !p) return AC_FAIL(AC_ERR_INVALID_ARG, "%s is NULL for %zu elements", what, n);
@@ -541,8 +468,8 @@ static void slice_of(size_t m, int n, int q, size_t *lo, size_t *hi) {
 /* ---- the collectives -------------------------------------------------------------------------- */
 /* The checks and the start of a reduction (all-reduce, reduce-scatter): count elements per buffer. */
 static ac_result_t begin_reduction(ac_shm_t *c, const char *what, uint64_t kind, const void *send, void *recv,
-                                   size_t count, ac_shm_dtype_t dt, ac_redop_t op, reduce_fn *fn) {
-  AC_CHECK(check_op(dt, op, fn));
+                                   size_t count, ac_shm_dtype_t dt, ac_redop_t op, ac_shm_reduce_fn *fn) {
+  AC_CHECK(ac_shm_check_op(dt, op, fn));
   AC_CHECK(check_buf(send, count, "send"));
   AC_CHECK(check_buf(recv, count, "recv"));
   return begin(c, what, kind, count, (uint64_t)dt, (uint64_t)op);
@@ -556,7 +483,7 @@ static ac_result_t empty(ac_shm_t *c) {
 
 ac_result_t ac_shm_all_reduce(ac_shm_t *c, const void *send, void *recv, size_t count, ac_shm_dtype_t dt,
                               ac_redop_t op) {
-  reduce_fn fn;
+  ac_shm_reduce_fn fn;
   AC_CHECK(begin_reduction(c, "all_reduce", K_ALL_REDUCE, send, recv, count, dt, op, &fn));
   size_t es = ac_shm_dtype_size(dt);
   int n = c->nranks;
@@ -613,7 +540,7 @@ static void copy_rs_piece(ac_shm_t *c, const void *send, size_t count, size_t of
  * every rank's input is private, which pays none. */
 static ac_result_t reduce_scatter_at(ac_shm_t *c, ac_shm_window_t *w, size_t offset, const void *send, void *recv,
                                      size_t count, ac_shm_dtype_t dt, ac_redop_t op) {
-  reduce_fn fn;
+  ac_shm_reduce_fn fn;
   AC_CHECK(begin_reduction(c, "reduce_scatter", K_REDUCE_SCATTER, send, recv, count, dt, op, &fn));
   size_t es = ac_shm_dtype_size(dt);
   int n = c->nranks;
@@ -676,7 +603,7 @@ static ac_result_t window_args(const ac_shm_t *c, const ac_shm_window_t *w, cons
   size_t room = w->usable_bytes / es;
   if (offset > room || count > (room - offset) / chunks)
     return AC_FAIL(AC_ERR_INVALID_ARG, "%s: %zu run(s) of %zu elements at %zu of %s are outside the window's %zu bytes",
-                   what, chunks, count, offset, dtype_name(dt), w->usable_bytes);
+                   what, chunks, count, offset, ac_shm_dtype_name(dt), w->usable_bytes);
   return AC_OK;
 }
 
@@ -758,8 +685,8 @@ ac_result_t ac_shm_broadcast(ac_shm_t *c, void *buf, size_t count, ac_shm_dtype_
 
 ac_result_t ac_shm_window_all_reduce(ac_shm_t *c, ac_shm_window_t *w, size_t offset, size_t count,
                                      ac_shm_dtype_t dt, ac_redop_t op) {
-  reduce_fn fn;
-  AC_CHECK(check_op(dt, op, &fn));
+  ac_shm_reduce_fn fn;
+  AC_CHECK(ac_shm_check_op(dt, op, &fn));
   AC_CHECK(window_args(c, w, "window all_reduce", dt, offset, 1, count));
   size_t es = ac_shm_dtype_size(dt);
   /* the window's serial is part of what every rank must agree on: two windows reduced at the

@@ -42,7 +42,7 @@ target_srcs() {
   case "$1" in
     safetensors) echo csrc/core/st_header.c csrc/core/st_json_parse.c csrc/core/st_dtype.c csrc/core/st_text.c ;;
     shard) echo csrc/core/shard.c ;;
-    shm_header) echo ;; # the target includes comm_shm.c itself (to lay out a segment in checked memory)
+    shm_header) echo csrc/core/comm_shm_reduce.c ;; # the target includes comm_shm.c itself (to lay out a segment in checked memory)
     dlpack) echo csrc/core/dlpack_check.c ;;
     *) return 1 ;;
   esac

@@ -160,7 +160,7 @@ for t in "${selected[@]}"; do
   case " ${TSAN_TESTS[*]} " in *" $t "*) ;; *) continue ;; esac
   rm -f "$BIN/${t}_tsan"
   srcs=(csrc/core/error.c)
-  case "$t" in test_comm_shm) srcs+=(csrc/core/comm_shm.c csrc/core/comm_shm_async.c csrc/core/comm_shm_window.c
+  case "$t" in test_comm_shm) srcs+=(csrc/core/comm_shm.c csrc/core/comm_shm_reduce.c csrc/core/comm_shm_async.c csrc/core/comm_shm_window.c
                                       csrc/core/comm.c csrc/core/comm_shm_comm.c csrc/core/reducer.c csrc/core/bucket.c
                                       csrc/core/dtype.c csrc/core/cuda_stub.c) ;; esac
   if "${CCV[@]}" -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=thread -fno-omit-frame-pointer -pthread \
