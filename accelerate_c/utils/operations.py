@@ -139,7 +139,16 @@ class ConvertOutputsToFp32:
 
 
 def convert_outputs_to_fp32(model_forward, module=None):
-    return ConvertOutputsToFp32(model_forward, module)
+    """A plain function around ConvertOutputsToFp32 (reachable as its `__wrapped__`), as
+    accelerate returns: torch.compile of the prepared model asks for the source file of the
+    forward's function (inspect.getfile), which a callable instance has not."""
+    converter = ConvertOutputsToFp32(model_forward, module)
+
+    def forward(*args, **kwargs):
+        return converter(*args, **kwargs)
+
+    forward.__wrapped__ = converter
+    return forward
 
 
 def pad_tensor(tensor, size: int, dim: int = 0, pad_index=0, pad_first: bool = False):
