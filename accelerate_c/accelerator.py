@@ -22,6 +22,7 @@ from .strategies.zero import Zero1Strategy
 from .strategies.zero2 import Zero2Strategy
 from .strategies.fsdp import FullShardStrategy
 from .fsdp_plugin import fsdp_settings, resolve_fsdp_plugin
+from .compilation import compile_prepared, prepared_inner
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
 from .accelerator_grads import GradientFacade
@@ -122,7 +123,7 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
         fsdp_plugin = resolve_fsdp_plugin(fsdp_plugin)
         if fsdp_plugin is not None and ds_plugin is not None:
             raise ValueError("Accelerator: a DeepSpeed plugin and an FSDP plugin at once; choose one")
-        # a default TorchDynamoPlugin (transformers' Trainer always passes one) compiles nothing
+        # backend NO (the default; transformers' Trainer always passes a plugin) compiles nothing
         dynamo = resolve_dynamo_plugin(dynamo_plugin, dynamo_backend)
         check_kind("project_config", project_config, ProjectConfiguration)
         check_kind("gradient_accumulation_plugin", gradient_accumulation_plugin, GradientAccumulationPlugin)
@@ -337,14 +338,15 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
         mixed precision and gives its trainable parameters flat gradient buffers."""
         if device_placement is None:
             device_placement = self.device_placement
+        given, model = model, self._registered(model)
         if any(m is model for m in self._models):
             if evaluation_mode or id(model) not in self._eval_only:
-                return model
+                return given
             # prepared for evaluation first (the Trainer's evaluate() before train()): its
             # gradients get their buffers or shards now, or they would never be reduced
             self._eval_only.discard(id(model))
             self._grads.prepare_model(model, trainable=True)
-            return model
+            return given
         self._models.append(model)
         if evaluation_mode:
             self._eval_only.add(id(model))
@@ -404,7 +406,17 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
             else:
                 model.forward = convert_outputs_to_fp32(
                     AutocastForward(fwd, self.mixed_precision, self.device.type, kw), model)
-        return model
+        # last, as accelerate: the compiled region runs the wrapped forward; the model stays
+        # registered uncompiled (_registered maps the compiled wrapper back to it)
+        return compile_prepared(model, self.state.dynamo_plugin, in_place=self._zero_stage is not None)
+
+    def _registered(self, model):
+        """The prepared model `model` stands for: itself, or the one inside torch.compile's
+        wrapper when prepare() compiled it (the dynamo plugin)."""
+        if any(m is model for m in self._models):
+            return model
+        inner = prepared_inner(model)
+        return inner if inner is not None and any(m is inner for m in self._models) else model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         if isinstance(optimizer, AcceleratedOptimizer):
@@ -505,9 +517,9 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
         try:
             torch_joinables = []
             for j in joinables:
-                if any(j is m for m in self._models):
+                if any(self._registered(j) is m for m in self._models):
                     # a prepared model: the reducer's Joinable shadows its collectives
-                    torch_joinables.append(self._grads.start_join(j))
+                    torch_joinables.append(self._grads.start_join(self._registered(j)))
                 elif isinstance(j, Joinable):
                     torch_joinables.append(j)
             if torch_joinables and not even_batches:
@@ -564,7 +576,7 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
         """Backward inside does not communicate: gradients accumulate locally in the buffers
         until a backward outside reduces the sum (a no-op on one process)."""
         self._grads.average_pending_unbuffered()  # a raw sync backward's, before a local one adds
-        key = id(model)
+        key = id(self._registered(model))
         depth = self._grads.no_sync_models
         depth[key] = depth.get(key, 0) + 1
         try:
@@ -702,6 +714,10 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
                         cast[id(v)] = v.to(dtype)
                     sd[k] = cast[id(v)]
             return sd
+        if self._fsdp is not None:
+            # the FSDP2 path of accelerate (torch's get_model_state_dict): the keys of the model
+            # inside a compiled wrapper
+            model = self._registered(model)
         return checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap, keep=keep)
 
     def register_for_checkpointing(self, *objects):

@@ -58,25 +58,16 @@ def describe(obj) -> str:
 
 def resolve_dynamo_plugin(plugin, backend):
     """The TorchDynamoPlugin in effect (accelerate's rules: dynamo_backend builds one; neither
-    given: one from the ACCELERATE_DYNAMO_* variables). accelerate_c compiles nothing, so any
-    backend but NO is refused."""
+    given: one from the ACCELERATE_DYNAMO_* variables). prepare() compiles with it
+    (compilation.py)."""
     if plugin is not None and backend is not None:
         raise ValueError("You cannot pass in both `dynamo_plugin` and `dynamo_backend`, please only pass in one.")
     if backend is not None:
-        argument = f"dynamo_backend={backend!r}"
-        plugin = TorchDynamoPlugin(backend=backend)
-    elif plugin is not None:
+        return TorchDynamoPlugin(backend=backend)
+    if plugin is not None:
         check_kind("dynamo_plugin", plugin, TorchDynamoPlugin)
-        argument = f"dynamo_plugin={describe(plugin)}"
-    else:
-        plugin = TorchDynamoPlugin()
-        argument = f"ACCELERATE_DYNAMO_BACKEND={str(getattr(plugin.backend, 'value', plugin.backend))!r}"
-    name = str(getattr(plugin.backend, "value", plugin.backend)).upper()
-    if name != "NO":
-        raise NotImplementedError(f"Accelerator({argument}): torch dynamo backend {name} is not supported yet by "
-                                  "accelerate_c, which does not compile models; use backend 'no' (the default), "
-                                  "or torch.compile the model yourself before prepare()")
-    return plugin
+        return plugin
+    return TorchDynamoPlugin()
 
 
 def resolve_deepspeed_plugin(plugin, plugins):

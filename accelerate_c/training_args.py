@@ -173,6 +173,9 @@ class TrainingArguments:
     ddp_timeout: int = 1800
     resume_from_checkpoint: str | None = None
     gradient_checkpointing: bool = False
+    torch_compile: bool = False
+    torch_compile_backend: str | None = None
+    torch_compile_mode: str | None = None
     prediction_loss_only: bool = False
     label_smoothing_factor: float = 0.0
 
@@ -367,6 +370,15 @@ class TrainingArguments:
             elif v is not None and not isinstance(v, dict):
                 raise _err(name, f"expected a path to a JSON file or a mapping, got {v!r}")
         self.accelerator_config = self._accelerator_config(self.accelerator_config)
+        for name in ("torch_compile_backend", "torch_compile_mode"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise _err(name, f"expected a name, got {v!r}")
+        # transformers' rules: a backend or a mode turns compilation on; inductor by default
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"
 
     @staticmethod
     def _accelerator_config(value) -> dict:
@@ -630,6 +642,7 @@ def accelerator_kwargs(args: TrainingArguments) -> dict:
         GradientAccumulationPlugin,
         InitProcessGroupKwargs,
         ProjectConfiguration,
+        TorchDynamoPlugin,
     )
 
     log_with = trackers_for_report_to(args.report_to)
@@ -665,6 +678,9 @@ def accelerator_kwargs(args: TrainingArguments) -> dict:
         kwargs_handlers=handlers,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir,
                                             save_on_each_node=args.save_on_each_node),
+        # as transformers: always a plugin; without torch_compile its backend comes from
+        # ACCELERATE_DYNAMO_BACKEND (the launcher's config), "no" by default
+        dynamo_plugin=TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode),
     )
     if log_with:
         kwargs["log_with"] = log_with

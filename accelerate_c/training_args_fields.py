@@ -20,7 +20,6 @@ import dataclasses
 # training mechanics not built in accelerate_c: these values only (transformers' defaults, and
 # the forms its to_dict() gives them)
 MECHANICS_AT_DEFAULT = {
-    "torch_compile": (False,), "torch_compile_backend": (None,), "torch_compile_mode": (None,),
     "torchdynamo": (None,), "jit_mode_eval": (False,), "use_ipex": (False,),
     "fsdp_min_num_params": (0,), "fsdp_transformer_layer_cls_to_wrap": (None,), "parallelism_config": (None,),
     "ddp_static_graph": (None, False), "ddp_backend_kwargs": (None,),

@@ -63,11 +63,9 @@ def test_plugin_alone_sets_steps():
 
 
 @pytest.mark.parametrize("name,value", [
-    ("dynamo_backend", "inductor"),
     ("parallelism_config", object()),
     ("torch_tp_plugin", object()),
     ("megatron_lm_plugin", object()),
-    ("dynamo_plugin", accelerate_c.utils.TorchDynamoPlugin(backend="inductor")),
 ])
 def test_unsupported_parameters_raise_not_implemented_naming_them(name, value):
     with pytest.raises(NotImplementedError, match=name):

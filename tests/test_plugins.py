@@ -67,18 +67,37 @@ def test_a_default_dynamo_plugin_is_taken(make):
     assert str(acc.state.dynamo_plugin.backend.value) == "NO"
 
 
+def _dynamo_fields(plugin):
+    return {k: str(getattr(v, "value", v)) for k, v in vars(plugin).items()}
+
+
 @pytest.mark.parametrize("make", [ours.TorchDynamoPlugin, theirs.TorchDynamoPlugin])
-def test_a_dynamo_backend_other_than_no_is_refused_naming_it(make):
-    with pytest.raises(NotImplementedError, match=r"dynamo_plugin=TorchDynamoPlugin\(backend=.*INDUCTOR"):
-        _ours(dynamo_plugin=make(backend="inductor"))
-    with pytest.raises(NotImplementedError, match=r"dynamo_backend='eager'.*EAGER"):
-        _ours(dynamo_backend="eager")
+def test_a_dynamo_backend_is_taken_as_by_accelerate(make):
+    """A backend other than NO is kept in the state, as accelerate keeps it; prepare() compiles
+    with it (tests/test_compile_prepared.py)."""
+    plugin = make(backend="inductor", mode="max-autotune")
+    assert _ours(dynamo_plugin=plugin).state.dynamo_plugin is plugin
+    mine = _dynamo_fields(_ours(dynamo_backend="eager").state.dynamo_plugin)
+    assert mine == _dynamo_fields(_reference_accelerator(dynamo_backend="eager").state.dynamo_plugin)
+    assert mine["backend"] == "EAGER"
 
 
-def test_dynamo_backend_from_the_environment_is_refused_naming_the_variable(monkeypatch):
+def test_dynamo_backend_from_the_environment_as_by_accelerate(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "aot_eager")
-    with pytest.raises(NotImplementedError, match="ACCELERATE_DYNAMO_BACKEND='AOT_EAGER'"):
-        _ours()
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
+    mine = _dynamo_fields(_ours().state.dynamo_plugin)
+    assert mine == _dynamo_fields(_reference_accelerator().state.dynamo_plugin)
+    assert mine["backend"] == "AOT_EAGER" and mine["use_regional_compilation"] == "True"
+
+
+def test_an_unavailable_dynamo_backend_fails_at_prepare_as_on_accelerate():
+    errors = []
+    for acc in (_reference_accelerator(dynamo_backend="tensorrt"), _ours(dynamo_backend="tensorrt")):
+        with pytest.raises(Exception) as e:
+            acc.prepare(torch.nn.Linear(2, 2))
+        errors.append(e.value)
+    assert type(errors[1]) is type(errors[0]) and "tensorrt" in str(errors[1])
+    assert any("dynamo plugin" in n for n in getattr(errors[1], "__notes__", []))
 
 
 def test_dynamo_plugin_and_backend_together_are_refused_as_by_accelerate():

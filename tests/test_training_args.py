@@ -239,9 +239,9 @@ def test_from_dict_errors_and_transformers_keys(tmp_path):
         TrainingArguments.from_dict({"learning_rat": 1.0})
     # a transformers training-mechanics field accelerate_c has no feature for: fine at its
     # default, refused by name otherwise; any other transformers field is carried, with a warning
-    TrainingArguments.from_dict({"push_to_hub": False, "hub_strategy": "every_save", "torch_compile": False})
-    with pytest.raises(ValueError, match="torch_compile=True.*not supported yet"):
-        TrainingArguments.from_dict({"torch_compile": True})
+    TrainingArguments.from_dict({"push_to_hub": False, "hub_strategy": "every_save", "jit_mode_eval": False})
+    with pytest.raises(ValueError, match="jit_mode_eval=True.*not supported yet"):
+        TrainingArguments.from_dict({"jit_mode_eval": True})
     with pytest.warns(UserWarning, match="carried but ignored: push_to_hub=True$"):
         assert TrainingArguments.from_dict({"push_to_hub": True}).carried == {"push_to_hub": True}
     assert TrainingArguments.from_dict({"evaluation_strategy": "epoch"}).eval_strategy == "epoch"

@@ -44,6 +44,7 @@ CONFIGS = {
     "accumulation_kwargs": dict(
         fp16=False, accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 2, "sync_each_batch": True,
                                                                           "adjust_scheduler": False}}),
+    "compile": dict(torch_compile_backend="eager", torch_compile_mode="default"),
 }
 
 
@@ -84,6 +85,10 @@ def test_from_training_args_matches_what_transformers_builds_on_accelerate(tmp_p
         if getattr(hf_args, f"ddp_{field}") is not None:  # unset: each side keeps its own default
             assert getattr(ours.ddp_handler, field) == getattr(ref.ddp_handler, field), field
     assert ours.init_handler.timeout == datetime.timedelta(seconds=hf_args.ddp_timeout)
+    for field in ("backend", "mode", "fullgraph", "dynamic", "options", "disable", "use_regional_compilation"):
+        theirs = getattr(ref.state.dynamo_plugin, field)
+        assert str(getattr(getattr(ours.state.dynamo_plugin, field), "value", getattr(ours.state.dynamo_plugin, field))) \
+            == str(getattr(theirs, "value", theirs)), field
     assert ours.device == ref.device and ours.distributed_type == ref.distributed_type
 
     # accelerate_c's Trainer from the same object: the seed and the data loader transformers makes
@@ -95,7 +100,7 @@ def test_from_training_args_matches_what_transformers_builds_on_accelerate(tmp_p
 
 
 def test_mechanics_refused_by_name_the_rest_carried_with_one_warning(tmp_path):
-    for kw, field in ((dict(torch_compile=True), "torch_compile"), (dict(ddp_static_graph=True), "ddp_static_graph"),
+    for kw, field in ((dict(ddp_static_graph=True), "ddp_static_graph"),
                       (dict(ignore_data_skip=True), "ignore_data_skip"),
                       (dict(auto_find_batch_size=True), "auto_find_batch_size")):
         with pytest.raises(ValueError, match=rf"TrainingArguments\.{field}=.*not supported yet"):

@@ -180,12 +180,36 @@ def test_unsupported_transformers_version_is_refused_at_construction(tmp_path, m
         check_transformers_version("6.0.0")
 
 
-def test_deepspeed_and_compile_are_refused_by_name(tmp_path):
+def test_deepspeed_is_refused_by_name(tmp_path):
     from accelerate_c.transformers import Trainer
 
     args = _args(tmp_path)
     args.deepspeed = "ds_config.json"  # transformers itself would need the deepspeed package to build these
     with pytest.raises(NotImplementedError, match=r"TrainingArguments\.deepspeed='ds_config\.json'"):
         Trainer(model=script.make_model(), args=args)
-    with pytest.raises(NotImplementedError, match="dynamo backend INDUCTOR"):
-        Trainer(model=script.make_model(), args=_args(tmp_path, torch_compile=True))
+
+
+@pytest.mark.parametrize("mp", ["no", "bf16"])
+def test_torch_compile_trains_as_transformers_on_accelerate(tmp_path, mp):
+    """torch_compile=True (the "eager" backend: the same torch ops, so the numbers can be
+    compared bitwise): prepare() compiles the model as accelerate does; losses, grad norms and
+    parameters equal to transformers.Trainer on accelerate 1.15, in this process."""
+    from accelerate_c.transformers import Trainer
+    from helpers import _reset_accelerate_reference, reset_all_states
+
+    results = []
+    for kind in (transformers.Trainer, Trainer):
+        reset_all_states()
+        _reset_accelerate_reference()
+        args = _args(tmp_path / kind.__module__, torch_compile=True, torch_compile_backend="eager", max_steps=3,
+                     per_device_train_batch_size=2, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+                     disable_tqdm=True, bf16=mp == "bf16", seed=0)
+        trainer = kind(model=script.make_model(), args=args, train_dataset=script.make_data(8, seed=1))
+        trainer.train()
+        assert type(trainer.model_wrapped).__name__ == "OptimizedModule"  # compiled by the Accelerator
+        logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+        results.append((logs, {k: v.clone() for k, v in trainer.model.state_dict().items()}))
+    (ref_logs, ref_params), (logs, params) = results
+    assert len(logs) == 3 and logs == ref_logs
+    for k in ref_params:
+        assert torch.equal(params[k], ref_params[k]), k

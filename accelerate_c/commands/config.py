@@ -2,9 +2,9 @@
 
 The questions are accelerate 1.15's for "This machine", in its order; the answers are written with
 accelerate's keys, so `accelerate launch` reads the file too. Choices accelerate_c cannot run yet
-(FSDP, Megatron-LM, dynamo, fp8, ...) are still written as accelerate would write them;
-`accelerate-c launch` then refuses them with "not supported yet" (DeepSpeed launches; its
-Accelerator checks the configuration, docs/sharding.md). An existing file is only replaced
+(Megatron-LM, fp8, ...) are still written as accelerate would write them; `accelerate-c launch`
+then refuses them with "not supported yet" (DeepSpeed and FSDP launch; their Accelerator checks
+the configuration, docs/sharding.md; a dynamo backend makes prepare() compile the model). An existing file is only replaced
 after the user says so (interactive), never by `config default`.
 """
 from __future__ import annotations

@@ -211,7 +211,7 @@ def build_env(args, values: dict) -> dict:
     env["ACCELERATE_MIXED_PRECISION"] = values["mixed_precision"]
     if args.gradient_accumulation_steps is not None:
         env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(args.gradient_accumulation_steps)
-    # as accelerate's launcher sets them (dynamo itself is refused by resolve() unless its backend is NO)
+    # as accelerate's launcher sets them; the script's Accelerator compiles in prepare() (compilation.py)
     dynamo = values["dynamo_config"]
     env["ACCELERATE_DYNAMO_BACKEND"] = str(dynamo.get("dynamo_backend", "NO")).upper()
     env["ACCELERATE_DYNAMO_MODE"] = str(dynamo.get("dynamo_mode", "default"))

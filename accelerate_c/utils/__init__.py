@@ -37,4 +37,12 @@ from .operations import (
 from .imports import *  # noqa: F403 - the is_*_available machine probes (imports.__all__)
 from .random import set_seed, synchronize_rng_state, synchronize_rng_states
 from .memory import clear_device_cache, find_executable_batch_size, release_memory, should_reduce_batch_size
-from .other import extract_model_from_parallel, is_compiled_module
+from .other import (
+    compile_regions,
+    extract_model_from_parallel,
+    has_compiled_regions,
+    has_repeated_blocks,
+    is_compiled_module,
+    is_repeated_blocks,
+)
+from ..fsdp_plugin import FullyShardedDataParallelPlugin

@@ -181,7 +181,7 @@ PARALLELISM_KEYS = _keys(
 MPIRUN_KEYS = _keys(Key("mpirun_hostfile", S, None, nullable=True), Key("mpirun_ccl", I, None, lo=0, nullable=True))
 
 DYNAMO_KEYS = _keys(
-    Key("dynamo_backend", S, "NO", choices=DYNAMO_BACKENDS, supported=("NO",), feature="torch dynamo"),
+    Key("dynamo_backend", S, "NO", choices=DYNAMO_BACKENDS),
     Key("dynamo_mode", S, "default", choices=DYNAMO_MODES),
     Key("dynamo_use_fullgraph", B, False),
     Key("dynamo_use_dynamic", B, False),

@@ -257,8 +257,8 @@ class ProjectConfiguration:
 @dataclass
 class TorchDynamoPlugin(KwargsHandler):
     """torch.compile settings, accelerate's fields; unset fields are read from the
-    ACCELERATE_DYNAMO_* variables the launcher sets, as accelerate reads them. accelerate_c
-    compiles nothing: the Accelerator takes only backend NO (the default)."""
+    ACCELERATE_DYNAMO_* variables the launcher sets, as accelerate reads them. A backend other
+    than NO makes prepare() compile the model (accelerate_c/compilation.py)."""
 
     backend: DynamoBackend | str | None = None
     mode: str | None = None

@@ -1,6 +1,10 @@
-"""accelerate.utils' model unwrapping: `extract_model_from_parallel`, which transformers'
-`unwrap_model` (and so its checkpoint saving) calls on the Trainer's model."""
+"""accelerate.utils' model unwrapping and compiling: `extract_model_from_parallel`, which
+transformers' `unwrap_model` (and so its checkpoint saving) calls on the Trainer's model, and
+regional compilation (`compile_regions`, what the dynamo plugin's use_regional_compilation does
+in prepare())."""
 from __future__ import annotations
+
+from types import MethodType
 
 import torch
 from torch import nn
@@ -72,3 +76,49 @@ def extract_model_from_parallel(model, keep_fp32_wrapper: bool = True, keep_torc
             compiled.__dict__["_orig_mod"] = model
         return compiled
     return model
+
+
+def is_repeated_blocks(module: torch.nn.Module) -> bool:
+    """A non-empty ModuleList whose members are all of its first member's class."""
+    if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+        return False
+    kind = type(module[0])
+    return all(isinstance(m, kind) for m in module)
+
+
+def has_repeated_blocks(module: torch.nn.Module) -> bool:
+    """Whether `module` or anything below it is a list of repeated blocks."""
+    return any(is_repeated_blocks(m) for m in module.modules())
+
+
+def has_compiled_regions(module: torch.nn.Module) -> bool:
+    """Whether a submodule of `module` (or `module` itself) is torch.compile's wrapper."""
+    return bool(module._modules) and any(is_compiled_module(m) for m in module.modules())
+
+
+def _twin(module: torch.nn.Module, compile_kwargs: dict) -> torch.nn.Module:
+    if is_repeated_blocks(module):
+        return torch.nn.ModuleList(torch.compile(block, **compile_kwargs) for block in module)
+    if not has_repeated_blocks(module):
+        return torch.compile(module, **compile_kwargs)
+    twin = type(module).__new__(type(module))
+    twin.__dict__.update(module.__dict__)  # the same parameter, buffer and hook dicts
+    for name, value in list(twin.__dict__.items()):
+        # methods bound to the original in its instance dict (prepare()'s forward) bind to the twin
+        if getattr(value, "__self__", None) is module and hasattr(value, "__func__"):
+            twin.__dict__[name] = MethodType(value.__func__, twin)
+    twin._modules = {}
+    for name, child in module.named_children():
+        twin.add_module(name, _twin(child, compile_kwargs))
+    return twin
+
+
+def compile_regions(module: torch.nn.Module, **compile_kwargs) -> torch.nn.Module:
+    """`module` with each block of its lists of repeated blocks compiled on its own (the
+    compiler's cache serves every block after the first) and the rest whole, as accelerate's
+    compile_regions: the modules above such a list become shallow twins whose children are their
+    compiled versions; the result keeps `module` as `_orig_mod` (how unwrapping finds it)."""
+    out = _twin(module, compile_kwargs)
+    if "_orig_mod" not in out.__dict__:
+        out.__dict__["_orig_mod"] = module
+    return out

@@ -8,6 +8,7 @@ with its reference in reference.py.
 """
 from __future__ import annotations
 
+import os
 import random
 
 WORLD_SIZES = (1, 2, 3)
@@ -283,6 +284,16 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # one process keeps its gradients as autograd's tensors (accelerate_c/loose_grads.py) unless
     # ACCELERATE_C_GRAD_BUFFERS=flat: that path drawn too
     c["flat_buffers"] = c["world"] == 1 and r.random() < 0.3
+    # torch.compile through the dynamo plugin (prepare() compiles the model last, as accelerate;
+    # in place under the DeepSpeed settings): the "eager" backend runs the same torch ops, so the
+    # references stay the uncompiled torch loops. AC_DIFF_COMPILE=1 draws it in every case (a
+    # stress run of the axis). Not with the model's reentrant checkpointing: dynamo's tracing of
+    # it fails under autocast ("encountered during backward but not found in storage") and moves
+    # 16-bit results, on accelerate 1.15 as on accelerate_c (torch 2.13)
+    # Nor with full sharding's aux call (a unit run again outside the compiled forward, after it,
+    # resharded between the runs): its gradient reaches the shard twice, refused (docs/sharding.md)
+    c["compile"] = (r.random() < 0.1 or os.environ.get("AC_DIFF_COMPILE") == "1") and not c["reentrant"] \
+        and not c.get("fsdp_aux")
     return c
 
 
@@ -296,7 +307,8 @@ def _case(seed: int, **overrides) -> dict:
          "epochs": 1, "reentrant": False, "overflow": None, "nan_grad_step": None, "eval": False, "eval_skip": 0,
          "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0,
          "nonreentrant": False, "sync_each": False, "staged": False, "f64": False,
-         "grad_data": False, "foreach": False, "fp16": False, "raw_backward": False, "flat_buffers": False}
+         "grad_data": False, "foreach": False, "fp16": False, "raw_backward": False, "flat_buffers": False,
+         "compile": False}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -387,7 +399,8 @@ def describe(c: dict) -> str:
     # axes added later (absent from older saved cases): named when on
     for flag, shown in (("nonreentrant", "nonreentrant"), ("sync_each", "sync_each_batch"), ("staged", "staged"),
                         ("f64", "f64"), ("grad_data", "grad_data"), ("foreach", "foreach"),
-                        ("fp16", "fp16"), ("raw_backward", "raw_backward"), ("flat_buffers", "flat_buffers")):
+                        ("fp16", "fp16"), ("raw_backward", "raw_backward"), ("flat_buffers", "flat_buffers"),
+                        ("compile", "compile")):
         if c.get(flag):
             parts.append(shown)
     if c.get("sharding") == "zero3":

@@ -13,7 +13,7 @@ import torch
 
 from accelerate_c import Accelerator, GradientAccumulationPlugin, collectives
 from accelerate.utils import DeepSpeedPlugin  # accelerate's own plugins, as a moved script keeps them
-from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from accelerate_c.utils import DataLoaderConfiguration, DistributedDataParallelKwargs
 
 from . import workload as W
@@ -52,7 +52,7 @@ def _values(acc, case, models, params) -> list:
         sd = [acc.get_state_dict(m)]  # the main process's ({} or, at DeepSpeed stage 3, None elsewhere)
         torch.distributed.broadcast_object_list(sd, src=0)
         sd = sd[0]
-        for name, p in m.named_parameters():
+        for name, p in acc.unwrap_model(m, keep_torch_compile=False).named_parameters():
             full[id(p)] = sd[name].float().clone()
     return [full[id(p)] for p in params]
 
@@ -109,6 +109,8 @@ def _run(case: dict) -> dict:
         sharding["gradient_accumulation_plugin"] = GradientAccumulationPlugin(num_steps=ga, sync_each_batch=True)
     else:
         sharding["gradient_accumulation_steps"] = ga
+    if case.get("compile"):
+        sharding["dynamo_plugin"] = TorchDynamoPlugin(backend="eager")
     acc = Accelerator(cpu=True, mixed_precision=case["mp"], kwargs_handlers=handlers,
                       dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]), **sharding)
     models = W.models(case)

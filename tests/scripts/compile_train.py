@@ -1,0 +1,111 @@
+"""Run by tests/test_compile_prepared.py through `accelerate-c launch --num_processes 2 --cpu
+--config_file C` whose dynamo_config names the "eager" backend (the same torch ops as the eager
+model, so the numbers can be compared bitwise): the Accelerator built from the launcher's
+settings compiles the model in prepare(), as accelerate does. argv[1] picks the strategy: "ddp",
+"zero2" (a DeepSpeedPlugin: compiled in place, as accelerate compiles DeepSpeed's module), or
+"fsdp" (full sharding). Against torch DDP over the same group, compiled alike (torch.compile
+of the DDP model, the eager backend), same seed and data, accumulation 2 and clipping. Prints
+"compile OK <kind>" when the parameters are torch's within the strategy's tolerance, the losses
+agree, and dynamo really compiled the prepared model."""
+import sys
+
+import torch
+import torch._dynamo.utils as dynamo_utils
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from accelerate_c import Accelerator
+from accelerate_c.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+kind = sys.argv[1]
+STEPS, ACCUM, MAX_NORM = 3, 2, 0.5
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.lin(x)) + x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+kw = {}
+if kind == "zero2":
+    kw["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=ACCUM, gradient_clipping=MAX_NORM)
+else:
+    kw["gradient_accumulation_steps"] = ACCUM
+    if kind == "fsdp":
+        kw["fsdp_plugin"] = FullyShardedDataParallelPlugin()
+acc = Accelerator(**kw)
+plugin = acc.state.dynamo_plugin
+assert str(plugin.backend.value) == "EAGER", f"the launcher's dynamo_config did not reach the Accelerator: {plugin}"
+rank = acc.process_index
+torch.manual_seed(0)
+model, ref = Net(), Net()
+ref.load_state_dict(model.state_dict())
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+ref_ddp = DDP(ref)
+ref_opt = torch.optim.AdamW(ref_ddp.parameters(), lr=1e-2)
+ref_fwd = torch.compile(ref_ddp, backend="eager")
+loader = torch.utils.data.DataLoader(list(range(16)), batch_size=2)  # fills DeepSpeed's batch sizes
+prepared, opt, loader = acc.prepare(model, opt, loader)
+frames = dynamo_utils.counters["stats"]["unique_graphs"]
+gen = torch.Generator().manual_seed(7 + rank)
+batches = [torch.randn(4, 8, generator=gen) for _ in range(STEPS * ACCUM)]
+fails, losses, ref_losses = [], [], []
+for i, x in enumerate(batches):
+    with acc.accumulate(prepared):
+        loss = prepared(x).square().mean()
+        acc.backward(loss)
+        if acc.sync_gradients and kind != "zero2":  # DeepSpeed clips with its gradient_clipping
+            acc.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    losses.append(loss.item())
+    last = (i + 1) % ACCUM == 0
+    ctx = ref_ddp.no_sync() if not last else torch.enable_grad()
+    with ctx:
+        ref_loss = ref_fwd(x).square().mean()
+        (ref_loss / ACCUM).backward()
+    if last:
+        torch.nn.utils.clip_grad_norm_(ref_ddp.parameters(), MAX_NORM)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ref_losses.append(ref_loss.item())
+if dynamo_utils.counters["stats"]["unique_graphs"] <= frames:
+    fails.append(f"{kind}: dynamo compiled no graph of the prepared model")
+expected = "Net" if kind == "zero2" else "OptimizedModule"
+if type(prepared).__name__ != expected:
+    fails.append(f"{kind}: prepare() returned {type(prepared).__name__}, expected {expected}")
+# the clip norms: ours in double, torch's per-tensor fp32 norms (a last-bit difference may move
+# the parameters by an ulp or so)
+tol = dict(rtol=1e-5, atol=1e-6)
+for a, b in zip(losses, ref_losses):
+    if abs(a - b) > 1e-5 * abs(b) + 1e-6:
+        fails.append(f"{kind}: loss {a} vs torch DDP's {b}")
+sd = acc.get_state_dict(prepared)
+if acc.is_main_process:
+    full = {k.replace("_orig_mod.", ""): v for k, v in sd.items()}
+    for name, q in ref.named_parameters():
+        if not torch.allclose(full[name].float(), q.detach(), **tol):
+            fails.append(f"{kind}: {name} differs from torch DDP's by {(full[name] - q).abs().max().item():.3g}")
+acc.wait_for_everyone()
+if fails:
+    raise SystemExit("compile FAILED on rank %d:\n  " % rank + "\n  ".join(fails))
+if acc.is_main_process:
+    print(f"compile OK {kind}")
