@@ -22,7 +22,7 @@ from .strategies.zero import Zero1Strategy
 from .strategies.zero2 import Zero2Strategy
 from .strategies.fsdp import FullShardStrategy
 from .fsdp_plugin import fsdp_settings, resolve_fsdp_plugin
-from .compilation import compile_prepared, prepared_inner
+from .compilation import compile_prepared, made_by_prepare, prepared_inner
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
 from .accelerator_grads import GradientFacade
@@ -338,7 +338,10 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
         mixed precision and gives its trainable parameters flat gradient buffers."""
         if device_placement is None:
             device_placement = self.device_placement
-        given, model = model, self._registered(model)
+        # a wrapper prepare() compiled stands for its model (prepared again after free_memory():
+        # the model is, and the same wrapper is returned)
+        given, made = model, made_by_prepare(model)
+        model = made if made is not None else self._registered(model)
         if any(m is model for m in self._models):
             if evaluation_mode or id(model) not in self._eval_only:
                 return given
@@ -406,16 +409,23 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
             else:
                 model.forward = convert_outputs_to_fp32(
                     AutocastForward(fwd, self.mixed_precision, self.device.type, kw), model)
+        if made is not None:
+            return given
         # last, as accelerate: the compiled region runs the wrapped forward; the model stays
-        # registered uncompiled (_registered maps the compiled wrapper back to it)
-        return compile_prepared(model, self.state.dynamo_plugin, in_place=self._zero_stage is not None)
+        # registered uncompiled (_registered maps the compiled wrapper back to it). In place under
+        # the DeepSpeed settings and for FSDP's regional compilation, as accelerate compiles there
+        plugin = self.state.dynamo_plugin
+        in_place = self._zero_stage is not None or (self._fsdp is not None and plugin.use_regional_compilation)
+        return compile_prepared(model, plugin, in_place=in_place)
 
     def _registered(self, model):
         """The prepared model `model` stands for: itself, or the one inside torch.compile's
         wrapper when prepare() compiled it (the dynamo plugin)."""
         if any(m is model for m in self._models):
             return model
-        inner = prepared_inner(model)
+        inner = made_by_prepare(model)
+        if inner is None:
+            inner = prepared_inner(model)
         return inner if inner is not None and any(m is inner for m in self._models) else model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):

@@ -36,6 +36,7 @@ from .checkpoint_layout import (AUTO_NAME_RE, CHECKPOINT_FORMAT, CHECKPOINT_VERS
                                 loader_state, suffix)
 from .checkpoint_load import load_state
 from . import collectives, model_shards, zero_checkpoint
+from .compilation import plain_keys
 from .model_io import find_aliases, save_config_files, save_model as _save_model
 from .durable import fsync_dir, write_durable
 from .safetensors_io import after_ready, record_ready, save_file
@@ -196,8 +197,13 @@ def save_model(acc, model, save_directory, max_shard_size="10GB", safe_serializa
         raise ValueError(f"Provided path ({save_directory}) should be a directory, not a file")
     if any(p.device.type == "meta" for p in model.parameters()):
         raise RuntimeError("You can't save the model since some parameters are on the meta device.")
-    state_dict = acc.get_state_dict(model, keep=_is_writer(acc))  # where it is written (a collective)
-    unwrapped = acc.unwrap_model(model)
+    # where it is written (a collective); a compiled model's weights under the names of the
+    # user's model (accelerate keeps torch.compile's `_orig_mod.`, a folder from_pretrained cannot
+    # read: a difference from accelerate, README)
+    state_dict = acc.get_state_dict(model, keep=_is_writer(acc))
+    if state_dict:
+        state_dict = plain_keys(state_dict)
+    unwrapped = acc.unwrap_model(model, keep_torch_compile=False)
 
     def write():
         _save_model(state_dict, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)

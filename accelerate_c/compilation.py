@@ -13,6 +13,8 @@ block of a list of blocks of one class on its own, and the rest of the model who
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .utils.other import compile_regions, has_repeated_blocks, is_compiled_module, is_repeated_blocks
@@ -29,15 +31,21 @@ def _compile_in_place(module: torch.nn.Module, regional: bool, kwargs: dict) -> 
             _compile_in_place(child, True, kwargs)
 
 
+# the wrappers and regional twins prepare() made -> the model inside (weakly: a wrapper the user
+# drops goes); survives free_memory(), so preparing such a wrapper again prepares its model
+_MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def compile_prepared(model: torch.nn.Module, plugin, in_place: bool = False) -> torch.nn.Module:
     """The prepared `model` compiled as the dynamo plugin says, or `model` itself (backend NO,
-    or compiled already). `in_place` (the DeepSpeed settings, where accelerate compiles the
-    engine's module itself): `Module.compile`, the model stays the object the user holds and its
-    state dict keeps its keys; else torch.compile's wrapper (or regional twins), whose state dict
-    keys carry `_orig_mod`, as accelerate's do."""
+    or torch.compile's wrapper already). `in_place` (the DeepSpeed settings, where accelerate
+    compiles the engine's module itself, and FSDP's regional compilation): `Module.compile` (of
+    each repeated block when regional), the model stays the object the user holds and its state
+    dict keeps its keys; else torch.compile's wrapper (or regional twins), whose state dict keys
+    carry `_orig_mod`, as accelerate's do."""
     if plugin is None or str(getattr(plugin.backend, "value", plugin.backend)).upper() == "NO":
         return model
-    if is_compiled_module(model) or getattr(model, "_compiled_call_impl", None) is not None:
+    if is_compiled_module(model):
         return model
     kwargs = plugin.to_kwargs()
     try:
@@ -45,17 +53,32 @@ def compile_prepared(model: torch.nn.Module, plugin, in_place: bool = False) -> 
             _compile_in_place(model, bool(plugin.use_regional_compilation), kwargs)
             return model
         if plugin.use_regional_compilation:
-            return compile_regions(model, **kwargs)  # (its twins share the model's instance dict)
-        compiled = torch.compile(model, **kwargs)
+            compiled = compile_regions(model, **kwargs)
+        else:
+            compiled = torch.compile(model, **kwargs)
     except Exception as e:  # an unknown or unavailable backend: torch's error says which
         if hasattr(e, "add_note"):
             e.add_note(f"(accelerate_c: prepare() compiling the model with the dynamo plugin's settings {kwargs})")
         raise
-    if "zero_grad" in model.__dict__:
-        # the sharding strategies' model.zero_grad (it clears the gradient shards too,
-        # strategies/zero2.py): the wrapper's would only reach the parameters' .grad
-        compiled.zero_grad = model.__dict__["zero_grad"]
+
+    # the wrapper's zero_grad is the model's, looked up at each call: a sharding strategy's
+    # (strategies/zero2.py: it clears the gradient shards too) may be installed after this, when
+    # the model was prepared for evaluation first; the wrapper's own would only reach .grad
+    def zero_grad(set_to_none: bool = True) -> None:
+        model.zero_grad(set_to_none)
+
+    compiled.zero_grad = zero_grad
+    _MADE[compiled] = model
     return compiled
+
+
+def made_by_prepare(model):
+    """The model inside `model` when `model` is a wrapper (or regional twin) prepare() made;
+    else None."""
+    try:
+        return _MADE.get(model)
+    except TypeError:  # not weakly referenceable: not a module
+        return None
 
 
 def prepared_inner(model):
@@ -66,3 +89,12 @@ def prepared_inner(model):
     if isinstance(model, torch.nn.Module):
         return model.__dict__.get("_orig_mod")
     return None
+
+
+def plain_keys(state_dict: dict) -> dict:
+    """`state_dict` with the `_orig_mod` components torch.compile's wrapper (and regional twins)
+    add to the keys removed: the names of the user's model, which from_pretrained and
+    load_state_dict on it expect."""
+    if not any("_orig_mod." in k for k in state_dict):
+        return state_dict
+    return {".".join(part for part in k.split(".") if part != "_orig_mod"): v for k, v in state_dict.items()}

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 
 from .accelerator import Accelerator
 from .checkpointing import torch_save_durable
+from .compilation import plain_keys
 from .length_grouped import LengthGroupedSampler, lengths_of
 from .metric_schedules import is_metric_driven
 from .trainer_eval import EvaluationLoop, PredictionOutput  # noqa: F401  (PredictionOutput: transformers' name)
@@ -174,7 +175,8 @@ class Trainer(EvaluationLoop):
             except Exception:  # noqa: BLE001 - datasets without indexing: nothing to remove
                 sample = None
             if isinstance(sample, dict):
-                params = inspect.signature(self.accelerator.unwrap_model(self.model).forward).parameters
+                # (the model's own forward: a compiled wrapper's is (*args, **kwargs))
+                params = inspect.signature(self._inner_model().forward).parameters
                 if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
                     keep = set(params) | {"label", "label_ids", "labels"} | set(self.args.label_names or [])
                     collator = RemoveColumnsCollator(collator, keep)
@@ -193,6 +195,10 @@ class Trainer(EvaluationLoop):
             kw["sampler"] = sampler
         return DataLoader(dataset, **kw)
 
+    def _inner_model(self):
+        """The user's model, inside the compiled wrapper prepare() may have made."""
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+
     def _lengths(self, dataset, what):
         """The sample lengths for group_by_length, found as transformers' Trainer finds them. Its
         datasets.Dataset loses the columns the model's forward does not name (remove_unused_columns)
@@ -200,7 +206,7 @@ class Trainer(EvaluationLoop):
         a = self.args
         column = a.length_column_name
         if a.remove_unused_columns:
-            forward = self.accelerator.unwrap_model(self.model).forward
+            forward = self._inner_model().forward
             kept = set(inspect.signature(forward).parameters) | {"label", "label_ids"} | set(a.label_names or [])
             column = column if column in kept else None
         names = getattr(self.processing_class, "model_input_names", None) if self.processing_class is not None \
@@ -697,11 +703,15 @@ class Trainer(EvaluationLoop):
         Accelerator's save_model), the processing class and training_args.bin."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         acc = self.accelerator
-        unwrapped = acc.unwrap_model(self.model, keep_fp32_wrapper=False) if self._prepared_model else self.model
+        unwrapped = acc.unwrap_model(self.model, keep_fp32_wrapper=False, keep_torch_compile=False) \
+            if self._prepared_model else self.model
         if hasattr(unwrapped, "save_pretrained"):
             # the weights from the Accelerator (under full sharding a collective every process
-            # runs, gathered where they are written; model.state_dict() would refuse)
+            # runs, gathered where they are written; model.state_dict() would refuse), under the
+            # names of the model itself (torch.compile's wrapper adds `_orig_mod.`)
             state_dict = acc.get_state_dict(self.model, keep=self._writes())
+            if state_dict:
+                state_dict = plain_keys(state_dict)
             if self._writes():
                 unwrapped.save_pretrained(output_dir, state_dict=state_dict,
                                           safe_serialization=self.args.save_safetensors)

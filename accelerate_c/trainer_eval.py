@@ -51,7 +51,7 @@ class EvaluationLoop:
         labels = self._labels_of(inputs)
         has_labels = labels is not None
         if ignore_keys is None:
-            ignore_keys = default_ignore_keys(self.accelerator.unwrap_model(model))
+            ignore_keys = default_ignore_keys(self.accelerator.unwrap_model(model, keep_torch_compile=False))
         with torch.no_grad():
             if has_labels:
                 loss, outputs = self.compute_loss(model, inputs, return_outputs=True)

@@ -79,7 +79,7 @@ class Trainer(transformers.Trainer):
     """transformers.Trainer whose Accelerator is accelerate_c's (see the module docstring).
     Refused when built: an unsupported transformers version, `deepspeed=` (and a DeepSpeed
     accelerate config); the Accelerator itself refuses what it has not built
-    (torch_compile's dynamo backends, parallelism_config)."""
+    (parallelism_config)."""
 
     def __init__(self, *args, **kwargs):
         check_transformers_version()

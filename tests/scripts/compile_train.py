@@ -7,17 +7,25 @@ settings compiles the model in prepare(), as accelerate does. argv[1] picks the 
 of the DDP model, the eager backend), same seed and data, accumulation 2 and clipping. Prints
 "compile OK <kind>" when the parameters are torch's within the strategy's tolerance, the losses
 agree, and dynamo really compiled the prepared model."""
+import os
 import sys
+import tempfile
 
 import torch
 import torch._dynamo.utils as dynamo_utils
 from torch import nn
+from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accelerate_c import Accelerator
 from accelerate_c.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
 kind = sys.argv[1]
+# how the model reaches training: "direct" (prepared with the optimizer), "eval_first" (prepared for
+# evaluation first, then the wrapper prepare() returned is prepared with the optimizer, as a
+# Trainer that evaluates before training), "free_memory" (prepared, free_memory(), then the wrapper
+# prepared again: the same model, not a second one)
+flow = sys.argv[2] if len(sys.argv) > 2 else "direct"
 STEPS, ACCUM, MAX_NORM = 3, 2, 0.5
 
 
@@ -63,20 +71,41 @@ ref_ddp = DDP(ref)
 ref_opt = torch.optim.AdamW(ref_ddp.parameters(), lr=1e-2)
 ref_fwd = torch.compile(ref_ddp, backend="eager")
 loader = torch.utils.data.DataLoader(list(range(16)), batch_size=2)  # fills DeepSpeed's batch sizes
-prepared, opt, loader = acc.prepare(model, opt, loader)
-frames = dynamo_utils.counters["stats"]["unique_graphs"]
+if flow == "eval_first":
+    wrapper = acc.prepare_model(model, evaluation_mode=True)
+    prepared, opt, loader = acc.prepare(wrapper, opt, loader)
+    if prepared is not wrapper:
+        raise SystemExit(f"{kind}: preparing the evaluation wrapper for training returned another object")
+elif flow == "free_memory":
+    wrapper, opt, loader = acc.prepare(model, opt, loader)
+    acc.free_memory()
+    prepared, opt, loader = acc.prepare(wrapper, opt, loader)
+    if prepared is not wrapper:
+        raise SystemExit(f"{kind}: preparing the wrapper again after free_memory() returned another object")
+else:
+    prepared, opt, loader = acc.prepare(model, opt, loader)
 gen = torch.Generator().manual_seed(7 + rank)
 batches = [torch.randn(4, 8, generator=gen) for _ in range(STEPS * ACCUM)]
 fails, losses, ref_losses = [], [], []
-for i, x in enumerate(batches):
+graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+for x in batches:  # accelerate_c first, alone: the graphs dynamo makes meanwhile are its
     with acc.accumulate(prepared):
         loss = prepared(x).square().mean()
         acc.backward(loss)
         if acc.sync_gradients and kind != "zero2":  # DeepSpeed clips with its gradient_clipping
             acc.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
-        opt.zero_grad()
+        if flow != "eval_first":
+            opt.zero_grad()
+        elif acc.sync_gradients:
+            # the model's zero_grad through the wrapper (under full sharding the strategy's, which
+            # clears the gradient shards), after each optimizer step (the optimizer's is skipped
+            # by accumulate() on the other micro-batches; the model's is not)
+            prepared.zero_grad()
     losses.append(loss.item())
+if dynamo_utils.counters["stats"]["unique_graphs"] <= graphs:
+    fails.append(f"{kind}: dynamo compiled no graph of the prepared model")
+for i, x in enumerate(batches):
     last = (i + 1) % ACCUM == 0
     ctx = ref_ddp.no_sync() if not last else torch.enable_grad()
     with ctx:
@@ -87,11 +116,11 @@ for i, x in enumerate(batches):
         ref_opt.step()
         ref_opt.zero_grad()
     ref_losses.append(ref_loss.item())
-if dynamo_utils.counters["stats"]["unique_graphs"] <= frames:
-    fails.append(f"{kind}: dynamo compiled no graph of the prepared model")
 expected = "Net" if kind == "zero2" else "OptimizedModule"
 if type(prepared).__name__ != expected:
     fails.append(f"{kind}: prepare() returned {type(prepared).__name__}, expected {expected}")
+if kind == "zero2" and getattr(prepared, "_compiled_call_impl", None) is None:
+    fails.append("zero2: the model was not compiled in place (Module.compile)")
 # the clip norms: ours in double, torch's per-tensor fp32 norms (a last-bit difference may move
 # the parameters by an ulp or so)
 tol = dict(rtol=1e-5, atol=1e-6)
@@ -99,6 +128,17 @@ for a, b in zip(losses, ref_losses):
     if abs(a - b) > 1e-5 * abs(b) + 1e-6:
         fails.append(f"{kind}: loss {a} vs torch DDP's {b}")
 sd = acc.get_state_dict(prepared)
+if flow == "free_memory":
+    # save_state writes the model registered once, under its own names (a wrapper registered as a
+    # second model would be saved with torch.compile's `_orig_mod.` names)
+    holder = [tempfile.mkdtemp() if acc.is_main_process else None]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    acc.save_state(holder[0])
+    if acc.is_main_process:
+        names = sorted(os.listdir(holder[0]))
+        keys = sorted(load_file(os.path.join(holder[0], "model.safetensors")))
+        if any("_orig_mod" in k for k in keys) or "model_1.safetensors" in names:
+            fails.append(f"{kind}: save_state after re-preparing the wrapper wrote {names}, keys {keys[:2]}")
 if acc.is_main_process:
     full = {k.replace("_orig_mod.", ""): v for k, v in sd.items()}
     for name, q in ref.named_parameters():
@@ -108,4 +148,4 @@ acc.wait_for_everyone()
 if fails:
     raise SystemExit("compile FAILED on rank %d:\n  " % rank + "\n  ".join(fails))
 if acc.is_main_process:
-    print(f"compile OK {kind}")
+    print(f"compile OK {kind} {flow}")
