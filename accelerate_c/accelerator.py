@@ -399,8 +399,10 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
             self._models.remove(model)
             self._eval_only.discard(id(model))
             raise
-        if self.native_amp and not hasattr(model, "_original_forward"):
-            model._original_forward = model.forward
+        if self.native_amp and "_original_forward" not in model.__dict__:
+            # in the instance's own dict: torch.compile's wrapper (a model compiled before
+            # prepare()) would pass a new attribute on to the module inside it
+            model.__dict__["_original_forward"] = model.forward
             kw = self.autocast_handler.to_kwargs() if self.autocast_handler is not None else None
             fwd = model.forward
             if hasattr(fwd, "__func__"):

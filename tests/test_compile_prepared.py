@@ -294,3 +294,22 @@ def test_accelerate_c_trainer_with_torch_compile_saves_and_predicts_as_transform
     torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=0)  # logged rounded to 4 decimals
     torch.testing.assert_close(torch.as_tensor(pred), torch.as_tensor(ref_pred), rtol=1e-5, atol=1e-6)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+
+
+def test_unwrap_without_the_fp32_wrapper_of_a_model_compiled_before_prepare():
+    """A model compiled before prepare() under bf16: unwrap_model(keep_fp32_wrapper=False) gives
+    back the compiled model running its own forward (fp32, no autocast), equal to the plain
+    model's. (accelerate 1.15 raises a TypeError there; accelerate_c recursed: prepare() kept the
+    original forward on the module inside torch.compile's wrapper, which passes new attributes
+    on to it.)"""
+    reset_all_states()
+    model = _model()
+    acc = importlib.import_module("accelerate_c").Accelerator(mixed_precision="bf16", cpu=True)
+    prepared = acc.prepare(torch.compile(model, backend="eager"))
+    x = _batches()[0]
+    assert prepared(x).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(prepared(x), model(x).float())  # prepared: autocast, fp32 outputs
+    unwrapped = acc.unwrap_model(prepared, keep_fp32_wrapper=False)
+    assert unwrapped is prepared and "_original_forward" not in model.__dict__
+    assert torch.equal(unwrapped(x), model(x))  # the model's own fp32 forward

@@ -69,6 +69,8 @@ def extract_model_from_parallel(model, keep_fp32_wrapper: bool = True, keep_torc
         model = _unwrap_children(model)
     if not keep_fp32_wrapper:
         _drop_fp32_wrapper(model)
+        if compiled is not None:  # a model compiled before prepare(): the wrapper is the compiled one's
+            _drop_fp32_wrapper(compiled)
     if keep_torch_compile and compiled is not None:
         if whole:
             compiled._orig_mod = model
