@@ -36,6 +36,7 @@ MAKE_BENCH = {
     "bench_safetensors": ["--repeats", "3"],
     "bench_checkpoint": [],
     "bench_step": ["--repeats", "3", "--steps", "6", "--fp16-repeats", "9"],
+    "bench_overhead": ["--repeats", "5"],
     "bench_ddp": ["--repeats", "3", "--steps", "4"],
     "bench_sharding": ["--repeats", "2", "--steps", "2"],
     "bench_chunk_collectives": ["--repeats", "3"],
@@ -44,7 +45,8 @@ MAKE_BENCH = {
 }
 QUICK = {"bench_kernels": ["--quick"], "bench_safetensors": ["--repeats", "1", "--mb", "40"],
          "bench_checkpoint": ["--repeats", "1", "--layers", "1", "--width", "512"],
-         "bench_step": ["--quick"], "bench_ddp": ["--quick"],
+         "bench_step": ["--quick"], "bench_overhead": ["--repeats", "1", "--steps", "50", "--warmup", "5"],
+         "bench_ddp": ["--quick"],
          "bench_sharding": ["--worlds", "2", "--repeats", "1", "--steps", "1", "--layers", "2", "--d-model", "384"],
          "bench_chunk_collectives": ["--worlds", "2", "--buckets", "2", "--repeats", "1"],
          "bench_collectives": ["--worlds", "2", "--max-mb", "32", "--repeats", "1"],
