@@ -201,23 +201,26 @@ def test_the_dynamo_plugin_compiles_in_prepare_as_accelerate(tmp_path, mixed_pre
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("kind,flow", [("ddp", "direct"), ("zero2", "direct"), ("fsdp", "direct"),
-                                       ("fsdp", "eval_first"), ("ddp", "free_memory")])
-def test_a_launch_config_with_dynamo_compiles_on_two_processes(tmp_path, kind, flow):
+@pytest.mark.parametrize("kind,flow,backend", [
+    ("ddp", "direct", "EAGER"), ("zero2", "direct", "EAGER"), ("fsdp", "direct", "EAGER"),
+    ("fsdp", "eval_first", "EAGER"), ("ddp", "free_memory", "EAGER"),
+    ("ddp", "direct", "AOT_EAGER"), ("fsdp", "direct", "AOT_EAGER")])
+def test_a_launch_config_with_dynamo_compiles_on_two_processes(tmp_path, kind, flow, backend):
     """`accelerate-c launch` with a config file whose dynamo_config names a backend: the
     Accelerator compiles in prepare() under DDP, ZeRO-2 (in place) and full sharding, and trains
     as torch DDP compiled alike (tests/scripts/compile_train.py); also when the model was
     prepared for evaluation first (full sharding: the wrapper's zero_grad must reach the shards
-    the training prepare sets up), and when the wrapper is prepared again after free_memory()."""
+    the training prepare sets up), and when the wrapper is prepared again after free_memory();
+    with AOTAutograd too ("aot_eager": a compiled backward, the gradient hooks firing after it)."""
     import os
 
     from test_launch import SCRIPTS, launch
 
     cfg = tmp_path / "config.yaml"
     cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n"
-                   "dynamo_config:\n  dynamo_backend: EAGER\n")
+                   f"dynamo_config:\n  dynamo_backend: {backend}\n")
     res = launch(["--config_file", str(cfg), "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "compile_train.py"), kind, flow])
+                  os.path.join(SCRIPTS, "compile_train.py"), kind, flow], env={"EXPECT_DYNAMO_BACKEND": backend})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"compile OK {kind} {flow}" in res.stdout
 

@@ -1,6 +1,7 @@
 """Run by tests/test_compile_prepared.py through `accelerate-c launch --num_processes 2 --cpu
 --config_file C` whose dynamo_config names the "eager" backend (the same torch ops as the eager
-model, so the numbers can be compared bitwise): the Accelerator built from the launcher's
+model) or "aot_eager" (EXPECT_DYNAMO_BACKEND=AOT_EAGER: AOTAutograd's compiled backward, where the
+gradient hooks fire after the whole graph's backward): the Accelerator built from the launcher's
 settings compiles the model in prepare(), as accelerate does. argv[1] picks the strategy: "ddp",
 "zero2" (a DeepSpeedPlugin: compiled in place, as accelerate compiles DeepSpeed's module), or
 "fsdp" (full sharding). Against torch DDP over the same group, compiled alike (torch.compile
@@ -61,7 +62,8 @@ else:
         kw["fsdp_plugin"] = FullyShardedDataParallelPlugin()
 acc = Accelerator(**kw)
 plugin = acc.state.dynamo_plugin
-assert str(plugin.backend.value) == "EAGER", f"the launcher's dynamo_config did not reach the Accelerator: {plugin}"
+backend = os.environ.get("EXPECT_DYNAMO_BACKEND", "EAGER")
+assert str(plugin.backend.value) == backend, f"the launcher's dynamo_config did not reach the Accelerator: {plugin}"
 rank = acc.process_index
 torch.manual_seed(0)
 model, ref = Net(), Net()
@@ -69,7 +71,7 @@ ref.load_state_dict(model.state_dict())
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 ref_ddp = DDP(ref)
 ref_opt = torch.optim.AdamW(ref_ddp.parameters(), lr=1e-2)
-ref_fwd = torch.compile(ref_ddp, backend="eager")
+ref_fwd = torch.compile(ref_ddp, backend=backend.lower())
 loader = torch.utils.data.DataLoader(list(range(16)), batch_size=2)  # fills DeepSpeed's batch sizes
 if flow == "eval_first":
     wrapper = acc.prepare_model(model, evaluation_mode=True)
