@@ -425,9 +425,7 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
         wrapper when prepare() compiled it (the dynamo plugin)."""
         if any(m is model for m in self._models):
             return model
-        inner = made_by_prepare(model)
-        if inner is None:
-            inner = prepared_inner(model)
+        inner = prepared_inner(model)
         return inner if inner is not None and any(m is inner for m in self._models) else model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):

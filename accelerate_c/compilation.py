@@ -17,18 +17,7 @@ import weakref
 
 import torch
 
-from .utils.other import compile_regions, has_repeated_blocks, is_compiled_module, is_repeated_blocks
-
-
-def _compile_in_place(module: torch.nn.Module, regional: bool, kwargs: dict) -> None:
-    if not regional or not has_repeated_blocks(module):
-        module.compile(**kwargs)
-    elif is_repeated_blocks(module):
-        for block in module:
-            block.compile(**kwargs)
-    else:
-        for child in module.children():
-            _compile_in_place(child, True, kwargs)
+from .utils.other import compile_regions, compile_regions_in_place, is_compiled_module
 
 
 # the wrappers and regional twins prepare() made -> the model inside (weakly: a wrapper the user
@@ -43,14 +32,17 @@ def compile_prepared(model: torch.nn.Module, plugin, in_place: bool = False) -> 
     each repeated block when regional), the model stays the object the user holds and its state
     dict keeps its keys; else torch.compile's wrapper (or regional twins), whose state dict keys
     carry `_orig_mod`, as accelerate's do."""
-    if plugin is None or str(getattr(plugin.backend, "value", plugin.backend)).upper() == "NO":
+    if str(getattr(plugin.backend, "value", plugin.backend)).upper() == "NO":
         return model
     if is_compiled_module(model):
         return model
     kwargs = plugin.to_kwargs()
     try:
         if in_place:
-            _compile_in_place(model, bool(plugin.use_regional_compilation), kwargs)
+            if plugin.use_regional_compilation:
+                compile_regions_in_place(model, **kwargs)
+            else:
+                model.compile(**kwargs)
             return model
         if plugin.use_regional_compilation:
             compiled = compile_regions(model, **kwargs)
@@ -75,10 +67,7 @@ def compile_prepared(model: torch.nn.Module, plugin, in_place: bool = False) -> 
 def made_by_prepare(model):
     """The model inside `model` when `model` is a wrapper (or regional twin) prepare() made;
     else None."""
-    try:
-        return _MADE.get(model)
-    except TypeError:  # not weakly referenceable: not a module
-        return None
+    return _MADE.get(model)
 
 
 def prepared_inner(model):

@@ -116,8 +116,8 @@ def _hooks_see_outputs(module) -> bool:
 
 class ConvertOutputsToFp32:
     """Wraps a forward so its fp16/bf16 outputs come back in fp32; inside fp32_loss_only(), only
-    the loss (convert_outputs_to_fp32 puts a plain function around it, as accelerate does). `module`: the model whose forward this is (weakly
-    held), for the forward-hook check."""
+    the loss (convert_outputs_to_fp32 puts a plain function around it, as accelerate does).
+    `module`: the model whose forward this is (weakly held), for the forward-hook check."""
 
     def __init__(self, model_forward, module=None):
         self.model_forward = model_forward

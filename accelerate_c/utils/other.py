@@ -124,3 +124,17 @@ def compile_regions(module: torch.nn.Module, **compile_kwargs) -> torch.nn.Modul
     if "_orig_mod" not in out.__dict__:
         out.__dict__["_orig_mod"] = module
     return out
+
+
+def compile_regions_in_place(module: torch.nn.Module, **compile_kwargs) -> torch.nn.Module:
+    """compile_regions with `Module.compile` (in place: the module stays the object its hooks
+    and its holders know), as accelerate compiles DeepSpeed's module and FSDP2's regions."""
+    if is_repeated_blocks(module):
+        for block in module:
+            block.compile(**compile_kwargs)
+    elif has_repeated_blocks(module):
+        for child in module.children():
+            compile_regions_in_place(child, **compile_kwargs)
+    else:
+        module.compile(**compile_kwargs)
+    return module

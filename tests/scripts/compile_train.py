@@ -9,6 +9,7 @@ of the DDP model, the eager backend), same seed and data, accumulation 2 and cli
 "compile OK <kind>" when the parameters are torch's within the strategy's tolerance, the losses
 agree, and dynamo really compiled the prepared model."""
 import os
+import shutil
 import sys
 import tempfile
 
@@ -141,6 +142,9 @@ if flow == "free_memory":
         keys = sorted(load_file(os.path.join(holder[0], "model.safetensors")))
         if any("_orig_mod" in k for k in keys) or "model_1.safetensors" in names:
             fails.append(f"{kind}: save_state after re-preparing the wrapper wrote {names}, keys {keys[:2]}")
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        shutil.rmtree(holder[0], ignore_errors=True)
 if acc.is_main_process:
     full = {k.replace("_orig_mod.", ""): v for k, v in sd.items()}
     for name, q in ref.named_parameters():
