@@ -10,22 +10,29 @@ from .training_args import TrainingArguments
 from .utils import (
     AutocastKwargs,
     DataLoaderConfiguration,
+    DDPCommunicationHookType,
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
     DistributedType,
+    find_executable_batch_size,
+    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     HostMallocKwargs,
     InitProcessGroupKwargs,
+    ProfileKwargs,
     ProjectConfiguration,
+    synchronize_rng_states,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Accelerator", "AcceleratorState", "AutocastKwargs", "CoreError", "DataLoaderConfiguration",
-    "DeepSpeedPlugin", "DistributedDataParallelKwargs", "DistributedType", "GradientAccumulationPlugin", "GradientState",
-    "GradScalerKwargs", "HostMallocKwargs", "InitProcessGroupKwargs", "PartialState", "ProjectConfiguration",
+    "DDPCommunicationHookType", "DeepSpeedPlugin", "DistributedDataParallelKwargs", "DistributedType",
+    "find_executable_batch_size", "FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "GradientState",
+    "GradScalerKwargs", "HostMallocKwargs", "InitProcessGroupKwargs", "PartialState", "ProfileKwargs",
+    "ProjectConfiguration", "synchronize_rng_states",
     "skip_first_batches", "debug_launcher", "notebook_launcher",
     "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "TrainingArguments", "create_accelerator",
     "__version__",

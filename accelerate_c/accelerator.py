@@ -29,6 +29,8 @@ from .accelerator_grads import GradientFacade
 from .accelerator_process import ProcessFacade
 from .accelerator_tracking import TrackerFacade
 from .parallelism import ParallelismNames
+from .profiling import ProfileFacade
+from .absent_features import AbsentFeatureNames, refuse_lomo
 from .plugins import check_kind, kind_of, refuse_features, resolve_deepspeed_plugin, resolve_dynamo_plugin
 from .ds_scaler import DeepSpeedScaler
 from .scaler import LossScaler
@@ -43,6 +45,7 @@ from .utils.dataclasses import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
     HostMallocKwargs,
+    ProfileKwargs,
     InitProcessGroupKwargs,
     CpuCommKwargs,
     PrecisionType,
@@ -57,7 +60,7 @@ from .utils.other import extract_model_from_parallel
 _split_batches = object()  # sentinel: tells "not passed" from False, as accelerate does
 
 _HANDLERS = (AutocastKwargs, GradScalerKwargs, DistributedDataParallelKwargs, InitProcessGroupKwargs, CpuCommKwargs,
-             HostMallocKwargs)
+             HostMallocKwargs, ProfileKwargs)
 
 
 def _batch_sampler_shard(dataloader):
@@ -84,7 +87,7 @@ def _cast_inputs_half(module, args, kwargs):
     return recursively_apply(half, args), recursively_apply(half, kwargs)
 
 
-class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames):
+class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames, ProfileFacade, AbsentFeatureNames):
     """Creates the training state and wraps models, optimizers, schedulers and data loaders.
 
     Parameters and their order are accelerate 1.15's, so positional and keyword calls bind the
@@ -171,6 +174,8 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
                 self.host_malloc_handler = handler
             elif kind is CpuCommKwargs:
                 self.cpu_comm_handler = handler
+            elif kind is ProfileKwargs:
+                self.profile_handler = handler  # profile() (profiling.py)
             else:
                 self.init_handler = handler
 
@@ -443,6 +448,7 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
         for opt in self._optimizers:
             if opt.optimizer is optimizer:
                 return opt
+        refuse_lomo(optimizer)
         self._grads.strategy.prepare_optimizer(optimizer)  # a sharding strategy rebuilds it in place
         clip = self._engine_clip if self.sharding is not None else None
         wrapped = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler,

@@ -9,6 +9,11 @@ from .utils import operations as ops
 from .utils.dataclasses import DistributedType
 
 
+_MULTI_DEVICE = (DistributedType.MULTI_GPU, DistributedType.MULTI_MLU, DistributedType.MULTI_SDAA,
+                 DistributedType.MULTI_MUSA, DistributedType.MULTI_NPU, DistributedType.MULTI_XPU,
+                 DistributedType.MULTI_HPU, DistributedType.MULTI_NEURON)
+
+
 class ProcessFacade:
     """Reads self.state, self.gradient_state, self.dataloader_config, self.project_configuration,
     self._optimizers and self.flag_tensor, which Accelerator.__init__ sets."""
@@ -83,6 +88,25 @@ class ProcessFacade:
     def even_batches(self) -> bool:
         return self.dataloader_config.even_batches
 
+    @even_batches.setter
+    def even_batches(self, value: bool):
+        # read by the data loaders prepared afterwards, as accelerate's
+        self.dataloader_config.even_batches = value
+
+    @property
+    def dispatch_batches(self):
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return getattr(self.dataloader_config, "use_stateful_dataloader", False)
+
+    @property
+    def multi_device(self) -> bool:
+        """Whether several accelerator devices train together (accelerate's meaning: MULTI_GPU
+        and its siblings; CPU processes, DeepSpeed and FSDP runs are not "multi device")."""
+        return self.use_distributed and self.distributed_type in _MULTI_DEVICE
+
     @property
     def use_seedable_sampler(self) -> bool:
         return self.dataloader_config.use_seedable_sampler
@@ -102,6 +126,11 @@ class ProcessFacade:
     @property
     def save_iteration(self) -> int:
         return self.project_configuration.iteration
+
+    def __deepcopy__(self, memo):
+        # one Accelerator per process: objects holding it (a Trainer's callbacks, a deep-copied
+        # config) share it, as accelerate's
+        return self
 
     # ---- prepare --------------------------------------------------------------------------
     def wait_for_everyone(self):

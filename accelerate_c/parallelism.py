@@ -1,9 +1,10 @@
-"""The Accelerator's names for the parallelism accelerate_c does not build (FSDP, tensor,
-context and sequence parallelism), with accelerate 1.15's values for a run without them.
-transformers' Trainer calls these on every run (`maybe_context_parallel` around each step,
-`parallelism_config` to choose its code paths, `deepspeed_ulysses_dl_adapter` on its data
-loader), so they must exist and mean what accelerate's mean when nothing is configured.
-The Accelerator refuses the arguments that would turn these features on (plugins.py)."""
+"""The Accelerator's names for the parallelism accelerate_c does not build (tensor, context,
+pipeline and sequence parallelism, big-model device maps), with accelerate 1.15's values for a
+run without them. transformers' Trainer calls these on every run (`maybe_context_parallel`
+around each step, `parallelism_config` to choose its code paths, `deepspeed_ulysses_dl_adapter`
+on its data loader), so they must exist and mean what accelerate's mean when nothing is
+configured. The Accelerator refuses the arguments that would turn these features on
+(plugins.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -35,6 +36,33 @@ class ParallelismNames:
         """Whether this process writes the model: without sharded parallelism, as in
         accelerate, the local main process."""
         return self.state.is_local_main_process
+
+    # the ranks within each parallel dimension: accelerate raises without a ParallelismConfig
+    # (pipeline and context parallelism: always, as accelerate 1.15 builds neither here)
+    @property
+    def tensor_parallel_rank(self) -> int:
+        raise RuntimeError("Tensor parallelism is not configured. Set `parallelism_config` first.")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        raise RuntimeError("Data parallelism is not configured. Set `parallelism_config` first.")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        raise RuntimeError("Shard-based data parallelism is not configured. Set `parallelism_config` first.")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        raise NotImplementedError("Pipeline parallelism is currently not supported in Accelerate.")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        raise NotImplementedError("Context parallelism is currently not supported in Accelerate.")
+
+    def verify_device_map(self, model) -> bool:
+        """Whether the model was dispatched over several devices by big-model loading (a module
+        with an hf_device_map of more than one entry), as accelerate's check."""
+        return any(len(getattr(m, "hf_device_map", None) or ()) > 1 for m in model.modules())
 
     def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
         """A context manager that does nothing: context parallelism needs a ParallelismConfig

@@ -1,7 +1,8 @@
 """Around the loop on 2 processes through the real launcher (tests/scripts/around_loop.py):
 get_logger's main_process_only / in_order, accelerator.print, main_process_first,
-local_main_process_first, the on_* decorators and the trackers' main-process-only rule, each
-run with accelerate_c's objects and accelerate 1.15's in the same processes and compared here."""
+local_main_process_first, the on_* decorators, profile()'s per-process traces and the trackers'
+main-process-only rule, each run with accelerate_c's objects and accelerate 1.15's in the same
+processes and compared here."""
 from __future__ import annotations
 
 import json
@@ -52,6 +53,7 @@ def test_around_the_loop_on_two_processes_as_accelerate(tmp_path):
         assert r["trackers_ours"] == (["recorder", "jsonl"] if rank == 0 else [])
         assert r["trackers_theirs"] == (["recorder"] if rank == 0 else [])
         assert r["calls_ours"] == r["calls_theirs"], rank
+        assert r["trace_files_ours"] == r["trace_files_theirs"] == ["profile_0.json", "profile_1.json"], rank
         if rank == 1:
             assert r["calls_ours"] == [] and r["blank_ours"] == r["blank_theirs"] == "GeneralTracker"
     assert results[0]["decorators_ours"]["ran"] == ["main", "local_main", "p0"]

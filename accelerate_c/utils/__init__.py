@@ -14,6 +14,7 @@ from .dataclasses import (
     KwargsHandler,
     LoggerType,
     PrecisionType,
+    ProfileKwargs,
     ProjectConfiguration,
     RNGType,
     TorchDynamoPlugin,

@@ -212,6 +212,72 @@ class CpuCommKwargs(KwargsHandler):
 
 
 @dataclass
+class ProfileKwargs(KwargsHandler):
+    """torch.profiler settings for `Accelerator.profile()` (accelerate's fields and defaults;
+    torch.profiler.profile's meaning). `activities` are names ("cpu", "cuda", and "xpu" /
+    "mtia" / "hpu" where this torch has that device available); `schedule_option` holds
+    torch.profiler.schedule's arguments; `output_trace_dir` makes profile() write a Chrome trace
+    per process there, named profile_<process index>.json."""
+
+    activities: list | None = None
+    schedule_option: dict | None = None
+    on_trace_ready: object = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    @staticmethod
+    def _activity_names() -> dict:
+        import torch
+
+        kinds = torch.profiler.ProfilerActivity
+        names = {"cpu": kinds.CPU, "cuda": kinds.CUDA}
+        for name in ("xpu", "mtia", "hpu"):  # offered, as by accelerate, only where the device is there
+            device = getattr(torch, name, None)
+            if hasattr(kinds, name.upper()) and device is not None and device.is_available():
+                names[name] = getattr(kinds, name.upper())
+        return names
+
+    def build(self):
+        """A torch.profiler.profile made from these settings (not started)."""
+        import torch
+
+        activities = None
+        if self.activities is not None:
+            names = self._activity_names()
+            activities = []
+            for activity in self.activities:
+                if activity not in names:
+                    raise ValueError(f"ProfileKwargs(activities=...): invalid profiler activity {activity!r}; "
+                                     f"must be one of {list(names)}")
+                activities.append(names[activity])
+        schedule = None
+        if self.schedule_option is not None:
+            try:
+                schedule = torch.profiler.schedule(**self.schedule_option)
+            except TypeError as e:  # a TypeError still, as accelerate's
+                raise TypeError(f"ProfileKwargs(schedule_option={self.schedule_option!r}): {e} (keys: wait, "
+                                 "warmup, active, repeat, skip_first)") from None
+        return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self.on_trace_ready,
+                                      record_shapes=self.record_shapes, profile_memory=self.profile_memory,
+                                      with_stack=self.with_stack, with_flops=self.with_flops,
+                                      with_modules=self.with_modules)
+
+
+class FP8BackendType(str, enum.Enum):
+    """accelerate's FP8 backends (accelerate_c trains in no FP8: `Accelerator.fp8_backend` reads
+    ACCELERATE_FP8_BACKEND, as accelerate's does without an FP8 recipe)."""
+
+    NO = "NO"
+    TE = "TE"
+    MSAMP = "MSAMP"
+    AO = "AO"
+
+
+@dataclass
 class GradientAccumulationPlugin(KwargsHandler):
     """How gradient accumulation behaves (accelerate's fields)."""
 

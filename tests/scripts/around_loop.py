@@ -1,8 +1,8 @@
 """Run on 2 processes by tests/test_around_loop_processes.py: what happens around the training
 loop, with accelerate_c's objects and accelerate 1.15's side by side in the same processes:
 get_logger's main_process_only / in_order, accelerator.print, main_process_first,
-local_main_process_first, the on_* decorators (of the Accelerator and of PartialState), and
-trackers (main process only; get_tracker's blank tracker elsewhere).
+local_main_process_first, the on_* decorators (of the Accelerator and of PartialState), profile()'s
+traces, and trackers (main process only; get_tracker's blank tracker elsewhere).
 
 Usage: around_loop.py SHARED_DIR (a directory every rank can write)."""
 import contextlib
@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import sys
+
+import torch
 
 import accelerate
 import accelerate.tracking
@@ -119,6 +121,13 @@ results["decorators_ours"] = decorated(ours)
 results["decorators_theirs"] = decorated(theirs)
 results["state_decorators_ours"] = decorated(accelerate_c.PartialState())
 results["state_decorators_theirs"] = decorated(accelerate.PartialState())
+
+# ---- profile(): a Chrome trace per process in one directory, complete when profile() returns
+for who, acc, lib in (("ours", ours, accelerate_c), ("theirs", theirs, accelerate)):
+    trace_dir = os.path.join(shared, f"trace_{who}")
+    with acc.profile(lib.utils.ProfileKwargs(output_trace_dir=trace_dir)):
+        torch.ones(4).mul(rank + 1)
+    results[f"trace_files_{who}"] = sorted(os.listdir(trace_dir))  # profile() waited for every process
 
 # ---- trackers: main process only ------------------------------------------------------------
 for acc in (ours, theirs):
