@@ -110,7 +110,8 @@ def _run(case: dict) -> dict:
     else:
         sharding["gradient_accumulation_steps"] = ga
     if case.get("compile"):
-        sharding["dynamo_plugin"] = TorchDynamoPlugin(backend="eager")
+        sharding["dynamo_plugin"] = TorchDynamoPlugin(backend="eager",
+                                                      use_regional_compilation=bool(case.get("regional")))
     acc = Accelerator(cpu=True, mixed_precision=case["mp"], kwargs_handlers=handlers,
                       dataloader_config=DataLoaderConfiguration(even_batches=not case["uneven"]), **sharding)
     models = W.models(case)

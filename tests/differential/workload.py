@@ -13,7 +13,8 @@ _DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class Net(torch.nn.Module):
-    """A small MLP whose layers the case dresses up: dtypes, a frozen layer, an unused layer,
+    """A small MLP whose layers the case dresses up: dtypes, a frozen layer, an unused layer, a
+    stack of identical blocks,
     reentrant-checkpointed segments (one weight in two of them, or a segment per layer) or
     non-reentrant ones (the middle and the output layer each in one); under
     full sharding also a weight tied between two layers (`tied`: a second layer holding the middle
@@ -34,6 +35,10 @@ class Net(torch.nn.Module):
         self.tied = case.get("tied", False)
         if self.tied:
             self.mid2 = torch.nn.Linear(HID, HID)  # its own bias, the middle layer's weight (below)
+        # blocks: two identical layers after the input layer, in an nn.ModuleList: what regional
+        # compilation compiles one by one (accelerate's compile_regions), and two more units for
+        # full sharding's wrap policies and ZeRO-3 (registered last: the other layers' draws stay)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(HID, HID) for _ in range(2)) if case.get("blocks") else None
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.4)
@@ -57,6 +62,8 @@ class Net(torch.nn.Module):
 
     def forward(self, x, skip_mid: bool = False):
         h = torch.tanh(self.inp(x.to(self.inp.weight.dtype)))
+        for block in self.blocks if self.blocks is not None else ():
+            h = torch.tanh(block(h.to(block.weight.dtype)))
         h = h.to(self.mid.weight.dtype)
         if skip_mid:  # data-dependent control flow (fsdp_skip): the middle layer left out
             pass
