@@ -5,6 +5,7 @@ import inspect
 
 import torch
 
+from . import fused_adam
 from .state import AcceleratorState, GradientState
 from .utils.operations import send_to_device
 
@@ -122,7 +123,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             if self._grads is not None:
                 self._grads.strategy.optimizer_step(self.optimizer, closure)
             else:
-                self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+                fused_adam.run_step(self.optimizer, closure)
         if self.scaler is not None:
             self.scaler.update(found_inf)
             if self._grads is not None:

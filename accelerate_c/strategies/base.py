@@ -12,6 +12,7 @@ writes the buffer's other fields; the buffers never read that state.
 """
 from __future__ import annotations
 
+from .. import fused_adam
 from ..grad_layout import alloc_flat
 
 
@@ -193,8 +194,9 @@ class GradStrategy:
         """Raises when `doing` (save_state, load_state) cannot be done under this strategy yet."""
 
     def optimizer_step(self, optimizer, closure=None):
-        """The optimizer's update of the parameters it owns."""
-        return optimizer.step(closure) if closure is not None else optimizer.step()
+        """The optimizer's update of the parameters it owns (torch's Adam/AdamW through the
+        one-pass kernels where they give torch's values: fused_adam.py)."""
+        return fused_adam.run_step(optimizer, closure)
 
     def load_targets(self, model):
         """(tensors load_state reads `model`'s saved weights into, by name; a callable that then

@@ -100,6 +100,7 @@ static int module_exec(PyObject *m) {
   if (PyModule_AddFunctions(m, pyac_durable_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, pyac_grads_methods) < 0) return -1;
   if (PyModule_AddFunctions(m, pyac_malloc_methods) < 0) return -1;
+  if (PyModule_AddFunctions(m, pyac_adam_methods) < 0) return -1;
   st->comm_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &pyac_comm_spec, NULL);
   if (!st->comm_type || PyModule_AddObjectRef(m, "NcclComm", (PyObject *)st->comm_type) < 0) return -1;
   if (PyModule_AddFunctions(m, pyac_comm_methods) < 0) return -1;

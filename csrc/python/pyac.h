@@ -148,5 +148,6 @@ extern PyMethodDef pyac_safetensors_methods[];
 extern PyMethodDef pyac_durable_methods[];
 extern PyMethodDef pyac_grads_methods[];
 extern PyMethodDef pyac_malloc_methods[];
+extern PyMethodDef pyac_adam_methods[];
 
 #endif

@@ -36,7 +36,7 @@ TESTS=(test_error test_pool
        test_bucket test_shard test_ds_scaler
        test_safetensors_header test_safetensors_roundtrip test_safetensors_publish
        test_safetensors_direct test_safetensors_gpu
-       test_comm test_comm_shm test_dlpack_check)
+       test_comm test_comm_shm test_dlpack_check test_adam)
 
 # LeakSanitizer is part of ASan on x86-64 Linux (gcc and clang); detect_leaks=1 makes it
 # explicit. Caller-supplied options are kept (ours come first, theirs win).
@@ -152,17 +152,19 @@ for t in "${selected[@]}"; do
 done
 
 # ThreadSanitizer for the concurrent code (it cannot be combined with ASan): the shared-memory
-# collectives, whose tests run ranks as threads. Only what the program needs is compiled again,
-# with -fsanitize=thread. (test_pool is not here: most of its cases fork a threaded process,
+# collectives, whose tests run ranks as threads, and the Adam kernels' split over the pool.
+# Only what the program needs is compiled again, with -fsanitize=thread. (test_pool is not here: most of its cases fork a threaded process,
 # which ThreadSanitizer does not support.)
-TSAN_TESTS=(test_comm_shm)
+TSAN_TESTS=(test_comm_shm test_adam)
 for t in "${selected[@]}"; do
   case " ${TSAN_TESTS[*]} " in *" $t "*) ;; *) continue ;; esac
   rm -f "$BIN/${t}_tsan"
   srcs=(csrc/core/error.c)
   case "$t" in test_comm_shm) srcs+=(csrc/core/comm_shm.c csrc/core/comm_shm_reduce.c csrc/core/comm_shm_async.c csrc/core/comm_shm_window.c
                                       csrc/core/comm.c csrc/core/comm_shm_comm.c csrc/core/reducer.c csrc/core/bucket.c
-                                      csrc/core/dtype.c csrc/core/cuda_stub.c) ;; esac
+                                      csrc/core/dtype.c csrc/core/cuda_stub.c) ;;
+    test_adam) srcs+=(csrc/core/adam.c csrc/core/pool.c csrc/core/kernels.c csrc/core/kernels_scalar.c
+                      csrc/core/kernels_avx2.c csrc/core/seg_norms.c csrc/core/dtype.c) ;; esac
   if "${CCV[@]}" -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=thread -fno-omit-frame-pointer -pthread \
       -Icsrc/include -Icsrc/core "tests/c/$t.c" "${srcs[@]}" -lm -ldl -o "$BIN/${t}_tsan"; then
     echo "== ThreadSanitizer $BIN/${t}_tsan"

@@ -1,0 +1,177 @@
+"""torch.optim.Adam / AdamW's step in one pass over memory (csrc/core/adam.c), with torch's values.
+
+On CPU tensors torch runs Adam(W) as its single-tensor loop: per parameter ~9 tensor operations
+(weight decay, lerp, mul, addcmul, sqrt, division, add, addcdiv), each a pass over the
+parameter's memory and ~1000 operator calls a step for a hundred parameters. The C kernel does
+the same operations, in the same order, with the same fp32 roundings (and the fused
+multiply-adds exactly where torch's vectorised kernels have them: ac/adam.h), reading and
+writing each element once: the parameters, moments and step counts afterwards are bit for bit
+torch's (tests/test_fused_adam.py checks them against torch.optim.AdamW / Adam).
+
+It replaces `optimizer.step()` only where that equality is established: the optimizer's class is
+exactly torch.optim.Adam or AdamW; every group uses the single-tensor path (foreach, fused,
+capturable, differentiable, amsgrad off; lr, betas, eps and weight_decay plain numbers);
+parameters, gradients and moments are dense contiguous float32 CPU tensors; torch's CPU
+capability is one whose fused multiply-adds are known (x86-64: AVX2, AVX512, DEFAULT); no
+optimizer step hook (the optimizer's or global) and no replaced `step` (other than the LR
+scheduler's marker) would be skipped. Anything else runs torch's own step, unchanged.
+ACCELERATE_C_FUSED_ADAM=0 turns it off.
+"""
+from __future__ import annotations
+
+import array
+import os
+import platform
+
+import torch
+import torch.optim.optimizer as _torch_optimizer
+
+from . import _C
+
+_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+# torch's CPU capabilities on x86-64 and whether their Adam kernels fuse multiply-adds
+_FMA = {"AVX512": True, "AVX2": True, "DEFAULT": False}
+# flags of ac/adam.h
+_DECOUPLED, _DECAY, _MAXIMIZE, _FMA_FLAG = 1, 2, 4, 8
+
+
+def enabled() -> bool:
+    return os.environ.get("ACCELERATE_C_FUSED_ADAM", "1") != "0"
+
+
+def _capability_fma():
+    """True / False: whether torch's CPU kernels fuse here; None: not known (no fused step)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    return _FMA.get(torch.backends.cpu.get_cpu_capability())
+
+
+def _plain_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _dense_f32(t) -> bool:
+    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.layout == torch.strided
+            and t.is_contiguous() and not t.is_conj() and not t.is_neg())
+
+
+def _group_ok(group) -> bool:
+    if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
+        return False
+    if group.get("foreach") or group.get("fused"):
+        return False
+    beta1, beta2 = group["betas"]
+    return all(_plain_number(v) for v in (group["lr"], beta1, beta2, group["eps"], group["weight_decay"]))
+
+
+def _hooks_present(optimizer) -> bool:
+    """Step hooks torch's step would run (the optimizer's own, or registered globally)."""
+    return bool(getattr(optimizer, "_optimizer_step_pre_hooks", None)
+                or getattr(optimizer, "_optimizer_step_post_hooks", None)
+                or getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None)
+                or getattr(_torch_optimizer, "_global_optimizer_post_hooks", None))
+
+
+def eligible(optimizer) -> bool:
+    """Whether `step(optimizer)` gives torch's result for this optimizer as it is now."""
+    if not enabled() or type(optimizer) not in _CLASSES or _capability_fma() is None:
+        return False
+    if torch.get_default_dtype() != torch.float32 or torch.compiler.is_compiling():
+        return False
+    # a step replaced on the instance (a user's wrapper) must run; the LR scheduler's marker
+    # wrapper only flags that the step was called, which step() below does itself
+    own = optimizer.__dict__.get("step")
+    if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
+        return False
+    if _hooks_present(optimizer) or getattr(optimizer, "grad_scale", None) is not None \
+            or getattr(optimizer, "found_inf", None) is not None:
+        return False
+    for group in optimizer.param_groups:
+        if not _group_ok(group):
+            return False
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if not (_dense_f32(p) and _dense_f32(g)) or g.shape != p.shape:
+                return False
+            state = optimizer.state.get(p)
+            if state:
+                step_t = state.get("step")
+                if not (torch.is_tensor(step_t) and step_t.device.type == "cpu" and step_t.dim() == 0
+                        and not step_t.requires_grad):
+                    return False
+                for key in ("exp_avg", "exp_avg_sq"):
+                    t = state.get(key)
+                    if not (torch.is_tensor(t) and _dense_f32(t) and t.shape == p.shape):
+                        return False
+    return True
+
+
+@torch.no_grad()
+def step(optimizer) -> None:
+    """torch's Adam/AdamW step for an eligible optimizer: state created as torch creates it,
+    each parameter's step count advanced, the update in one C call per set of flags (groups
+    that differ in weight decay or maximize)."""
+    base = _FMA_FLAG if _capability_fma() else 0
+    batches: dict[int, tuple] = {}
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        for group in optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
+            flags = base | (_DECAY if wd != 0 else 0) | (_DECOUPLED if decoupled else 0) \
+                | (_MAXIMIZE if group["maximize"] else 0)
+            params, grads, avgs, sqs, consts = batches.setdefault(flags, ([], [], [], [], array.array("f")))
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = optimizer.state[p]
+                if len(state) == 0:  # as torch's _init_group (capturable and fused off)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                step_t = state["step"]
+                step_t += 1
+                k = step_t.item()
+                # torch's _single_tensor_adam arithmetic on Python floats (double); array('f')
+                # then rounds each to fp32, as torch's kernels convert their scalar arguments
+                bias1 = 1 - beta1 ** k
+                bias2 = 1 - beta2 ** k
+                decay = (1 - lr * wd) if decoupled else wd
+                consts.extend((decay, 1 - beta1, beta2, 1 - beta2, bias2 ** 0.5, eps, -(lr / bias1)))
+                params.append(p.detach())
+                grads.append(p.grad.detach())
+                avgs.append(state["exp_avg"])
+                sqs.append(state["exp_avg_sq"])
+        for flags, (params, grads, avgs, sqs, consts) in batches.items():
+            if params:
+                _update(params, grads, avgs, sqs, consts, flags)
+        optimizer._optimizer_step_code()  # torch's profiler entry point, as its step wrapper calls it
+    optimizer._opt_called = True  # what torch's LR scheduler reads to know the step ran
+
+
+# Square roots held at once between the two passes (elements): a bound on the transient memory
+# (torch's own step holds two such temporaries of one parameter at a time)
+ROOTS_BUDGET = 1 << 22
+
+
+def _update(params, grads, avgs, sqs, consts, flags) -> None:
+    """The moments of all parameters in one pass; then, a few parameters at a time, torch's own
+    square root of each second moment (the values only its MKL call gives: ac/adam.h) and the
+    parameters' pass."""
+    _C.adam_moments(params, grads, avgs, sqs, consts, flags)
+    first, roots, held = 0, [], 0
+    for i, sq in enumerate(sqs):
+        roots.append(torch.sqrt(sq))
+        held += sq.numel()
+        if held >= ROOTS_BUDGET or i == len(sqs) - 1:
+            _C.adam_apply(params[first:i + 1], avgs[first:i + 1], roots, consts[7 * first:7 * (i + 1)], flags)
+            first, roots, held = i + 1, [], 0
+
+
+def run_step(optimizer, closure=None):
+    """optimizer.step(closure), through the one-pass update when that gives torch's values."""
+    if closure is None and eligible(optimizer):
+        return step(optimizer)
+    return optimizer.step(closure) if closure is not None else optimizer.step()
