@@ -2,11 +2,15 @@
 
 On CPU tensors torch runs Adam(W) as its single-tensor loop: per parameter ~9 tensor operations
 (weight decay, lerp, mul, addcmul, sqrt, division, add, addcdiv), each a pass over the
-parameter's memory and ~1000 operator calls a step for a hundred parameters. The C kernel does
-the same operations, in the same order, with the same fp32 roundings (and the fused
-multiply-adds exactly where torch's vectorised kernels have them: ac/adam.h), reading and
-writing each element once: the parameters, moments and step counts afterwards are bit for bit
-torch's (tests/test_fused_adam.py checks them against torch.optim.AdamW / Adam).
+parameter's memory, and ~700 operator calls a step for 76 parameters. The C kernels do the same
+operations, in the same order, with the same fp32 roundings (the fused multiply-adds exactly
+where torch's vectorised kernels have them: ac/adam.h), on blocks small enough to stay in cache:
+the parameters, moments and step counts afterwards are bit for bit torch's
+(tests/test_fused_adam.py checks them against torch.optim.AdamW / Adam). The square root is
+torch's own: torch computes it with MKL's vsSqrt, whose last bit differs from the correctly
+rounded root in ~0.7% of elements, so the kernel calls that function in torch's library (found
+once, and used only after it gave torch.sqrt's values on a probe); where it cannot, the update
+takes two passes with torch.sqrt between them.
 
 It replaces `optimizer.step()` only where that equality is established: the optimizer's class is
 exactly torch.optim.Adam or AdamW; every group uses the single-tensor path (foreach, fused,
@@ -15,7 +19,7 @@ parameters, gradients and moments are dense contiguous float32 CPU tensors; torc
 capability is one whose fused multiply-adds are known (x86-64: AVX2, AVX512, DEFAULT); no
 optimizer step hook (the optimizer's or global) and no replaced `step` (other than the LR
 scheduler's marker) would be skipped. Anything else runs torch's own step, unchanged.
-ACCELERATE_C_FUSED_ADAM=0 turns it off.
+ACCELERATE_C_FUSED_ADAM=0 turns it off; ACCELERATE_C_ADAM_SQRT=torch keeps the two passes.
 """
 from __future__ import annotations
 
@@ -156,10 +160,53 @@ def step(optimizer) -> None:
 ROOTS_BUDGET = 1 << 22
 
 
+_torch_sqrt: bool | None = None  # whether the C kernels call torch's own square root (decided once)
+
+
+def _probe() -> torch.Tensor:
+    """Values a square root can round differently: every binade of fp32 (subnormals included)
+    with random mantissas, zeros, infinities, NaN, negatives."""
+    g = torch.Generator().manual_seed(0)
+    mant = torch.rand(1 << 14, generator=g) + 1.0
+    expo = torch.randint(-149, 128, (1 << 14,), generator=g).float()
+    values = torch.cat([mant * torch.exp2(expo), torch.tensor([0.0, -0.0, float("inf"), float("nan"), -1.0,
+                                                               1e-45, 3.4e38])])
+    return values.float()
+
+
+def _find_torch_sqrt() -> bool:
+    """torch computes sqrt with MKL's vsSqrt (ac/adam.h): found in torch's own library and
+    checked against torch.sqrt on a probe here, the one-pass kernel calls it; else the two-pass
+    update keeps calling torch.sqrt. ACCELERATE_C_ADAM_SQRT=torch forces the latter."""
+    if os.environ.get("ACCELERATE_C_ADAM_SQRT") == "torch":
+        return False
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not os.path.exists(lib) or not _C.adam_load_sqrt(lib):
+        return False
+    probe = _probe()
+    ours = torch.empty_like(probe)
+    _C.adam_sqrt(probe, ours)
+    theirs = torch.sqrt(probe)
+    same = torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.nan_to_num(), theirs.nan_to_num())
+    if not same:
+        _C.adam_unload_sqrt()
+    return same
+
+
+def uses_torch_sqrt_in_c() -> bool:
+    global _torch_sqrt
+    if _torch_sqrt is None:
+        _torch_sqrt = _find_torch_sqrt()
+    return _torch_sqrt
+
+
 def _update(params, grads, avgs, sqs, consts, flags) -> None:
-    """The moments of all parameters in one pass; then, a few parameters at a time, torch's own
-    square root of each second moment (the values only its MKL call gives: ac/adam.h) and the
-    parameters' pass."""
+    """One pass (the moments, torch's square root and the parameters on cache-sized blocks) when
+    the kernels can call torch's square root; else the moments of all parameters in one pass,
+    then, a few parameters at a time, torch.sqrt of each second moment and the parameters' pass."""
+    if uses_torch_sqrt_in_c():
+        _C.adam_fused(params, grads, avgs, sqs, consts, flags)
+        return
     _C.adam_moments(params, grads, avgs, sqs, consts, flags)
     first, roots, held = 0, [], 0
     for i, sq in enumerate(sqs):

@@ -1,8 +1,9 @@
-"""torch.optim.Adam / AdamW's step through accelerate_c's two-pass kernels (accelerate_c/fused_adam.py,
+"""torch.optim.Adam / AdamW's step through accelerate_c's kernels (accelerate_c/fused_adam.py,
 csrc/core/adam.c), against torch's own optimizer run side by side in the same test on copies
 of the same tensors: parameters, moments and step counts bit for bit, over sizes with vector
 tails and parallel chunks, both branches of lerp, weight decay of both kinds, maximize, several
-groups, special values, both kernel ISAs and torch's three x86 CPU capabilities. Then what is
+groups, special values, both kernel ISAs, torch's three x86 CPU capabilities, and both forms of
+the update (one pass calling torch's own square root, two passes around torch.sqrt). Then what is
 not taken (and so stays torch's), and a prepared training loop against a plain torch loop."""
 from __future__ import annotations
 
@@ -27,6 +28,22 @@ CONFIGS = [
     (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1)),  # L2 decay in the gradient
     (torch.optim.Adam, dict(lr=1e-3)),
 ]
+
+
+@pytest.fixture(params=["one_pass", "two_pass"])
+def sqrt_mode(request, monkeypatch):
+    """The one-pass kernel (calling torch's own square root from C) and the two-pass update
+    (torch.sqrt between the passes): both must give torch's values."""
+    if request.param == "one_pass":
+        if not fused_adam.uses_torch_sqrt_in_c():
+            pytest.skip("torch's square root is not reachable from C here (no MKL)")
+    else:
+        monkeypatch.setattr(fused_adam, "_torch_sqrt", False)
+    return request.param
+
+
+def test_one_pass_where_torch_has_mkl():
+    assert fused_adam.uses_torch_sqrt_in_c() is torch.backends.mkl.is_available()
 
 
 def _pair(cls, kw, sizes=SIZES, seed=0):
@@ -61,7 +78,7 @@ def _assert_same(ours, theirs, oo, ot):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("config", range(len(CONFIGS)))
-def test_bitwise_torch(config, threads):
+def test_bitwise_torch(config, threads, sqrt_mode):
     cls, kw = CONFIGS[config]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -80,7 +97,7 @@ def test_bitwise_torch(config, threads):
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
-def test_both_kernel_isas_and_special_values(isa):
+def test_both_kernel_isas_and_special_values(isa, sqrt_mode):
     if isa == "avx2" and _C.adam_isa() != "avx2" and _C.kernel_isa() != "avx2":
         pytest.skip("no AVX2 here")
     previous = _C.kernel_isa()
@@ -99,7 +116,7 @@ def test_both_kernel_isas_and_special_values(isa):
         _C.set_kernel_isa(previous)
 
 
-def test_groups_with_different_flags_and_missing_gradients():
+def test_groups_with_different_flags_and_missing_gradients(sqrt_mode):
     g = torch.Generator().manual_seed(3)
     ours = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (50, 3000, 70000, 9)]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
@@ -229,7 +246,7 @@ def test_lr_scheduler_sees_the_step_and_the_profiler_its_label():
     assert opt.param_groups[0]["lr"] == 0.5e-3
 
 
-def test_prepared_loop_bitwise_plain_torch(monkeypatch):
+def test_prepared_loop_bitwise_plain_torch(monkeypatch, sqrt_mode):
     """One process, AdamW with weight decay and a schedule, accumulation 2, clipping: the
     prepared loop (which steps through the kernels) against torch's loop."""
     steps = []

@@ -3,7 +3,11 @@
  * of its tensor operations rounded to fp32 as that operation's kernel rounds. Compiled in ISO C
  * (-std=c11), so the compiler fuses no multiply and add by itself: a fused multiply-add happens
  * only where fmaf / _mm256_fmadd_ps is written, which is where torch's kernels fuse. */
+#define _GNU_SOURCE /* RTLD_NOLOAD */
+#include <dlfcn.h>
+#include <limits.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,11 +37,11 @@ static inline void moments_one(const ac_adam_param_t *q, size_t i, int flags) {
   q->exp_avg_sq[i] = mul_add(q->one_minus_beta2 * g, g, v, fma);        /* .addcmul_(grad, grad, 1 - beta2) */
 }
 
-/* The parameter of one element, from torch's sqrt of exp_avg_sq. */
-static inline void apply_one(const ac_adam_param_t *q, size_t i, int flags) {
+/* The parameter of one element, from torch's sqrt of its exp_avg_sq (`root`). */
+static inline void apply_one(const ac_adam_param_t *q, size_t i, float root, int flags) {
   float p = q->param[i];
   if ((flags & AC_ADAM_DECAY) && (flags & AC_ADAM_DECOUPLED)) p = p * q->decay;  /* param.mul_(1 - lr*wd) */
-  float den = q->root[i] / q->bias2_sqrt;                               /* sqrt / bias_correction2_sqrt */
+  float den = root / q->bias2_sqrt;                                     /* sqrt / bias_correction2_sqrt */
   den = den + q->eps;                                                   /* .add_(eps) */
   const float num = q->neg_step * q->exp_avg[i];                        /* addcdiv_(exp_avg, denom, -step) */
   q->param[i] = p + num / den;
@@ -72,7 +76,8 @@ AVX static void moments_avx2(const ac_adam_param_t *q, size_t lo, size_t hi, int
   for (; i < hi; i++) moments_one(q, i, flags);
 }
 
-AVX static void apply_avx2(const ac_adam_param_t *q, size_t lo, size_t hi, int flags) {
+/* root[0] is element lo's */
+AVX static void apply_avx2(const ac_adam_param_t *q, size_t lo, size_t hi, const float *root, int flags) {
   const int decoupled = (flags & AC_ADAM_DECAY) && (flags & AC_ADAM_DECOUPLED);
   const __m256 decay = _mm256_set1_ps(q->decay), bias2 = _mm256_set1_ps(q->bias2_sqrt);
   const __m256 eps = _mm256_set1_ps(q->eps), neg_step = _mm256_set1_ps(q->neg_step);
@@ -80,56 +85,97 @@ AVX static void apply_avx2(const ac_adam_param_t *q, size_t lo, size_t hi, int f
   for (; i + 8 <= hi; i += 8) {
     __m256 p = _mm256_loadu_ps(q->param + i);
     if (decoupled) p = _mm256_mul_ps(p, decay);
-    const __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(q->root + i), bias2), eps);
+    const __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(root + (i - lo)), bias2), eps);
     const __m256 num = _mm256_mul_ps(neg_step, _mm256_loadu_ps(q->exp_avg + i));
     _mm256_storeu_ps(q->param + i, _mm256_add_ps(p, _mm256_div_ps(num, den)));
   }
-  for (; i < hi; i++) apply_one(q, i, flags);
+  for (; i < hi; i++) apply_one(q, i, root[i - lo], flags);
 }
 #endif
+
+static void moments_range(const ac_adam_param_t *q, size_t lo, size_t hi, int flags, int avx2) {
+#ifdef HAVE_AVX2_PATH
+  if (avx2) {
+    moments_avx2(q, lo, hi, flags);
+    return;
+  }
+#endif
+  (void)avx2;
+  for (size_t i = lo; i < hi; i++) moments_one(q, i, flags);
+}
+
+static void apply_range(const ac_adam_param_t *q, size_t lo, size_t hi, const float *root, int flags, int avx2) {
+#ifdef HAVE_AVX2_PATH
+  if (avx2) {
+    apply_avx2(q, lo, hi, root, flags);
+    return;
+  }
+#endif
+  (void)avx2;
+  for (size_t i = lo; i < hi; i++) apply_one(q, i, root[i - lo], flags);
+}
+
+/* The square root torch computes (MKL's vsSqrt, found in torch's own library by
+ * ac_adam_load_sqrt): with it the three steps run on cache-sized blocks in one pass. */
+typedef void (*sqrt_fn_t)(int n, const float *a, float *r);
+static _Atomic(sqrt_fn_t) torch_sqrt;
+#define ADAM_BLOCK 2048 /* elements per block: 8 KiB of each array, in L1 across the three steps */
+
+enum { MODE_MOMENTS, MODE_APPLY, MODE_FUSED };
 
 typedef struct {
   const ac_adam_param_t *params;
   size_t *tasks; /* per task: parameter index, first element, end (3 entries) */
   int flags;
-  int apply;     /* 0: moments, 1: apply */
+  int mode;
   int avx2;
+  sqrt_fn_t sqrt;
 } adam_job_t;
 
 static void run_task(void *ctx, size_t t) {
   const adam_job_t *j = ctx;
   const ac_adam_param_t *q = &j->params[j->tasks[3 * t]];
   const size_t lo = j->tasks[3 * t + 1], hi = j->tasks[3 * t + 2];
-#ifdef HAVE_AVX2_PATH
-  if (j->avx2) {
-    if (j->apply) apply_avx2(q, lo, hi, j->flags);
-    else moments_avx2(q, lo, hi, j->flags);
-    return;
-  }
-#endif
-  for (size_t i = lo; i < hi; i++) {
-    if (j->apply) apply_one(q, i, j->flags);
-    else moments_one(q, i, j->flags);
+  if (j->mode == MODE_MOMENTS) {
+    moments_range(q, lo, hi, j->flags, j->avx2);
+  } else if (j->mode == MODE_APPLY) {
+    apply_range(q, lo, hi, q->root + lo, j->flags, j->avx2);
+  } else {
+    float root[ADAM_BLOCK];
+    for (size_t b = lo; b < hi; b += ADAM_BLOCK) {
+      const size_t e = b + ADAM_BLOCK < hi ? b + ADAM_BLOCK : hi;
+      moments_range(q, b, e, j->flags, j->avx2);
+      j->sqrt((int)(e - b), q->exp_avg_sq + b, root);
+      apply_range(q, b, e, root, j->flags, j->avx2);
+    }
   }
 }
 
 const char *ac_adam_isa(void) { return strcmp(ac_kernels_isa(), "avx2") == 0 ? "avx2" : "scalar"; }
 
-static ac_result_t run(const ac_adam_param_t *params, size_t count, int flags, int apply) {
-  const char *fn = apply ? "adam_apply" : "adam_moments";
+static ac_result_t run(const ac_adam_param_t *params, size_t count, int flags, int mode) {
+  static const char *names[] = {"adam_moments", "adam_apply", "adam_fused"};
+  const char *fn = names[mode];
+  sqrt_fn_t sq = atomic_load(&torch_sqrt);
+  if (mode == MODE_FUSED && !sq)
+    return AC_FAIL(AC_ERR_STATE, "%s: torch's square root was not found (ac_adam_load_sqrt)", fn);
   if (count > 0 && !params) return AC_FAIL(AC_ERR_INVALID_ARG, "%s: NULL parameter array", fn);
   size_t ntasks = 0;
   for (size_t k = 0; k < count; k++) {
     const ac_adam_param_t *q = &params[k];
-    const int missing = apply ? (!q->param || !q->exp_avg || !q->root)
-                              : (!q->grad || !q->exp_avg || !q->exp_avg_sq ||
-                                 (!q->param && (flags & AC_ADAM_DECAY) && !(flags & AC_ADAM_DECOUPLED)));
+    const int l2 = (flags & AC_ADAM_DECAY) && !(flags & AC_ADAM_DECOUPLED);
+    const int moments_missing = !q->grad || !q->exp_avg || !q->exp_avg_sq || (!q->param && l2);
+    const int apply_missing = !q->param || !q->exp_avg || (!q->root && mode == MODE_APPLY);
+    const int missing = mode == MODE_MOMENTS ? moments_missing
+                        : mode == MODE_APPLY ? apply_missing : (moments_missing || apply_missing);
     if (q->n > 0 && missing)
       return AC_FAIL(AC_ERR_INVALID_ARG, "%s: parameter %zu has a NULL tensor for %zu elements", fn, k, q->n);
+    if (q->n > (size_t)INT_MAX)
+      return AC_FAIL(AC_ERR_INVALID_ARG, "%s: parameter %zu has %zu elements (at most %d)", fn, k, q->n, INT_MAX);
     ntasks += (q->n + ADAM_CHUNK - 1) / ADAM_CHUNK;
   }
   if (ntasks == 0) return AC_OK;
-  adam_job_t j = {params, malloc(3 * ntasks * sizeof(size_t)), flags, apply, strcmp(ac_adam_isa(), "avx2") == 0};
+  adam_job_t j = {params, malloc(3 * ntasks * sizeof(size_t)), flags, mode, strcmp(ac_adam_isa(), "avx2") == 0, sq};
   if (!j.tasks) return AC_FAIL(AC_ERR_NOMEM, "%s: %zu tasks", fn, ntasks);
   size_t t = 0;
   for (size_t k = 0; k < count; k++)
@@ -147,9 +193,40 @@ static ac_result_t run(const ac_adam_param_t *params, size_t count, int flags, i
 }
 
 ac_result_t ac_adam_moments(const ac_adam_param_t *params, size_t count, int flags) {
-  return run(params, count, flags, 0);
+  return run(params, count, flags, MODE_MOMENTS);
 }
 
 ac_result_t ac_adam_apply(const ac_adam_param_t *params, size_t count, int flags) {
-  return run(params, count, flags, 1);
+  return run(params, count, flags, MODE_APPLY);
+}
+
+ac_result_t ac_adam_fused(const ac_adam_param_t *params, size_t count, int flags) {
+  return run(params, count, flags, MODE_FUSED);
+}
+
+ac_result_t ac_adam_load_sqrt(const char *library) {
+  if (!library) return AC_FAIL(AC_ERR_INVALID_ARG, "adam_load_sqrt: NULL library path");
+  /* RTLD_NOLOAD: only a library torch has loaded already (no second copy of MKL) */
+  void *h = dlopen(library, RTLD_LAZY | RTLD_NOLOAD);
+  if (!h) return AC_FAIL(AC_ERR_UNSUPPORTED, "adam_load_sqrt: %s is not loaded in this process", library);
+  void *f = dlsym(h, "vsSqrt");
+  if (!f) {
+    dlclose(h);
+    return AC_FAIL(AC_ERR_UNSUPPORTED, "adam_load_sqrt: %s has no vsSqrt (torch built without MKL)", library);
+  }
+  /* the handle stays open: the library must outlive the pointer (torch keeps it loaded anyway) */
+  sqrt_fn_t fp;
+  memcpy(&fp, &f, sizeof fp); /* object pointer to function pointer, as POSIX allows */
+  atomic_store(&torch_sqrt, fp);
+  return AC_OK;
+}
+
+void ac_adam_unload_sqrt(void) { atomic_store(&torch_sqrt, (sqrt_fn_t)NULL); }
+
+ac_result_t ac_adam_sqrt(const float *a, float *r, size_t n) {
+  sqrt_fn_t sq = atomic_load(&torch_sqrt);
+  if (!sq) return AC_FAIL(AC_ERR_STATE, "adam_sqrt: torch's square root was not found (ac_adam_load_sqrt)");
+  if (n > 0 && (!a || !r)) return AC_FAIL(AC_ERR_INVALID_ARG, "adam_sqrt: NULL buffer for %zu elements", n);
+  for (size_t b = 0; b < n; b += ADAM_BLOCK) sq((int)(n - b < ADAM_BLOCK ? n - b : ADAM_BLOCK), a + b, r + b);
+  return AC_OK;
 }

@@ -24,6 +24,9 @@ static const spec_t MOMENTS = {"adam_moments", 4, {S_PARAM, S_GRAD, S_AVG, S_SQ}
 static const spec_t APPLY = {"adam_apply", 3, {S_PARAM, S_AVG, S_ROOT}, {PYAC_WRITE, PYAC_READ, PYAC_READ},
                              ac_adam_apply};
 
+static const spec_t FUSED = {"adam_fused", 4, {S_PARAM, S_GRAD, S_AVG, S_SQ},
+                             {PYAC_WRITE, PYAC_READ, PYAC_WRITE, PYAC_WRITE}, ac_adam_fused};
+
 static void set_slot(ac_adam_param_t *q, enum slot s, void *data) {
   switch (s) {
   case S_PARAM: q->param = data; break;
@@ -118,6 +121,49 @@ done:
 static PyObject *py_adam_moments(PyObject *m, PyObject *const *a, Py_ssize_t n) { return call(m, a, n, &MOMENTS); }
 static PyObject *py_adam_apply(PyObject *m, PyObject *const *a, Py_ssize_t n) { return call(m, a, n, &APPLY); }
 
+static PyObject *py_adam_fused(PyObject *m, PyObject *const *a, Py_ssize_t n) { return call(m, a, n, &FUSED); }
+
+static PyObject *py_adam_load_sqrt(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  if (!pyac_nargs_ok("adam_load_sqrt", n, 1)) return NULL;
+  const char *path = PyUnicode_AsUTF8(a[0]);
+  if (!path) return NULL;
+  ac_result_t r = ac_adam_load_sqrt(path);
+  if (r == AC_ERR_UNSUPPORTED) Py_RETURN_FALSE; /* no such function here: the caller keeps torch.sqrt */
+  if (r != AC_OK) return pyac_raise(m, r);
+  Py_RETURN_TRUE;
+}
+
+static PyObject *py_adam_unload_sqrt(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  (void)m;
+  (void)a;
+  if (!pyac_nargs_ok("adam_unload_sqrt", n, 0)) return NULL;
+  ac_adam_unload_sqrt();
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_adam_sqrt(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  pyac_view src, dst;
+  if (!pyac_nargs_ok("adam_sqrt", n, 2)) return NULL;
+  if (pyac_view_from(m, a[0], PYAC_READ, PYAC_ON_CPU, "src", &src) < 0) return NULL;
+  if (pyac_view_from(m, a[1], PYAC_WRITE, PYAC_ON_CPU, "dst", &dst) < 0) {
+    pyac_view_release(&src);
+    return NULL;
+  }
+  ac_result_t r = AC_OK;
+  if (src.dt != AC_F32 || dst.dt != AC_F32 || src.n != dst.n)
+    PyErr_Format(PyExc_ValueError, "adam_sqrt: src and dst must be float32 tensors of one size (%zu and %zu elements)",
+                 src.n, dst.n);
+  else {
+    Py_BEGIN_ALLOW_THREADS r = ac_adam_sqrt(src.data, dst.data, src.n);
+    Py_END_ALLOW_THREADS
+  }
+  pyac_view_release(&src);
+  pyac_view_release(&dst);
+  if (PyErr_Occurred()) return NULL;
+  if (r != AC_OK) return pyac_raise(m, r);
+  Py_RETURN_NONE;
+}
+
 static PyObject *py_adam_isa(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   (void)m;
   (void)a;
@@ -132,6 +178,13 @@ PyMethodDef pyac_adam_methods[] = {
     PYAC_FAST("adam_apply", py_adam_apply,
               "adam_apply(params, exp_avgs, roots, consts, flags): torch's Adam/AdamW parameter update from "
               "roots = torch.sqrt(exp_avg_sq), in one pass."),
+    PYAC_FAST("adam_fused", py_adam_fused,
+              "adam_fused(params, grads, exp_avgs, exp_avg_sqs, consts, flags): the moments, torch's square root and "
+              "the parameters in one pass (after adam_load_sqrt)."),
+    PYAC_FAST("adam_load_sqrt", py_adam_load_sqrt,
+              "adam_load_sqrt(path) -> bool: finds torch's square root (MKL's vsSqrt) in the loaded library at path."),
+    PYAC_FAST("adam_unload_sqrt", py_adam_unload_sqrt, "adam_unload_sqrt(): forgets it (tests)."),
+    PYAC_FAST("adam_sqrt", py_adam_sqrt, "adam_sqrt(src, dst): dst = that square root of src (float32, CPU)."),
     PYAC_FAST("adam_isa", py_adam_isa, "adam_isa() -> 'avx2' or 'scalar': the code the Adam kernels run."),
     {NULL, NULL, 0, NULL},
 };

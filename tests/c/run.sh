@@ -67,6 +67,13 @@ if ! "${CCV[@]}" "${CFLAGS[@]}" -shared -fPIC tests/c/fake_nccl.c -o "$BIN/libfa
   exit 1
 fi
 export AC_FAKE_NCCL="$ROOT/$BIN/libfake_nccl.so"
+# A stand-in for MKL's vsSqrt for test_adam, built without sanitizers so that the ASan and the
+# ThreadSanitizer builds of the test can both load it.
+if ! "${CCV[@]}" -std=c11 -O1 -Wall -Wextra -Werror -shared -fPIC tests/c/fake_vml.c -lm -o "$BIN/libfake_vml.so"; then
+  echo "FAILED: building tests/c/fake_vml.c"
+  exit 1
+fi
+export AC_FAKE_VML="$ROOT/$BIN/libfake_vml.so"
 
 selected=()
 for t in "${TESTS[@]}"; do

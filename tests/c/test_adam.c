@@ -1,7 +1,10 @@
 /* test_adam.c — csrc/include/ac/adam.h: the AVX2 path and the scalar path give the same bits
  * (NaN, infinities and subnormals included) on every size, flag set and thread count, since the
  * Python tests hold the kernels to torch through one of them (tests/test_fused_adam.py runs
- * both); a split over the pool changes nothing; every argument error. Run under ASan/UBSan. */
+ * both); a split over the pool changes nothing; the one-pass form (ac_adam_fused, with
+ * tests/c/fake_vml.c standing in for MKL's vsSqrt) equals the two passes with the same square
+ * root; every argument error. Run under ASan/UBSan and ThreadSanitizer. */
+#include <dlfcn.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -177,11 +180,46 @@ TEST(argument_errors) {
   ac_pool_shutdown(); /* LeakSanitizer: no live worker stacks at exit */
 }
 
+TEST(fused_equals_two_passes_with_the_same_root) {
+  bufs_t b0 = make(8);
+  ac_adam_param_t q0 = param_of(&b0, 0.1f);
+  CHECK_RC(ac_adam_fused(&q0, 1, 0), AC_ERR_STATE); /* no square root loaded yet */
+  CHECK_RC(ac_adam_sqrt(b0.v, b0.root, 8), AC_ERR_STATE);
+  CHECK_RC(ac_adam_load_sqrt("/nonexistent/libnothing.so"), AC_ERR_UNSUPPORTED);
+  const char *lib = getenv("AC_FAKE_VML");
+  if (!CHECK_MSG(lib != NULL, "run.sh sets AC_FAKE_VML")) {
+    drop(&b0);
+    return;
+  }
+  CHECK_RC(ac_adam_load_sqrt(lib), AC_ERR_UNSUPPORTED); /* not loaded in the process yet: refused */
+  void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+  CHECK(h != NULL);
+  CHECK_OK(ac_adam_load_sqrt(lib));
+  for (size_t s = 0; s < NSIZES; s++)
+    for (int flags = 0; flags < 16; flags++) {
+      bufs_t a = make(SIZES[s]), b = clone(&a);
+      ac_adam_param_t q = param_of(&a, flags & 1 ? 0.7f : 0.1f);
+      CHECK_OK(ac_adam_fused(&q, 1, flags));
+      step(&b, flags & 1 ? 0.7f : 0.1f, flags); /* two passes, sqrtf between: the fake's values */
+      CHECK_MSG(same_bits(a.p, b.p, a.n) && same_bits(a.m, b.m, a.n) && same_bits(a.v, b.v, a.n), "n=%zu flags=%d",
+                a.n, flags);
+      drop(&a);
+      drop(&b);
+    }
+  CHECK_OK(ac_adam_sqrt(b0.v, b0.root, 8));
+  for (int i = 0; i < 8; i++) CHECK(memcmp(&b0.root[i], &(float){sqrtf(b0.v[i])}, 4) == 0);
+  ac_adam_unload_sqrt();
+  CHECK_RC(ac_adam_fused(&q0, 1, 0), AC_ERR_STATE);
+  drop(&b0);
+  dlclose(h);
+}
+
 static const tu_test_t tests[] = {
     TU_CASE(avx2_equals_scalar_on_every_size_and_flag_set),
     TU_CASE(thread_count_changes_nothing),
     TU_CASE(fma_flag_changes_the_rounding),
     TU_CASE(several_parameters_in_one_call),
+    TU_CASE(fused_equals_two_passes_with_the_same_root),
     TU_CASE(argument_errors),
 };
 TU_MAIN(tests)

@@ -1,14 +1,16 @@
 /* adam.h — torch.optim.Adam / AdamW's update (torch's single-tensor path for fp32 CPU tensors)
- * in two passes over each parameter instead of torch's nine, element for element the values
+ * in one pass over each parameter instead of torch's nine, element for element the values
  * torch computes.
  *
  * torch runs the update as ~9 tensor operations per parameter (weight decay, lerp of the first
  * moment, mul and addcmul of the second, sqrt, division, add of eps, addcdiv), each a pass over
  * memory that rounds its result to fp32. These kernels apply the same operations in the same
  * order with the same roundings: ac_adam_moments the moments' update, ac_adam_apply the
- * parameter's. The square root between them stays torch's own (torch.sqrt of the second moment):
- * torch computes it with MKL's vector sqrt, which differs from the correctly rounded square root
- * in the last bit of ~0.7% of the elements, so only torch's call gives torch's values.
+ * parameter's, ac_adam_fused both with the square root between them on cache-sized blocks.
+ * The square root must be torch's own: torch computes it with MKL's vector sqrt (vsSqrt), which
+ * differs from the correctly rounded square root in the last bit of ~0.7% of the elements. So
+ * ac_adam_fused calls vsSqrt from torch's library (ac_adam_load_sqrt), and without it the caller
+ * runs the two passes with torch.sqrt between them.
  * Two torch operations are fused multiply-adds in torch's vectorised CPU kernels (AVX2 /
  * AVX-512 capability): lerp (vec::fmadd, and its scalar tail contracted by the compiler) and
  * addcmul (self + value*t1*t2 contracted), and Adam's L2 weight decay (add with alpha); with
@@ -61,7 +63,20 @@ ac_result_t ac_adam_moments(const ac_adam_param_t *params, size_t count, int fla
  * need with n > 0. */
 ac_result_t ac_adam_apply(const ac_adam_param_t *params, size_t count, int flags);
 
-/* "avx2" or "scalar": which code the two run here (follows ac_kernels_set_isa). */
+/* The moments, torch's square root and the parameters on blocks of a few thousand elements,
+ * in one pass over memory. Needs torch's square root: AC_ERR_STATE until ac_adam_load_sqrt. */
+ac_result_t ac_adam_fused(const ac_adam_param_t *params, size_t count, int flags);
+
+/* Finds the square root torch.sqrt computes with (MKL's vsSqrt) in `library`, a library this
+ * process has loaded (torch's libtorch_cpu): AC_ERR_UNSUPPORTED when it is not loaded or has no
+ * vsSqrt. The caller checks that it gives torch.sqrt's values before relying on it.
+ * ac_adam_unload_sqrt forgets it (tests). */
+ac_result_t ac_adam_load_sqrt(const char *library);
+void ac_adam_unload_sqrt(void);
+/* r[i] = that square root of a[i] (for the caller's check). AC_ERR_STATE before loading. */
+ac_result_t ac_adam_sqrt(const float *a, float *r, size_t n);
+
+/* "avx2" or "scalar": which code the kernels run here (follows ac_kernels_set_isa). */
 const char *ac_adam_isa(void);
 
 #ifdef __cplusplus
