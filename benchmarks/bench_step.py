@@ -43,9 +43,11 @@ Targets (a MISS is reported, not an error):
   * defaults: median(accelerate_c) / median(accelerate) >= 0.99
   * tuned:    median(accelerate_c) / median(accelerate) >= 1.00
 Printed without a target: accelerate_c / plain torch in both tables, with what makes the gap
-(accelerate_c runs torch's own forward, backward, clip and AdamW; around them it adds the
-library's per-step work; ACCELERATE_C_GRAD_BUFFERS=flat copies the gradients into flat buffers
-and saves the clip's read pass: --breakdown shows the phases), and what the tuning buys each contender (tuned / defaults).
+(accelerate_c runs torch's own forward, backward and clip, and torch's AdamW update in one pass
+over memory instead of nine, bit for bit torch's (accelerate_c/fused_adam.py); around them it adds
+the library's per-step work; ACCELERATE_C_GRAD_BUFFERS=flat copies the gradients into flat buffers
+and saves the clip's read pass: --breakdown shows the phases), and what the tuning buys each
+contender (tuned / defaults).
 
 Two more parts run after it, each in a fresh process: the fp16 gradient post-processing
 that accelerate_c's C core replaces (benchmarks/_step_fp16.py says what it times and checks;
@@ -351,8 +353,10 @@ def breakdown(names, cfg, dataset, batch_size, steps, warmup):
 
 
 GAP_TO_TORCH = (
-    "accelerate_c runs torch's own forward, backward, clip and AdamW (on one CPU process the gradients stay "
-    "autograd's tensors, clipped by torch's clip_grad_norm_). Around them, each optimizer step it adds what the "
+    "accelerate_c runs torch's own forward, backward and clip (on one CPU process the gradients stay "
+    "autograd's tensors, clipped by torch's clip_grad_norm_), and torch's AdamW update in one pass over memory "
+    "instead of torch's nine, with torch's values bit for bit (accelerate_c/fused_adam.py; the opt.step phase of "
+    "--breakdown). Around them, each optimizer step it adds what the "
     "library does for the user (the accumulate() context, the autocast and fp32-output wrapper of the forward, "
     "the prepared data loader, the optimizer and scheduler wrappers). With ACCELERATE_C_GRAD_BUFFERS=flat it "
     "also copies each gradient into the flat buffer ({grad_mb:.0f} MB read and written once per step, measured "
