@@ -14,7 +14,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-pthread"]
+# -ffp-contract=off: the compiler fuses no multiply-add by itself (GCC's default in ISO mode,
+# not clang's): csrc/core/adam.c reproduces torch's roundings, fused exactly where torch's are
+C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-pthread", "-ffp-contract=off"]
 if os.environ.get("ACCELERATE_C_WERROR") == "1":
     C_FLAGS.append("-Werror")
 # Architectures for the kernels: Ampere and Hopper binaries plus PTX for anything newer.

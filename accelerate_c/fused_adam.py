@@ -7,18 +7,20 @@ operations, in the same order, with the same fp32 roundings (the fused multiply-
 where torch's vectorised kernels have them: ac/adam.h), on blocks small enough to stay in cache:
 the parameters, moments and step counts afterwards are bit for bit torch's
 (tests/test_fused_adam.py checks them against torch.optim.AdamW / Adam). The square root is
-torch's own: torch computes it with MKL's vsSqrt, whose last bit differs from the correctly
-rounded root in ~0.7% of elements, so the kernel calls that function in torch's library (found
-once, and used only after it gave torch.sqrt's values on a probe); where it cannot, the update
-takes two passes with torch.sqrt between them.
+torch's own: torch computes it with MKL's vector sqrt, whose last bit differs from the correctly
+rounded root in ~0.7% of elements, so the kernel calls that function in torch's library with the
+mode torch passes (found once, and used only after it gave torch.sqrt's values on a probe); where
+it cannot, the update takes two passes with torch.sqrt between them.
 
 It replaces `optimizer.step()` only where that equality is established: the optimizer's class is
 exactly torch.optim.Adam or AdamW; every group uses the single-tensor path (foreach, fused,
 capturable, differentiable, amsgrad off; lr, betas, eps and weight_decay plain numbers);
 parameters, gradients and moments are dense contiguous float32 CPU tensors; torch's CPU
 capability is one whose fused multiply-adds are known (x86-64: AVX2, AVX512, DEFAULT); no
-optimizer step hook (the optimizer's or global) and no replaced `step` (other than the LR
-scheduler's marker) would be skipped. Anything else runs torch's own step, unchanged.
+optimizer step hook (the optimizer's or global), no replaced `step` (other than the LR
+scheduler's marker around torch's own), no tensor subclass, inference tensor, shared memory
+between parameters, or active torch function/dispatch mode would be bypassed. Anything else runs
+torch's own step, unchanged.
 ACCELERATE_C_FUSED_ADAM=0 turns it off; ACCELERATE_C_ADAM_SQRT=torch keeps the two passes.
 """
 from __future__ import annotations
@@ -39,6 +41,16 @@ _FMA = {"AVX512": True, "AVX2": True, "DEFAULT": False}
 _DECOUPLED, _DECAY, _MAXIMIZE, _FMA_FLAG = 1, 2, 4, 8
 
 
+def _unhooked(f):
+    """The step function under torch's profile/hook wrapper (Optimizer.profile_hook_step, which
+    torch installs on the class at the first optimizer made)."""
+    return f.__wrapped__ if getattr(f, "hooked", False) else f
+
+
+# torch's own Adam.step (AdamW inherits it), as torch.optim defines it
+_TORCH_STEP = _unhooked(torch.optim.Adam.__dict__["step"])
+
+
 def enabled() -> bool:
     return os.environ.get("ACCELERATE_C_FUSED_ADAM", "1") != "0"
 
@@ -54,9 +66,13 @@ def _plain_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _dense_f32(t) -> bool:
-    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.layout == torch.strided
-            and t.is_contiguous() and not t.is_conj() and not t.is_neg())
+def _dense_f32(t, *types) -> bool:
+    """A plain fp32 CPU tensor the kernels may write as torch's in-place ops would: not a subclass
+    (whose __torch_function__ or __torch_dispatch__ would see torch's ops), not an inference
+    tensor (torch refuses to update one), dense and contiguous."""
+    return (type(t) in (types or (torch.Tensor,)) and t.dtype == torch.float32 and t.device.type == "cpu"
+            and t.layout == torch.strided and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and not t.is_inference())
 
 
 def _group_ok(group) -> bool:
@@ -76,20 +92,42 @@ def _hooks_present(optimizer) -> bool:
                 or getattr(_torch_optimizer, "_global_optimizer_post_hooks", None))
 
 
+def _modes_active() -> bool:
+    """A TorchFunctionMode or TorchDispatchMode would see torch's operations, not the kernels'."""
+    return bool(torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
+
+
+def _step_is_torchs(optimizer) -> bool:
+    """Whether optimizer.step() would run torch's own Adam.step: the class's step not replaced,
+    and no step on the instance other than the LR scheduler's marker wrapper around torch's (a
+    user's wrapper must run, even one that copied the marker with functools.wraps)."""
+    if _unhooked(type(optimizer).step) is not _TORCH_STEP:
+        return False
+    own = optimizer.__dict__.get("step")
+    if own is None:
+        return True
+    return getattr(own, "_wrapped_by_lr_sched", False) and _unhooked(getattr(own, "__wrapped__", None)) is _TORCH_STEP
+
+
+def _overlap(tensors) -> bool:
+    """Whether two of the tensors share memory (the same parameter twice in the groups: torch
+    steps it twice in turn; the kernels would update it from one state)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in tensors if t.numel())
+    return any(a_end > b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
 def eligible(optimizer) -> bool:
     """Whether `step(optimizer)` gives torch's result for this optimizer as it is now."""
     if not enabled() or type(optimizer) not in _CLASSES or _capability_fma() is None:
         return False
-    if torch.get_default_dtype() != torch.float32 or torch.compiler.is_compiling():
+    if torch.get_default_dtype() != torch.float32 or torch.compiler.is_compiling() or _modes_active():
         return False
-    # a step replaced on the instance (a user's wrapper) must run; the LR scheduler's marker
-    # wrapper only flags that the step was called, which step() below does itself
-    own = optimizer.__dict__.get("step")
-    if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
+    if not _step_is_torchs(optimizer):
         return False
     if _hooks_present(optimizer) or getattr(optimizer, "grad_scale", None) is not None \
             or getattr(optimizer, "found_inf", None) is not None:
         return False
+    stepped = []
     for group in optimizer.param_groups:
         if not _group_ok(group):
             return False
@@ -97,8 +135,9 @@ def eligible(optimizer) -> bool:
             g = p.grad
             if g is None:
                 continue
-            if not (_dense_f32(p) and _dense_f32(g)) or g.shape != p.shape:
+            if not (_dense_f32(p, torch.Tensor, torch.nn.Parameter) and _dense_f32(g)) or g.shape != p.shape:
                 return False
+            stepped.append(p)
             state = optimizer.state.get(p)
             if state:
                 step_t = state.get("step")
@@ -109,16 +148,20 @@ def eligible(optimizer) -> bool:
                     t = state.get(key)
                     if not (torch.is_tensor(t) and _dense_f32(t) and t.shape == p.shape):
                         return False
-    return True
+    return not _overlap(stepped)
 
 
 @torch.no_grad()
 def step(optimizer) -> None:
-    """torch's Adam/AdamW step for an eligible optimizer: state created as torch creates it,
-    each parameter's step count advanced, the update in one C call per set of flags (groups
-    that differ in weight decay or maximize)."""
+    """torch's Adam/AdamW step for an eligible optimizer: state created as torch creates it, the
+    scalars as torch computes them, the update in one C call per set of flags (groups that differ
+    in weight decay or maximize); then each parameter's step count advanced and the version
+    counters moved as torch's in-place operations move them (autograd's check that a saved tensor
+    was not modified sees the update). Nothing is advanced if the kernels refuse their arguments."""
     base = _FMA_FLAG if _capability_fma() else 0
     batches: dict[int, tuple] = {}
+    counts = []  # (step tensor, its next value)
+    bumps: dict[int, list] = {1: [], 2: []}  # tensors by how many in-place torch ops write them
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
         for group in optimizer.param_groups:
             beta1, beta2 = group["betas"]
@@ -136,8 +179,9 @@ def step(optimizer) -> None:
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 step_t = state["step"]
-                step_t += 1
-                k = step_t.item()
+                following = step_t + 1  # torch's `step_t += 1`, in the step tensor's dtype
+                counts.append((step_t, following))
+                k = following.item()
                 # torch's _single_tensor_adam arithmetic on Python floats (double); array('f')
                 # then rounds each to fp32, as torch's kernels convert their scalar arguments
                 bias1 = 1 - beta1 ** k
@@ -148,9 +192,19 @@ def step(optimizer) -> None:
                 grads.append(p.grad.detach())
                 avgs.append(state["exp_avg"])
                 sqs.append(state["exp_avg_sq"])
+                # param: mul_ (AdamW's decay) and addcdiv_; exp_avg: lerp_; exp_avg_sq: mul_, addcmul_
+                bumps[2 if (wd != 0 and decoupled) else 1].append(p)
+                bumps[1].append(state["exp_avg"])
+                bumps[2].append(state["exp_avg_sq"])
         for flags, (params, grads, avgs, sqs, consts) in batches.items():
             if params:
                 _update(params, grads, avgs, sqs, consts, flags)
+        for step_t, following in counts:
+            step_t.copy_(following)
+        for times, tensors in bumps.items():
+            for _ in range(times):
+                if tensors:
+                    torch.autograd.graph.increment_version(tensors)
         optimizer._optimizer_step_code()  # torch's profiler entry point, as its step wrapper calls it
     optimizer._opt_called = True  # what torch's LR scheduler reads to know the step ran
 
@@ -167,21 +221,37 @@ def _probe() -> torch.Tensor:
     """Values a square root can round differently: every binade of fp32 (subnormals included)
     with random mantissas, zeros, infinities, NaN, negatives."""
     g = torch.Generator().manual_seed(0)
-    mant = torch.rand(1 << 14, generator=g) + 1.0
-    expo = torch.randint(-149, 128, (1 << 14,), generator=g).float()
-    values = torch.cat([mant * torch.exp2(expo), torch.tensor([0.0, -0.0, float("inf"), float("nan"), -1.0,
-                                                               1e-45, 3.4e38])])
-    return values.float()
+    mant = torch.rand(1 << 14, generator=g, device="cpu") + 1.0
+    expo = torch.randint(-149, 128, (1 << 14,), generator=g, device="cpu").float()
+    special = torch.tensor([0.0, -0.0, float("inf"), float("nan"), -1.0, 1e-45, 3.4e38], device="cpu")
+    return torch.cat([mant * torch.exp2(expo), special]).float()
+
+
+def _torch_cpu_library():
+    """The path of torch's libtorch_cpu as this process loaded it (torch/lib in a wheel, the
+    environment's lib in conda and distribution layouts), or None."""
+    wheel = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if os.path.exists(wheel):
+        return wheel
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(" ")[-1]
+                if os.path.basename(path).startswith("libtorch_cpu."):
+                    return path
+    except OSError:
+        pass
+    return None
 
 
 def _find_torch_sqrt() -> bool:
-    """torch computes sqrt with MKL's vsSqrt (ac/adam.h): found in torch's own library and
+    """torch computes sqrt with MKL's vmsSqrt (ac/adam.h): found in torch's own library and
     checked against torch.sqrt on a probe here, the one-pass kernel calls it; else the two-pass
     update keeps calling torch.sqrt. ACCELERATE_C_ADAM_SQRT=torch forces the latter."""
     if os.environ.get("ACCELERATE_C_ADAM_SQRT") == "torch":
         return False
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    if not os.path.exists(lib) or not _C.adam_load_sqrt(lib):
+    lib = _torch_cpu_library()
+    if lib is None or not _C.adam_load_sqrt(lib):
         return False
     probe = _probe()
     ours = torch.empty_like(probe)

@@ -63,17 +63,23 @@ def _set_grads(ours, theirs, gen, special=False):
         a.grad, b.grad = grad.clone(), grad.clone()
 
 
+def _bits(t):
+    t = t.detach()
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int64) if t.dtype == torch.float64 else t
+
+
 def _assert_same(ours, theirs, oo, ot):
+    """Bit for bit: signs of zeros, infinities and NaN payloads included."""
     for i, (a, b) in enumerate(zip(ours, theirs)):
-        assert torch.equal(a.detach().isnan(), b.detach().isnan()), i
-        assert torch.equal(torch.nan_to_num(a.detach()), torch.nan_to_num(b.detach())), f"parameter {i}"
+        assert torch.equal(_bits(a), _bits(b)), f"parameter {i}"
+        assert a._version == b._version, (i, a._version, b._version)
         sa, sb = oo.state[a], ot.state[b]
         assert sa.keys() == sb.keys(), i
         for key in sa:
             x, y = sa[key], sb[key]
             assert x.dtype == y.dtype and x.shape == y.shape and x.device == y.device, (i, key)
-            assert torch.equal(torch.nan_to_num(x), torch.nan_to_num(y)), (i, key)
-            assert torch.equal(x.isnan(), y.isnan()), (i, key)
+            assert torch.equal(_bits(x), _bits(y)), (i, key)
+            assert x._version == y._version, (i, key, x._version, y._version)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -114,6 +120,13 @@ def test_both_kernel_isas_and_special_values(isa, sqrt_mode):
             _assert_same(ours, theirs, oo, ot)
     finally:
         _C.set_kernel_isa(previous)
+
+
+def test_two_pass_roots_budget_crossed(monkeypatch):
+    monkeypatch.setattr(fused_adam, "_torch_sqrt", False)
+    monkeypatch.setattr(fused_adam, "ROOTS_BUDGET", 5000)  # several rounds of square roots per step
+    a, b, oa, ob = _torch_result(lambda ps: torch.optim.AdamW(ps, weight_decay=0.1), sizes=(100, 4000, 3000, 9000, 7))
+    _assert_same(a, b, oa, ob)
 
 
 def test_groups_with_different_flags_and_missing_gradients(sqrt_mode):
@@ -202,6 +215,153 @@ def _eligible_after(make):
 ], ids=["foreach", "fused", "amsgrad", "tensor_lr", "capturable", "subclass", "sgd"])
 def test_not_taken_where_torch_runs_another_path(make):
     assert not _eligible_after(make)
+
+
+def _torch_result(make_opt, mutate=None, steps=2, sizes=(40, 5000)):
+    """(ours via run_step, torch's via opt.step()) on copies: parameters and states."""
+    g = torch.Generator().manual_seed(11)
+    a = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+    b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+    oa, ob = make_opt(a), make_opt(b)
+    if mutate is not None:
+        mutate(oa)
+        mutate(ob)
+    for _ in range(steps):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape, generator=g)
+            y.grad = x.grad.clone()
+        fused_adam.run_step(oa)
+        ob.step()
+    return a, b, oa, ob
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
+def test_not_taken_runs_torchs_step():
+    for make in (lambda ps: torch.optim.AdamW(ps, foreach=True), lambda ps: torch.optim.AdamW(ps, amsgrad=True),
+                 lambda ps: torch.optim.AdamW(ps + ps[:1])):  # a parameter twice (torch warns, steps it twice)
+        a, b, oa, ob = _torch_result(make)
+        assert not fused_adam.eligible(oa)
+        _assert_same(a, b, oa, ob)
+
+
+def test_user_step_wrappers_are_never_bypassed():
+    import functools
+    import types
+    calls = []
+
+    def make():
+        p = torch.nn.Parameter(torch.randn(10))
+        p.grad = torch.randn(10)
+        return torch.optim.AdamW([p])
+
+    # (a) a wrapper that copied the LR scheduler's marker with functools.wraps
+    opt = make()
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    inner = opt.step
+
+    @functools.wraps(inner)
+    def mine(*args, **kwargs):
+        calls.append("a")
+        return inner(*args, **kwargs)
+    opt.step = mine
+    assert getattr(opt.step, "_wrapped_by_lr_sched", False) and not fused_adam.eligible(opt)
+    fused_adam.run_step(opt)
+    # (b) the user's bound step, then a scheduler wrapping it
+    opt = make()
+    original = opt.step
+    opt.step = types.MethodType(lambda self, closure=None: calls.append("b") or original(), opt)
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    assert not fused_adam.eligible(opt)
+    fused_adam.run_step(opt)
+    # (c) the class's step replaced
+    opt = make()
+    saved = torch.optim.AdamW.step
+    try:
+        torch.optim.AdamW.step = lambda self, closure=None: calls.append("c")
+        assert not fused_adam.eligible(opt)
+        fused_adam.run_step(opt)
+    finally:
+        torch.optim.AdamW.step = saved
+    assert calls == ["a", "b", "c"]
+    opt = make()
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    assert fused_adam.eligible(opt)  # the scheduler's own marker around torch's step
+
+
+def test_subclasses_inference_tensors_and_modes_are_left_to_torch():
+    seen = []
+
+    class Watched(torch.nn.Parameter):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    p = Watched(torch.randn(10))
+    p.grad = torch.randn(10)
+    opt = torch.optim.AdamW([p], weight_decay=0.1)
+    assert not fused_adam.eligible(opt)
+    fused_adam.run_step(opt)
+    assert "addcdiv_" in seen  # torch's step ran, under the subclass's eyes
+    with torch.inference_mode():
+        q = torch.nn.Parameter(torch.randn(10))
+    q.grad = torch.randn(10)
+    assert not fused_adam.eligible(torch.optim.AdamW([q]))
+    r = torch.nn.Parameter(torch.randn(10))
+    r.grad = torch.randn(10)
+    opt = torch.optim.AdamW([r])
+    assert fused_adam.eligible(opt)
+    with torch.device("meta"):  # a TorchFunctionMode: it must see torch's operations
+        assert not fused_adam.eligible(opt)
+
+
+def test_version_counters_as_torchs_and_autograd_still_checks():
+    for kw in (dict(weight_decay=0.1), dict(weight_decay=0.0), dict(weight_decay=0.1, maximize=True)):
+        a, b, oa, ob = _torch_result(lambda ps: torch.optim.AdamW(ps, **kw))
+        _assert_same(a, b, oa, ob)  # includes the version counters
+    w = torch.nn.Parameter(torch.randn(3))
+    x = torch.randn(3, requires_grad=True)
+    y = (w * x).sum()  # saves w for x's gradient
+    w.grad = torch.randn(3)
+    opt = torch.optim.AdamW([w])
+    assert fused_adam.eligible(opt)
+    fused_adam.step(opt)
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        y.backward()
+
+
+def test_a_refused_update_advances_nothing(monkeypatch):
+    p = torch.nn.Parameter(torch.randn(100))
+    p.grad = torch.randn(100)
+    opt = torch.optim.AdamW([p])
+    fused_adam.step(opt)
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    value = p.detach().clone()
+
+    def refuse(*args):
+        raise ValueError("refused")
+    monkeypatch.setattr(fused_adam, "_update", refuse)
+    with pytest.raises(ValueError, match="refused"):
+        fused_adam.step(opt)
+    for k, v in before.items():
+        assert torch.equal(opt.state[p][k], v), k
+    assert torch.equal(p.detach(), value)
+
+
+def test_another_vml_mode_in_the_thread_changes_nothing(sqrt_mode):
+    """torch calls MKL's sqrt with an explicit mode; so must the kernel, whatever vmlSetMode the
+    thread was given by another MKL user."""
+    import ctypes
+    lib = ctypes.CDLL(fused_adam._torch_cpu_library(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    lib.vmlSetMode.restype = lib.vmlGetMode.restype = ctypes.c_uint
+    lib.vmlSetMode.argtypes = [ctypes.c_uint]
+    saved = lib.vmlGetMode()
+    lib.vmlSetMode(0x3)  # VML_EP: the least accurate mode
+    try:
+        a, b, oa, ob = _torch_result(lambda ps: torch.optim.AdamW(ps), sizes=(3000, 70001))
+    finally:
+        lib.vmlSetMode(saved)
+    _assert_same(a, b, oa, ob)
 
 
 def test_hooks_and_a_replaced_step_keep_torchs_step():

@@ -1,11 +1,14 @@
 /* adam.c — torch's Adam / AdamW update in two passes (ac/adam.h says what is computed and why it
  * matches torch). The order of operations below is torch's _single_tensor_adam, each line one
- * of its tensor operations rounded to fp32 as that operation's kernel rounds. Compiled in ISO C
- * (-std=c11), so the compiler fuses no multiply and add by itself: a fused multiply-add happens
- * only where fmaf / _mm256_fmadd_ps is written, which is where torch's kernels fuse. */
+ * of its tensor operations rounded to fp32 as that operation's kernel rounds. Built with
+ * -ffp-contract=off (setup.py, tests/c/run.sh), so the compiler fuses no multiply and add by
+ * itself: a fused multiply-add happens only where fmaf / _mm256_fmadd_ps is written, which is
+ * where torch's kernels fuse. */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
 #define _GNU_SOURCE /* RTLD_NOLOAD */
 #include <dlfcn.h>
-#include <limits.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -115,9 +118,12 @@ static void apply_range(const ac_adam_param_t *q, size_t lo, size_t hi, const fl
   for (size_t i = lo; i < hi; i++) apply_one(q, i, root[i - lo], flags);
 }
 
-/* The square root torch computes (MKL's vsSqrt, found in torch's own library by
- * ac_adam_load_sqrt): with it the three steps run on cache-sized blocks in one pass. */
-typedef void (*sqrt_fn_t)(int n, const float *a, float *r);
+/* The square root torch computes (MKL's vmsSqrt with the mode ATen's vml.h passes, found in
+ * torch's own library by ac_adam_load_sqrt): with it the three steps run on cache-sized blocks in
+ * one pass. The mode is explicit, as torch's: vsSqrt would follow the calling thread's
+ * vmlSetMode, which another MKL user in the process may change. */
+typedef void (*sqrt_fn_t)(int n, const float *a, float *r, long long mode);
+#define TORCH_VML_MODE 0x140102LL /* VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE */
 static _Atomic(sqrt_fn_t) torch_sqrt;
 #define ADAM_BLOCK 2048 /* elements per block: 8 KiB of each array, in L1 across the three steps */
 
@@ -145,7 +151,7 @@ static void run_task(void *ctx, size_t t) {
     for (size_t b = lo; b < hi; b += ADAM_BLOCK) {
       const size_t e = b + ADAM_BLOCK < hi ? b + ADAM_BLOCK : hi;
       moments_range(q, b, e, j->flags, j->avx2);
-      j->sqrt((int)(e - b), q->exp_avg_sq + b, root);
+      j->sqrt((int)(e - b), q->exp_avg_sq + b, root, TORCH_VML_MODE);
       apply_range(q, b, e, root, j->flags, j->avx2);
     }
   }
@@ -170,8 +176,6 @@ static ac_result_t run(const ac_adam_param_t *params, size_t count, int flags, i
                         : mode == MODE_APPLY ? apply_missing : (moments_missing || apply_missing);
     if (q->n > 0 && missing)
       return AC_FAIL(AC_ERR_INVALID_ARG, "%s: parameter %zu has a NULL tensor for %zu elements", fn, k, q->n);
-    if (q->n > (size_t)INT_MAX)
-      return AC_FAIL(AC_ERR_INVALID_ARG, "%s: parameter %zu has %zu elements (at most %d)", fn, k, q->n, INT_MAX);
     ntasks += (q->n + ADAM_CHUNK - 1) / ADAM_CHUNK;
   }
   if (ntasks == 0) return AC_OK;
@@ -209,10 +213,10 @@ ac_result_t ac_adam_load_sqrt(const char *library) {
   /* RTLD_NOLOAD: only a library torch has loaded already (no second copy of MKL) */
   void *h = dlopen(library, RTLD_LAZY | RTLD_NOLOAD);
   if (!h) return AC_FAIL(AC_ERR_UNSUPPORTED, "adam_load_sqrt: %s is not loaded in this process", library);
-  void *f = dlsym(h, "vsSqrt");
+  void *f = dlsym(h, "vmsSqrt"); /* MKL's LP64 name (int counts): blocks are at most ADAM_BLOCK long */
   if (!f) {
     dlclose(h);
-    return AC_FAIL(AC_ERR_UNSUPPORTED, "adam_load_sqrt: %s has no vsSqrt (torch built without MKL)", library);
+    return AC_FAIL(AC_ERR_UNSUPPORTED, "adam_load_sqrt: %s has no vmsSqrt (torch built without MKL)", library);
   }
   /* the handle stays open: the library must outlive the pointer (torch keeps it loaded anyway) */
   sqrt_fn_t fp;
@@ -227,6 +231,7 @@ ac_result_t ac_adam_sqrt(const float *a, float *r, size_t n) {
   sqrt_fn_t sq = atomic_load(&torch_sqrt);
   if (!sq) return AC_FAIL(AC_ERR_STATE, "adam_sqrt: torch's square root was not found (ac_adam_load_sqrt)");
   if (n > 0 && (!a || !r)) return AC_FAIL(AC_ERR_INVALID_ARG, "adam_sqrt: NULL buffer for %zu elements", n);
-  for (size_t b = 0; b < n; b += ADAM_BLOCK) sq((int)(n - b < ADAM_BLOCK ? n - b : ADAM_BLOCK), a + b, r + b);
+  for (size_t b = 0; b < n; b += ADAM_BLOCK)
+    sq((int)(n - b < ADAM_BLOCK ? n - b : ADAM_BLOCK), a + b, r + b, TORCH_VML_MODE);
   return AC_OK;
 }

@@ -21,7 +21,7 @@ cd "$ROOT"
 CC="${CC:-gcc}"
 read -r -a CCV <<<"$CC" # CC may carry words, e.g. "ccache gcc"
 BIN=tests/c/bin
-CFLAGS=(-std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-omit-frame-pointer
+CFLAGS=(-std=c11 -O1 -g -Wall -Wextra -Werror -ffp-contract=off -fsanitize=address,undefined -fno-omit-frame-pointer
         -fno-sanitize-recover=all -pthread -Icsrc/include -Icsrc/core)
 # The CPU-only core: every csrc/core/*.c (error pool kernels kernels_scalar kernels_avx2
 # cuda_stub, and whatever is added there later, e.g. scaler), so the whole core is also
@@ -67,7 +67,7 @@ if ! "${CCV[@]}" "${CFLAGS[@]}" -shared -fPIC tests/c/fake_nccl.c -o "$BIN/libfa
   exit 1
 fi
 export AC_FAKE_NCCL="$ROOT/$BIN/libfake_nccl.so"
-# A stand-in for MKL's vsSqrt for test_adam, built without sanitizers so that the ASan and the
+# A stand-in for MKL's vmsSqrt for test_adam, built without sanitizers so that the ASan and the
 # ThreadSanitizer builds of the test can both load it.
 if ! "${CCV[@]}" -std=c11 -O1 -Wall -Wextra -Werror -shared -fPIC tests/c/fake_vml.c -lm -o "$BIN/libfake_vml.so"; then
   echo "FAILED: building tests/c/fake_vml.c"
@@ -172,7 +172,7 @@ for t in "${selected[@]}"; do
                                       csrc/core/dtype.c csrc/core/cuda_stub.c) ;;
     test_adam) srcs+=(csrc/core/adam.c csrc/core/pool.c csrc/core/kernels.c csrc/core/kernels_scalar.c
                       csrc/core/kernels_avx2.c csrc/core/seg_norms.c csrc/core/dtype.c) ;; esac
-  if "${CCV[@]}" -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=thread -fno-omit-frame-pointer -pthread \
+  if "${CCV[@]}" -std=c11 -O1 -g -Wall -Wextra -Werror -ffp-contract=off -fsanitize=thread -fno-omit-frame-pointer -pthread \
       -Icsrc/include -Icsrc/core "tests/c/$t.c" "${srcs[@]}" -lm -ldl -o "$BIN/${t}_tsan"; then
     echo "== ThreadSanitizer $BIN/${t}_tsan"
     run_one "$t under ThreadSanitizer" env TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1" "$BIN/${t}_tsan"

@@ -2,7 +2,7 @@
  * (NaN, infinities and subnormals included) on every size, flag set and thread count, since the
  * Python tests hold the kernels to torch through one of them (tests/test_fused_adam.py runs
  * both); a split over the pool changes nothing; the one-pass form (ac_adam_fused, with
- * tests/c/fake_vml.c standing in for MKL's vsSqrt) equals the two passes with the same square
+ * tests/c/fake_vml.c standing in for MKL's vmsSqrt) equals the two passes with the same square
  * root; every argument error. Run under ASan/UBSan and ThreadSanitizer. */
 #include <dlfcn.h>
 #include <math.h>
@@ -208,6 +208,9 @@ TEST(fused_equals_two_passes_with_the_same_root) {
     }
   CHECK_OK(ac_adam_sqrt(b0.v, b0.root, 8));
   for (int i = 0; i < 8; i++) CHECK(memcmp(&b0.root[i], &(float){sqrtf(b0.v[i])}, 4) == 0);
+  /* called with ATen's mode (VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE), not the thread's */
+  long long (*last_mode)(void) = (long long (*)(void))dlsym(h, "fake_vml_last_mode");
+  if (CHECK(last_mode != NULL)) CHECK_EQ_HEX(last_mode(), 0x140102);
   ac_adam_unload_sqrt();
   CHECK_RC(ac_adam_fused(&q0, 1, 0), AC_ERR_STATE);
   drop(&b0);

@@ -7,9 +7,10 @@
  * memory that rounds its result to fp32. These kernels apply the same operations in the same
  * order with the same roundings: ac_adam_moments the moments' update, ac_adam_apply the
  * parameter's, ac_adam_fused both with the square root between them on cache-sized blocks.
- * The square root must be torch's own: torch computes it with MKL's vector sqrt (vsSqrt), which
+ * The square root must be torch's own: torch computes it with MKL's vector sqrt, which
  * differs from the correctly rounded square root in the last bit of ~0.7% of the elements. So
- * ac_adam_fused calls vsSqrt from torch's library (ac_adam_load_sqrt), and without it the caller
+ * ac_adam_fused calls it from torch's library (vmsSqrt with the mode ATen passes:
+ * ac_adam_load_sqrt), and without it the caller
  * runs the two passes with torch.sqrt between them.
  * Two torch operations are fused multiply-adds in torch's vectorised CPU kernels (AVX2 /
  * AVX-512 capability): lerp (vec::fmadd, and its scalar tail contracted by the compiler) and
@@ -67,9 +68,9 @@ ac_result_t ac_adam_apply(const ac_adam_param_t *params, size_t count, int flags
  * in one pass over memory. Needs torch's square root: AC_ERR_STATE until ac_adam_load_sqrt. */
 ac_result_t ac_adam_fused(const ac_adam_param_t *params, size_t count, int flags);
 
-/* Finds the square root torch.sqrt computes with (MKL's vsSqrt) in `library`, a library this
- * process has loaded (torch's libtorch_cpu): AC_ERR_UNSUPPORTED when it is not loaded or has no
- * vsSqrt. The caller checks that it gives torch.sqrt's values before relying on it.
+/* Finds the square root torch.sqrt computes with (MKL's vmsSqrt, called with ATen's mode) in
+ * `library`, a library this process has loaded (torch's libtorch_cpu): AC_ERR_UNSUPPORTED when
+ * it is not loaded or has no vmsSqrt. The caller checks that it gives torch.sqrt's values before relying on it.
  * ac_adam_unload_sqrt forgets it (tests). */
 ac_result_t ac_adam_load_sqrt(const char *library);
 void ac_adam_unload_sqrt(void);
