@@ -19,7 +19,8 @@ parameters, gradients and moments are dense contiguous float32 CPU tensors; torc
 capability is one whose fused multiply-adds are known (x86-64: AVX2, AVX512, DEFAULT); no
 optimizer step hook (the optimizer's or global), no replaced `step` (other than the LR
 scheduler's marker around torch's own), no tensor subclass, inference tensor, shared memory
-between parameters, or active torch function/dispatch mode would be bypassed. Anything else runs
+between parameters, or active torch function/dispatch mode would be bypassed, and denormals are
+not flushed (torch.set_flush_denormal). Anything else runs
 torch's own step, unchanged.
 ACCELERATE_C_FUSED_ADAM=0 turns it off; ACCELERATE_C_ADAM_SQRT=torch keeps the two passes.
 """
@@ -121,6 +122,8 @@ def eligible(optimizer) -> bool:
     if not enabled() or type(optimizer) not in _CLASSES or _capability_fma() is None:
         return False
     if torch.get_default_dtype() != torch.float32 or torch.compiler.is_compiling() or _modes_active():
+        return False
+    if _C.adam_denormals_flushed():  # torch.set_flush_denormal(True): torch's result depends on its threads
         return False
     if not _step_is_torchs(optimizer):
         return False

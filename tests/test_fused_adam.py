@@ -313,6 +313,12 @@ def test_subclasses_inference_tensors_and_modes_are_left_to_torch():
     assert fused_adam.eligible(opt)
     with torch.device("meta"):  # a TorchFunctionMode: it must see torch's operations
         assert not fused_adam.eligible(opt)
+    if torch.set_flush_denormal(True):  # x86 with SSE3: this thread now flushes denormals
+        try:
+            assert not fused_adam.eligible(opt)
+        finally:
+            torch.set_flush_denormal(False)
+        assert fused_adam.eligible(opt)
 
 
 def test_version_counters_as_torchs_and_autograd_still_checks():

@@ -235,3 +235,11 @@ ac_result_t ac_adam_sqrt(const float *a, float *r, size_t n) {
     sq((int)(n - b < ADAM_BLOCK ? n - b : ADAM_BLOCK), a + b, r + b, TORCH_VML_MODE);
   return AC_OK;
 }
+
+int ac_adam_denormals_flushed(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  return (_mm_getcsr() & 0x8040u) != 0; /* FTZ (bit 15) or DAZ (bit 6) */
+#else
+  return 0;
+#endif
+}

@@ -164,6 +164,13 @@ static PyObject *py_adam_sqrt(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
+static PyObject *py_adam_denormals_flushed(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+  (void)m;
+  (void)a;
+  if (!pyac_nargs_ok("adam_denormals_flushed", n, 0)) return NULL;
+  return PyBool_FromLong(ac_adam_denormals_flushed());
+}
+
 static PyObject *py_adam_isa(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   (void)m;
   (void)a;
@@ -185,6 +192,8 @@ PyMethodDef pyac_adam_methods[] = {
               "adam_load_sqrt(path) -> bool: finds torch's square root (MKL's vsSqrt) in the loaded library at path."),
     PYAC_FAST("adam_unload_sqrt", py_adam_unload_sqrt, "adam_unload_sqrt(): forgets it (tests)."),
     PYAC_FAST("adam_sqrt", py_adam_sqrt, "adam_sqrt(src, dst): dst = that square root of src (float32, CPU)."),
+    PYAC_FAST("adam_denormals_flushed", py_adam_denormals_flushed,
+              "adam_denormals_flushed() -> True when this thread flushes denormals (torch.set_flush_denormal)."),
     PYAC_FAST("adam_isa", py_adam_isa, "adam_isa() -> 'avx2' or 'scalar': the code the Adam kernels run."),
     {NULL, NULL, 0, NULL},
 };

@@ -10,6 +10,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "ac/adam.h"
 #include "ac/kernels.h"
 #include "ac/pool.h"
@@ -217,12 +221,28 @@ TEST(fused_equals_two_passes_with_the_same_root) {
   dlclose(h);
 }
 
+TEST(denormal_flushing_is_reported) {
+#if defined(__x86_64__)
+  const unsigned saved = _mm_getcsr();
+  _mm_setcsr(saved & ~0x8040u);
+  CHECK_EQ_INT(ac_adam_denormals_flushed(), 0);
+  _mm_setcsr(saved | 0x8000u); /* FTZ */
+  CHECK_EQ_INT(ac_adam_denormals_flushed(), 1);
+  _mm_setcsr((saved & ~0x8040u) | 0x0040u); /* DAZ */
+  CHECK_EQ_INT(ac_adam_denormals_flushed(), 1);
+  _mm_setcsr(saved);
+#else
+  CHECK_EQ_INT(ac_adam_denormals_flushed(), 0);
+#endif
+}
+
 static const tu_test_t tests[] = {
     TU_CASE(avx2_equals_scalar_on_every_size_and_flag_set),
     TU_CASE(thread_count_changes_nothing),
     TU_CASE(fma_flag_changes_the_rounding),
     TU_CASE(several_parameters_in_one_call),
     TU_CASE(fused_equals_two_passes_with_the_same_root),
+    TU_CASE(denormal_flushing_is_reported),
     TU_CASE(argument_errors),
 };
 TU_MAIN(tests)

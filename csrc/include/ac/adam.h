@@ -77,6 +77,11 @@ void ac_adam_unload_sqrt(void);
 /* r[i] = that square root of a[i] (for the caller's check). AC_ERR_STATE before loading. */
 ac_result_t ac_adam_sqrt(const float *a, float *r, size_t n);
 
+/* 1 when the calling thread flushes denormals (FTZ/DAZ, torch.set_flush_denormal(True)): torch's
+ * own result then depends on which of its threads ran which element, so the caller leaves the
+ * step to torch. */
+int ac_adam_denormals_flushed(void);
+
 /* "avx2" or "scalar": which code the kernels run here (follows ac_kernels_set_isa). */
 const char *ac_adam_isa(void);
 
