@@ -68,6 +68,15 @@ def _bits(t):
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int64) if t.dtype == torch.float64 else t
 
 
+def _run_steps(ours, theirs, oo, ot, gen, steps):
+    """`steps` steps with the same gradients: torch's optimizer, then ours through the kernels."""
+    for _ in range(steps):
+        _set_grads(ours, theirs, gen)
+        ot.step()
+        assert fused_adam.eligible(oo)
+        fused_adam.step(oo)
+
+
 def _assert_same(ours, theirs, oo, ot):
     """Bit for bit: signs of zeros, infinities and NaN payloads included."""
     for i, (a, b) in enumerate(zip(ours, theirs)):
@@ -90,12 +99,7 @@ def test_bitwise_torch(config, threads, sqrt_mode):
     torch.set_num_threads(threads)
     try:
         ours, theirs, oo, ot = _pair(cls, kw)
-        gen = torch.Generator().manual_seed(config)
-        for _ in range(4):
-            _set_grads(ours, theirs, gen)
-            ot.step()
-            assert fused_adam.eligible(oo)
-            fused_adam.step(oo)
+        _run_steps(ours, theirs, oo, ot, torch.Generator().manual_seed(config), 4)
         _assert_same(ours, theirs, oo, ot)
         assert oo.state_dict()["state"].keys() == ot.state_dict()["state"].keys()
     finally:
@@ -159,11 +163,7 @@ def test_continues_a_state_torch_started_and_a_loaded_state_dict():
     state = oo.state_dict()
     fresh = torch.optim.AdamW(ours, lr=1e-3, weight_decay=0.01)
     fresh.load_state_dict(state)
-    for _ in range(2):
-        _set_grads(ours, theirs, gen)
-        ot.step()
-        assert fused_adam.eligible(fresh)
-        fused_adam.step(fresh)
+    _run_steps(ours, theirs, fresh, ot, gen, 2)
     _assert_same(ours, theirs, fresh, ot)
 
 
