@@ -182,9 +182,11 @@ def step(optimizer) -> None:
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 step_t = state["step"]
-                following = step_t + 1  # torch's `step_t += 1`, in the step tensor's dtype
-                counts.append((step_t, following))
-                k = following.item()
+                counts.append(step_t)
+                # the count torch's `step_t += 1` gives: the sum of two integers exact in double,
+                # rounded once to the step tensor's dtype (float32 unless a state_dict said otherwise)
+                k = torch.tensor(step_t.item() + 1, dtype=step_t.dtype).item() \
+                    if step_t.dtype != torch.float32 else float(array.array("f", (step_t.item() + 1,))[0])
                 # torch's _single_tensor_adam arithmetic on Python floats (double); array('f')
                 # then rounds each to fp32, as torch's kernels convert their scalar arguments
                 bias1 = 1 - beta1 ** k
@@ -202,8 +204,8 @@ def step(optimizer) -> None:
         for flags, (params, grads, avgs, sqs, consts) in batches.items():
             if params:
                 _update(params, grads, avgs, sqs, consts, flags)
-        for step_t, following in counts:
-            step_t.copy_(following)
+        for step_t in counts:
+            step_t += 1
         for times, tensors in bumps.items():
             for _ in range(times):
                 if tensors:

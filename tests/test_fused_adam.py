@@ -453,3 +453,16 @@ def test_prepared_loop_bitwise_plain_torch(monkeypatch, sqrt_mode):
     assert len(steps) == 4  # every optimizer step went through the kernels
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype,start", [(torch.float32, 2.0 ** 24), (torch.float64, 2.0 ** 24), (torch.int64, 5)])
+def test_step_counts_of_other_dtypes_count_as_torchs(dtype, start):
+    """A loaded state's step tensor in another dtype, or a float32 count past 2**24 (where +1 rounds
+    back): the count and the bias corrections read from it are torch's."""
+    def seed_state(opt, params):
+        for p in params:
+            opt.state[p] = {"step": torch.tensor(start, dtype=dtype), "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p)}
+    a, b, oa, ob = _torch_result(lambda ps: torch.optim.AdamW(ps, weight_decay=0.1), steps=3,
+                                 mutate=lambda opt: seed_state(opt, [p for g in opt.param_groups for p in g["params"]]))
+    _assert_same(a, b, oa, ob)
