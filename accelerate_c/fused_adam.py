@@ -34,6 +34,7 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 
 from . import _C
+from .grad_layout import GradView
 
 _CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 # torch's CPU capabilities on x86-64 and whether their Adam kernels fuse multiply-adds
@@ -138,7 +139,10 @@ def eligible(optimizer) -> bool:
             g = p.grad
             if g is None:
                 continue
-            if not (_dense_f32(p, torch.Tensor, torch.nn.Parameter) and _dense_f32(g)) or g.shape != p.shape:
+            # a gradient may be the flat buffer's GradView (several processes: torch functions on
+            # it are not intercepted, so reading it is reading a plain tensor)
+            if not (_dense_f32(p, torch.Tensor, torch.nn.Parameter) and _dense_f32(g, torch.Tensor, GradView)) \
+                    or g.shape != p.shape:
                 return False
             stepped.append(p)
             state = optimizer.state.get(p)
