@@ -167,7 +167,7 @@ def step(optimizer) -> None:
     was not modified sees the update). Nothing is advanced if the kernels refuse their arguments."""
     base = _FMA_FLAG if _capability_fma() else 0
     batches: dict[int, tuple] = {}
-    counts = []  # (step tensor, its next value)
+    counts = []  # the step tensors, advanced once the kernels ran
     bumps: dict[int, list] = {1: [], 2: []}  # tensors by how many in-place torch ops write them
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
         for group in optimizer.param_groups:

@@ -60,6 +60,21 @@ def test_random_configurations_over_gloo(monkeypatch):
 
 
 @pytest.mark.timeout(900)
+def test_random_configurations_with_adam(monkeypatch):
+    """The Adam axis (run.py --adam): the cases that can draw Adam (fp32 end to end) all do, in
+    its four kinds (cases.ADAM_KINDS): the subject's step through accelerate_c's one-pass kernel
+    (torch's for amsgrad) against torch's Adam/AdamW, over every strategy the seeds draw."""
+    monkeypatch.setenv("ACCELERATE_C_COMM", "shm")
+    monkeypatch.setenv("AC_DIFF_ADAM", "1")
+    cases = harness.cases_of(range(740_001, 740_301), adam=True)[:30]
+    assert len(cases) == 30 and {c["adam_kind"] for c in cases} == {"adamw", "adam_l2", "adamw_maximize",
+                                                                     "adamw_amsgrad"}
+    failures = harness.run_cases(cases, log=lambda s: None)
+    if failures:
+        _fail(failures)
+
+
+@pytest.mark.timeout(900)
 def test_random_configurations_over_shared_memory_with_private_gradient_buffers(monkeypatch):
     """Shared memory with the gradient buffers kept private (ACCELERATE_C_SHM_WINDOWS=0, what a
     /dev/shm too small for them gets): every bucket goes through the segment's slots, the path the

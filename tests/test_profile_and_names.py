@@ -30,7 +30,7 @@ def _train_profiled(acc, handler_override=None, steps=6):
     """A prepared loop of `steps` steps inside acc.profile(), prof.step() after each; returns
     the profiler and the names of the aten operators it recorded."""
     torch.manual_seed(0)
-    model, opt = make_model(seed=3), None
+    model = make_model(seed=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt, loader = acc.prepare(model, opt, make_loader(n=4 * steps, batch_size=4))
     with acc.profile(handler_override) as prof:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .. import collectives, fused_adam
+from .. import collectives
 from ..shard_plan import ShardGroup, ShardLayout
 from .ddp import DDPStrategy
 
@@ -289,7 +289,7 @@ class Zero1Strategy(DDPStrategy):
                         g.mul_(factor)
             view.grad = g
         try:
-            out = fused_adam.run_step(optimizer, closure)
+            out = super().optimizer_step(optimizer, closure)
         finally:
             for view, _, _ in book.views:
                 view.grad = None  # the gradient views must not outlive the step (zero_grad swaps .grad)

@@ -1,5 +1,5 @@
-/* adam.c — torch's Adam / AdamW update in two passes (ac/adam.h says what is computed and why it
- * matches torch). The order of operations below is torch's _single_tensor_adam, each line one
+/* adam.c — torch's Adam / AdamW update in one pass, or two around torch.sqrt (ac/adam.h says what
+ * is computed and why it matches torch). The order of operations below is torch's _single_tensor_adam, each line one
  * of its tensor operations rounded to fp32 as that operation's kernel rounds. Built with
  * -ffp-contract=off (setup.py, tests/c/run.sh), so the compiler fuses no multiply and add by
  * itself: a fused multiply-add happens only where fmaf / _mm256_fmadd_ps is written, which is

@@ -19,6 +19,7 @@ COMM_HOOKS = ("no", "fp16", "bf16")
 ZERO_GRADS = ("opt_none", "opt_zeros", "model", "manual_none")
 SYNC_STYLES = ("accumulate", "no_sync")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adamw")
+ADAM_KINDS = ("adamw", "adam_l2", "adamw_maximize", "adamw_amsgrad")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp", "zero3")
 FSDP_WRAPS = ("NO_WRAP", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP")
 # DeepSpeed stage 3's (stage3_prefetch_bucket_size, stage3_param_persistence_threshold): its
@@ -309,6 +310,17 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     force_regional = os.environ.get("AC_DIFF_REGIONAL") == "1"
     c["blocks"] = (r.random() < 0.25 or force_regional) and (c["world"] <= 2 or not sixteen)
     c["regional"] = c["compile"] and c["blocks"] and (r.random() < 0.5 or force_regional)
+    # which Adam (the optimizer axis's "adamw"): torch's AdamW, Adam with its L2 decay in the
+    # gradient, AdamW maximizing with beta1 0.3 (lerp's other formula) -- each stepped through
+    # accelerate_c's one-pass kernel on the subject's side (accelerate_c/fused_adam.py) -- or
+    # AdamW with amsgrad, which the kernel leaves to torch's own step
+    # Adam is drawn only with fp32 end to end (above), which left it in ~2% of the cases; the
+    # cases that came out fp32 end to end after every axis switch to it in a third of the rest
+    # (AC_DIFF_ADAM=1: in all of them), so that the kernel meets every strategy and axis
+    exact = c["param_dtype"] == "fp32" and c["mp"] == "no" and c["comm_hook"] == "no"
+    if exact and c["optimizer"] != "adamw" and (r.random() < 1 / 3 or os.environ.get("AC_DIFF_ADAM") == "1"):
+        c["optimizer"] = "adamw"
+    c["adam_kind"] = r.choice(ADAM_KINDS) if c["optimizer"] == "adamw" else "adamw"
     return c
 
 
@@ -323,7 +335,7 @@ def _case(seed: int, **overrides) -> dict:
          "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0,
          "nonreentrant": False, "sync_each": False, "staged": False, "f64": False,
          "grad_data": False, "foreach": False, "fp16": False, "raw_backward": False, "flat_buffers": False,
-         "compile": False, "blocks": False, "regional": False}
+         "compile": False, "blocks": False, "regional": False, "adam_kind": "adamw"}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -418,6 +430,8 @@ def describe(c: dict) -> str:
                         ("compile", "compile"), ("blocks", "blocks"), ("regional", "regional")):
         if c.get(flag):
             parts.append(shown)
+    if c.get("adam_kind", "adamw") != "adamw":
+        parts.append(f"adam={c['adam_kind']}")
     if c.get("sharding") == "zero3":
         parts.append(f"units={c['zero3_units']}")
     if c.get("sharding") == "fsdp":

@@ -5,6 +5,7 @@
     python tests/differential/run.py --replay 1234             # one case, with its traceback
     python tests/differential/run.py --cases 100 --comm shm    # accelerate_c over shared memory
     python tests/differential/run.py --cases 40 --comm shm --hosts 2  # ranks split over 2 "hosts"
+    python tests/differential/run.py --cases 600 --adam                # the ~10% of them that can draw Adam
 
 Cases of one world size share one launched process group (a launch costs seconds here); a case
 that raises ends its batch and the rest are relaunched. Every failure prints the one-line
@@ -89,10 +90,19 @@ def _read(path: str) -> dict[int, list[str]]:
     return out
 
 
-def run_seeds(seeds, world=None, sharding=None, resume=False, **kw) -> list[tuple[dict, list[str]]]:
-    """Runs the cases of these seeds (drawn for `world` processes and `sharding` when given;
-    resume: every case that can resumes after its first step when it drew no other)."""
-    return run_cases([lookup(s, world, sharding, resume) for s in seeds], **kw)
+def cases_of(seeds, world=None, sharding=None, resume=False, adam=False) -> list[dict]:
+    """The cases of these seeds (drawn for `world` processes and `sharding` when given; resume:
+    every case that can resumes after its first step when it drew no other; adam: only the seeds
+    whose case draws Adam, with AC_DIFF_ADAM=1 set so that every case that can does)."""
+    if adam:
+        os.environ["AC_DIFF_ADAM"] = "1"  # read by draw(); report() names it in the replay command
+    cases = [lookup(s, world, sharding, resume) for s in seeds]
+    return [c for c in cases if c["optimizer"] == "adamw"] if adam else cases
+
+
+def run_seeds(seeds, world=None, sharding=None, resume=False, adam=False, **kw) -> list[tuple[dict, list[str]]]:
+    """Runs cases_of(seeds, ...)."""
+    return run_cases(cases_of(seeds, world, sharding, resume, adam), **kw)
 
 
 def run_cases(cases, timeout: float = 900.0, log=print) -> list[tuple[dict, list[str]]]:
@@ -121,7 +131,8 @@ def report(case: dict, errors: list[str]) -> str:
     comm, hosts = os.environ.get("ACCELERATE_C_COMM"), os.environ.get("AC_DIFF_HOSTS")
     lines.append(f"  replay: {sys.executable} tests/differential/run.py --replay {case['seed']} --world {case['world']}"
                  f" --sharding {case['sharding']}" + (f" --comm {comm}" if comm else "")
-                 + (f" --hosts {hosts}" if hosts else "") + (" --resume" if case.get("resume") else ""))
+                 + (f" --hosts {hosts}" if hosts else "") + (" --resume" if case.get("resume") else "")
+                 + (" --adam" if os.environ.get("AC_DIFF_ADAM") == "1" else ""))
     return "\n".join(lines)
 
 
@@ -142,11 +153,16 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="every case that can (not under join_uneven_inputs) saves, detours and loads its state after "
                          "a step (its drawn one, else the first)")
+    ap.add_argument("--adam", action="store_true",
+                    help="only the seeds whose case draws Adam (AC_DIFF_ADAM=1: every case fp32 end to end does; "
+                         "the optimizer step through accelerate_c's one-pass kernel, or torch's for amsgrad)")
     args = ap.parse_args(argv)
     if args.comm:
         os.environ["ACCELERATE_C_COMM"] = args.comm  # inherited by every launch
     if args.hosts:
         os.environ["AC_DIFF_HOSTS"] = str(args.hosts)  # worker.py sets each rank's host id from it
+    if args.adam:
+        os.environ["AC_DIFF_ADAM"] = "1"  # before any draw (the replay's description too)
     start = time.monotonic()
     if args.regressions:
         failures = run_cases([dict(c) for c in REGRESSIONS.values()])
@@ -154,20 +170,21 @@ def main(argv=None) -> int:
     elif args.replay:
         for s in args.replay:
             print(describe(lookup(s, args.world, args.sharding, args.resume)))
-        failures = run_seeds(args.replay, world=args.world, sharding=args.sharding, resume=args.resume)
-        total = len(args.replay)
+        cases = cases_of(args.replay, args.world, args.sharding, args.resume, args.adam)
+        failures, total = run_cases(cases), len(cases)
     elif args.seconds:
         seed, total, failures = args.seed if args.seed != 1 else int(time.time()) % 10_000_000 * 1000, 0, []
         while time.monotonic() - start < args.seconds:
             chunk = range(seed, seed + 3 * BATCH)
-            failures += run_seeds(chunk, world=args.world, sharding=args.sharding, resume=args.resume)
-            total += len(chunk)
+            cases = cases_of(chunk, args.world, args.sharding, args.resume, args.adam)
+            failures += run_cases(cases)
+            total += len(cases)
             seed += len(chunk)
             print(f"soak: {total} cases, {len(failures)} failed, {time.monotonic() - start:.0f} s", flush=True)
     else:
-        seeds = range(args.seed, args.seed + args.cases)
-        failures = run_seeds(seeds, world=args.world, sharding=args.sharding, resume=args.resume)
-        total = len(seeds)
+        cases = cases_of(range(args.seed, args.seed + args.cases), args.world, args.sharding, args.resume,
+                         args.adam)
+        failures, total = run_cases(cases), len(cases)
     print(f"differential: {total - len(failures)} passed, {len(failures)} failed in {time.monotonic() - start:.0f} s"
           f" ({len(RESUMED)} resumed mid-run)")
     return 1 if failures else 0

@@ -178,7 +178,14 @@ def _optimizer(case: dict, params):
         return torch.optim.SGD(params, lr=0.2, foreach=foreach)
     if kind == "sgd_momentum":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01, foreach=foreach)
+    adam = case.get("adam_kind", "adamw")  # (cases.py, ADAM_KINDS)
+    if adam == "adam_l2":
+        return torch.optim.Adam(params, lr=0.01, weight_decay=0.01, foreach=foreach)
+    if adam == "adamw_maximize":
+        return torch.optim.AdamW(params, lr=0.01, betas=(0.3, 0.95), weight_decay=0.01, maximize=True,
+                                 foreach=foreach)
+    amsgrad = adam == "adamw_amsgrad"
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01, amsgrad=amsgrad, foreach=foreach)
 
 
 def schedule(opt):
