@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .clip_math import clip_coef
+from .clip_math import clip_coef, clip_grad_norm_as_torch
 from .optimizer import AcceleratedOptimizer
 
 
@@ -112,7 +112,7 @@ class GradientFacade:
         if max_norm is None:  # in fp32, as DeepSpeed reports it
             self._grads.ready(params)
             return torch.nn.utils.get_total_norm([p.grad.float() for p in params if p.grad is not None], norm_type)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return clip_grad_norm_as_torch(params, max_norm, norm_type)
 
     def _engine_clip(self, params):
         """DeepSpeed's clip inside the optimizer step, at the configuration's gradient_clipping

@@ -48,3 +48,24 @@ def norm_dtype(dtypes) -> torch.dtype:
     is none (its 0-dim zero)."""
     live = set(dtypes)
     return live.pop() if len(live) == 1 else torch.float32
+
+
+def clip_grad_norm_as_torch(params, max_norm: float, norm_type: float):
+    """torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type), the same norm and the same
+    gradient bits, without its scaling pass when that pass is the identity. torch multiplies
+    every gradient by clamp(max_norm / (norm + 1e-6), max=1) even when the clamp gives 1 (its
+    source says why: testing the coefficient would synchronise with a GPU). On the CPU reading
+    it costs nothing, and a product by exactly 1.0 returns its operand in every dtype (-0, inf
+    and NaN included), so a step whose norm is below max_norm skips a read and a write of every
+    gradient (transformers' Trainer clips at 1.0 by default: most steps of a converging run).
+    What differs: the skipped gradients' version counters do not move (no autograd graph saves
+    a .grad), and a signalling NaN stays signalling."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type)
+    if grads and total.device.type == "cpu" and all(g.device.type == "cpu" for g in grads):
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # torch's, in the norm's dtype
+        if float(coef) == 1.0:
+            return total
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
