@@ -11,6 +11,10 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
+# pytest workers: the suite's multi-process tests leave about a third of 2 cores idle (serially
+# 33.6 min here on 2026-12-06, with 2 workers 22.8); one worker when the machine is already busy
+# (the 1-minute load average at or above half its cores), so the waits keep their margin
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = len(os.sched_getaffinity(0)); print(2 if n >= 2 and os.getloadavg()[0] < n / 2 else 1)")
 BENCH_ARGS ?=
 
 .PHONY: all venv install test test-c test-py fuzz-smoke demo bench fuzz fuzz-py soak clean
@@ -38,7 +42,7 @@ fuzz-smoke:
 	FUZZ_KEEP=0 bash tests/c/fuzz.sh $(or $(FUZZ_SMOKE_SECONDS),20)
 
 test-py: install
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15 $(PYTEST_ARGS) tests
 
 test: install test-c fuzz-smoke test-py
 

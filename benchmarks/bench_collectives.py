@@ -17,6 +17,11 @@ microseconds on gloo's barrier with a core per process (most of a 64 KiB all-red
 memory), milliseconds with 4 processes on 2 cores (a third of a 32 MiB one). Both contenders are
 timed the same way. The memcpy limit is timed by one process while the others wait.
 
+The copy path's floor is printed beside it ("copies only"): every rank copies its tensor into a
+window and back out in the slots' 2 MiB pieces, at once, with nothing else; no all-reduce of a private tensor through shared
+memory can take less, so the busbw share it gives is the most the copy path can reach here (with
+more ranks than cores it is below the 50% target: 4 ranks' copies share 2 cores).
+
 The all-reduce is timed twice over shared memory: of a private tensor (copied into the segment
 and out), and of a tensor living in a shared window (reduced in place: how the reducer's gradient
 buffers go, "all_reduce win"), and the in-place all-gather of a window tensor's chunks (how ZeRO's
@@ -44,6 +49,7 @@ BENCH = "bench_collectives"
 KB = 1 << 10
 INNER = 20  # back-to-back calls per timed sample below 1 MiB (see above)
 INNER_MID = 5  # ... from 1 to 32 MiB
+PIECE = 2 << 20  # bytes: the copy path's piece (half of a 4 MiB slot, csrc/core/comm_shm.c)
 
 
 def inner_calls(nbytes: int) -> int:
@@ -106,7 +112,20 @@ def worker(args) -> int:
             shm.all_reduce(scratch)
             x.copy_(scratch)
 
+        piece = shm.window_tensor(PIECE // 4, torch.float32)
+        bounds = [(o, min(o + PIECE // 4, n)) for o in range(0, n, PIECE // 4)]
+
+        def copies_only():
+            # the floor of any all-reduce of a private tensor through shared memory: every rank
+            # copies its tensor in and the result back out, at once, with no reduction and no
+            # waiting on the others (what the copy path cannot avoid, whatever its algorithm),
+            # in pieces that stay in cache between the copy in and the copy out, as its slots do
+            for a, b in bounds:
+                piece[:b - a].copy_(x[a:b])
+                x[a:b].copy_(piece[:b - a])
+
         res = {
+            ("all_reduce", "floor"): timed(copies_only, reps, inner) if nbytes == 32 << 20 else float("nan"),
             ("all_reduce", "staged"): timed(staged, reps, inner) if scratch is not None else float("nan"),
             ("all_reduce", "gloo"): timed(lambda: dist.all_reduce(x), reps, inner),
             ("all_reduce", "shm"): timed(lambda: shm.all_reduce(x), reps, inner),
@@ -128,7 +147,7 @@ def worker(args) -> int:
             copy = statistics.median([_copy_time(dst, x) for _ in range(reps)])
         dist.barrier()
         rows.append((nbytes, res, copy))
-        del x, out_rs, out_ag, part, dst, win, scratch
+        del x, out_rs, out_ag, part, dst, win, scratch, piece
     if rank == 0:
         print(f"\n{world} processes (fp32, medians; busbw: NCCL's convention; memcpy: one process, same size)")
         print(f"{'size':>9} {'collective':>15} {'gloo ms':>9} {'shm ms':>9} {'shm/gloo':>9} {'shm busbw GB/s':>15} "
@@ -147,7 +166,17 @@ def worker(args) -> int:
                 name = coll if how == "shm" else f"{coll} {'win' if how == 'window' else how}"
                 print(f"{label:>9} {name:>15} {g * 1e3:9.3f} {s * 1e3:9.3f} {g / s:9.1f} {busbw:15.2f} {mem_bw:12.2f}")
                 if nbytes == 32 << 20:
+                    floor = res[("all_reduce", "floor")]
                     limit = f"memcpy {mem_bw:.1f} GB/s at 32 MiB (one process)"
+                    if coll == "all_reduce" and how == "shm" and floor == floor:
+                        # the copy path's ceiling on this machine: its unavoidable copies alone
+                        ceiling = nbytes / floor * factor[coll] / 1e9
+                        limit += (f"; the copies in and out alone: {floor * 1e3:.2f} ms, at most {g / floor:.1f}x gloo "
+                                  f"and {ceiling / mem_bw:.0%} of memcpy")
+                        print(f"{'':>9} {'(copies only)':>15} {'':>9} {floor * 1e3:9.3f} {g / floor:9.1f} "
+                              f"{ceiling:15.2f} {mem_bw:12.2f}  the copy path's floor: every rank's copy in and out at once")
+                        _targets.info(BENCH, f"all_reduce copy path's ceiling (copies alone) share of memcpy, 32 MiB, "
+                                      f"{world} procs", ceiling / mem_bw, unit="%", limit=limit)
                     what = coll if how == "shm" else f"{coll} in a window" if how == "window" else \
                         f"{coll} staged through a window"
                     if coll == "all_gather" or how == "staged":  # information: the targets are the all-reduce's

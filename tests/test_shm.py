@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,11 +22,21 @@ def _segments():
     return {f for f in os.listdir("/dev/shm") if f.startswith("acshm-")} if os.path.isdir("/dev/shm") else set()
 
 
+def _assert_none_left(before):
+    """No segment created since `before` is left. Another job on this host (a test running
+    beside this one under pytest -n) has its segments in /dev/shm only until its ranks have
+    mapped them: a name that stays for seconds is a leak, one that goes was someone else's."""
+    deadline = time.monotonic() + wait_s(5)
+    while _segments() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _segments() <= before, f"segments left in /dev/shm: {_segments() - before}"
+
+
 def _run(world, *args):
     before = _segments()
     res = launch(["--num_processes", str(world), "--cpu", "--main_process_port", "0", SCRIPT, *args],
                  timeout=wait_s(180))
-    assert _segments() <= before, f"segments left in /dev/shm: {_segments() - before}"
+    _assert_none_left(before)
     return res
 
 
@@ -54,7 +65,7 @@ def test_a_silent_or_killed_rank_is_an_error_naming_it(tmp_path):
             p.kill()
     assert procs[1].returncode == -signal.SIGKILL, (procs[1].returncode, out1[-3000:] + err1[-3000:])
     assert procs[0].returncode == 0 and "shm faults OK" in out0, out0[-3000:] + err0[-3000:]
-    assert _segments() <= before, f"segments left in /dev/shm: {_segments() - before}"
+    _assert_none_left(before)
 
 
 @pytest.mark.parametrize("env", [{"ACCELERATE_C_COMM": "shm"}, {"ACCELERATE_C_COMM": ""},
@@ -68,7 +79,7 @@ def test_the_accelerator_selects_shared_memory_and_agrees_with_gloo(env):
                  env=env, timeout=wait_s(120))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "shm select OK" in res.stdout
-    assert _segments() <= before
+    _assert_none_left(before)
 
 
 def test_ranks_on_two_hosts_go_through_shared_memory_within_and_gloo_between():
@@ -80,4 +91,4 @@ def test_ranks_on_two_hosts_go_through_shared_memory_within_and_gloo_between():
                  env={"ACCELERATE_C_COMM": "shm"}, timeout=wait_s(180))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "shm hier OK" in res.stdout
-    assert _segments() <= before
+    _assert_none_left(before)
