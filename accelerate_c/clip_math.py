@@ -60,6 +60,8 @@ def clip_grad_norm_as_torch(params, max_norm: float, norm_type: float):
     gradient (transformers' Trainer clips at 1.0 by default: most steps of a converging run).
     What differs: the skipped gradients' version counters do not move (no autograd graph saves
     a .grad), and a signalling NaN stays signalling."""
+    if not hasattr(torch.nn.utils, "get_total_norm"):  # torch < 2.6: its clip in one piece
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, norm_type)
