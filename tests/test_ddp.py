@@ -24,7 +24,8 @@ def test_a_rank_that_raises_mid_step_ends_the_job_with_an_error():
 
 def test_collective_timeout_raises_instead_of_hanging():
     res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "faults.py"), "timeout"], timeout=wait_s(120))
+                  os.path.join(SCRIPTS, "faults.py"), "timeout"], timeout=wait_s(120),
+                 env={"FAULT_TIMEOUT_S": str(wait_s(1))})
     assert "rank 0 timed out as expected" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
     # the error names the rank and the bucket (and its parameters)
     assert "rank 0/2: the all-reduce of gradient bucket 0" in res.stdout, res.stdout[-2000:]

@@ -173,7 +173,8 @@ def test_a_collective_called_on_one_process_names_the_unit_within_the_timeout():
     """get_state_dict under `if is_main_process` (tests/scripts/fsdp_one_rank.py, timeout 5 s): a
     RuntimeError naming the unit whose gather did not complete, not a hang."""
     res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
-                  os.path.join(SCRIPTS, "fsdp_one_rank.py")], timeout=wait_s(120))
+                  os.path.join(SCRIPTS, "fsdp_one_rank.py")], timeout=wait_s(120),
+                 env={"FSDP_TIMEOUT_S": str(wait_s(5 / 3))})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "one-rank get_state_dict refused after" in res.stdout and "unit 'a' (Linear)" in res.stdout
 
@@ -185,7 +186,7 @@ def test_a_unit_skipped_on_one_process_names_a_unit_on_every_process(comm):
     memory sees the mismatch at once, gloo at the timeout), never a hang or a silent result."""
     res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
                   os.path.join(SCRIPTS, "fsdp_one_rank.py"), "skip"], timeout=wait_s(120),
-                 env={"ACCELERATE_C_COMM": comm})
+                 env={"ACCELERATE_C_COMM": comm, "FSDP_TIMEOUT_S": str(wait_s(5 / 3))})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: a skipped unit refused after" in res.stdout, res.stdout[-3000:]

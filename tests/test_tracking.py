@@ -199,6 +199,8 @@ def test_wandb_tracker_writes_what_accelerate_writes_offline(tmp_path, monkeypat
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):  # not shared with another worker
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
     monkeypatch.setenv("WANDB_CONSOLE", "off")
     logs = [({k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}, step) for values, step in LOGS]
     for who, make in (("ours", _ours), ("theirs", _theirs)):

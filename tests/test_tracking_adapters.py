@@ -180,6 +180,8 @@ def test_wandb_log_images_and_log_table_as_accelerate_offline(tmp_path, monkeypa
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):  # not shared with another worker
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
     monkeypatch.setenv("WANDB_CONSOLE", "off")
     images = [(np.arange(8 * 8 * 3).reshape(8, 8, 3) * k % 255).astype(np.uint8) for k in (1, 3)]
     runs = {}

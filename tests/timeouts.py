@@ -2,7 +2,8 @@
 
 Every test names the seconds its wait needs on this project's 2-core machine when it is idle;
 `wait_s` stretches them for a machine that is slower or busy (the suite must pass with other
-processes keeping every core busy, e.g. `stress-ng --cpu 2`). These are limits for detecting a
+processes keeping every core busy, e.g. `stress-ng --cpu 2`, and beside itself in pytest-xdist
+workers). These are limits for detecting a
 hang, never a measure of speed: no test asserts on elapsed time.
 
 AC_TEST_TIME_SCALE overrides the factor (e.g. 10 under a sanitizer or an emulator).
@@ -26,7 +27,9 @@ def _factor() -> float:
     # with other work, did not hit any of these waits; the factor is a margin, not a measured
     # slowdown); fewer cores are slower still
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 3.0 * max(1.0, 2.0 / cpus)
+    # under pytest-xdist (make test: 2 workers) the other workers' tests share the cores too
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return 3.0 * max(1.0, 2.0 / cpus) * max(1, workers)
 
 
 FACTOR = _factor()
