@@ -12,8 +12,13 @@ PIP     := $(VENV)/bin/pip
 TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 # pytest workers: the suite's multi-process tests leave about a third of 2 cores idle (serially
-# 33.6 min here on 2026-12-06, with 2 workers 22.8). PYTEST_WORKERS=1 runs it serially
-PYTEST_WORKERS ?= 2
+# 33.6 min here on 2026-12-06, with 2 workers 22.8). One worker when the machine was already
+# busy as make started (1-minute load average at or above half the cores, e.g. under the
+# `stress-ng --cpu 2` hog the suite must pass under), read once here, before make's own C tests
+# load it. PYTEST_WORKERS=N chooses
+ifeq ($(origin PYTEST_WORKERS), undefined)
+PYTEST_WORKERS := $(shell $(PYTHON) -c "import os; n = len(os.sched_getaffinity(0)); print(2 if n >= 2 and os.getloadavg()[0] < n / 2 else 1)")
+endif
 BENCH_ARGS ?=
 
 .PHONY: all venv install test test-c test-py fuzz-smoke demo bench fuzz fuzz-py soak clean
