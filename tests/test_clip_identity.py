@@ -12,24 +12,13 @@ import torch
 from torch import nn
 
 from accelerate_c import Accelerator
+from clip_models import HalfAndFull  # fp32 and bf16 parameters side by side (torch's clip groups them by dtype)
 from helpers import fresh_state  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
 def _auto_buffers(monkeypatch):
     monkeypatch.delenv("ACCELERATE_C_GRAD_BUFFERS", raising=False)
-
-
-class Mixed(nn.Module):
-    """fp32 and bf16 parameters side by side (torch's clip groups them by dtype, norm in fp32)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 4).to(torch.bfloat16)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)).to(torch.bfloat16)).float()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -41,7 +30,7 @@ def _setup(kind: str, seed: int = 0):
     torch.manual_seed(seed)
     model = {"fp32": lambda: nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)),
              "bf16": lambda: nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)).to(torch.bfloat16),
-             "mixed": Mixed}[kind]()
+             "mixed": HalfAndFull}[kind]()
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     accelerator = Accelerator(cpu=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
