@@ -309,3 +309,26 @@ def test_a_bf16_model_on_one_or_two_processes_is_held_to_torch_bit_for_bit(world
     assert bool(errors) == (world <= 2), errors
     assert not compare.bitwise(_case(1, world=2, param_dtype="bf16", sharding="zero2"))
     assert not compare.bitwise(_case(1, world=1, param_dtype="mixed"))
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_a_clamped_overflow_on_a_skipped_step_counts_as_an_overflow_only_where_chaotic(world):
+    """Soak case 6537940168 (compare._clamped_as_nan): three ranks, fp16 autocast, a bf16 hook,
+    clip_grad_value_ to 100, a step both sides skip where one rank's fp16 gradient overflowed on
+    the subject's side only; the clamp turned that inf into -100, against torch's finite -0.486.
+    Where chaotic, an element at the bound on a skipped step is an overflow the other side may not
+    have hit; on two processes, on a step taken, or away from the bound, it is still compared."""
+    case = _case(1, world=world, mp="fp16", comm_hook="bf16", clip="value", max_norm=100.0)
+    ref = _trace([torch.full((12,), -0.486)])
+    clamped = _trace([torch.full((12,), -0.486)])
+    clamped["steps"][0]["grads"][0][3] = -100.0
+    off = _trace([torch.full((12,), -0.486)])
+    off["steps"][0]["grads"][0][3] = -60.0
+    for t in (ref, clamped, off):
+        t["steps"][0]["skipped"] = True
+    assert compare.chaotic(case) == (world == 3)
+    assert bool(compare.compare(case, clamped, ref)) == (world == 2)
+    assert any("gradient 0" in e for e in compare.compare(case, off, ref))
+    taken = _trace([torch.full((12,), -0.486)])
+    taken["steps"][0]["grads"][0][3] = -100.0
+    assert any("gradient 0" in e for e in compare.compare(case, taken, _trace([torch.full((12,), -0.486)])))
