@@ -439,6 +439,32 @@ def test_multi_machine_command_maps_onto_torchrun(tmp_path):
     assert cmd[cmd.index("--rdzv_backend") + 1] == "c10d" and "--master_addr" not in cmd
 
 
+def test_a_free_port_is_bound_by_torchrun_itself(tmp_path):
+    """--main_process_port 0 on one machine: no port is picked here and handed on (another job
+    on the host could take it before torchrun binds it); torchrun's standalone rendezvous binds
+    port 0 itself, and every rank is told the port it got."""
+    values, args = _resolve(["--num_processes", "2", "--cpu", "--main_process_port", "0", "x.py"])
+    cmd = launch_cmd.build_command(args, values)
+    assert "--master_port" not in cmd and cmd[cmd.index("--rdzv_backend") + 1] == "c10d"
+    assert cmd[cmd.index("--rdzv_endpoint") + 1] == "127.0.0.1:0"
+    script = tmp_path / "port.py"
+    script.write_text("import os, torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "t = [None, None]\n"
+                      "dist.all_gather_object(t, os.environ['MASTER_PORT'])\n"
+                      "print('ports', dist.get_rank(), *t, flush=True)\n"
+                      "dist.barrier()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_PORT", "MASTER_ADDR")}
+    exe = os.path.join(os.path.dirname(sys.executable), "accelerate-c")
+    res = subprocess.run([exe, "launch", "--num_processes", "2", "--cpu", "--main_process_port", "0", str(script)],
+                         capture_output=True, text=True, timeout=wait_s(120), env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    lines = sorted(line.split()[1:] for line in res.stdout.splitlines() if line.startswith("ports"))
+    assert [r for r, *_ in lines] == ["0", "1"]
+    ports = {p for _, *ps in lines for p in ps}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+
+
 def _child_env(tmp_path, argv, env=None):
     script = tmp_path / "show_env.py"
     script.write_text(SHOW_ENV)

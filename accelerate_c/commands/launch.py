@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 
 from ..utils.config import ConfigError, config_in_effect, load_config_from_file, unsupported
 from ..utils.config_schema import CLUSTER_KEYS, DEEPSPEED_KEYS, FSDP_KEYS
@@ -251,11 +252,16 @@ def build_command(args, values: dict) -> list:
     port = values["main_process_port"]
     if port is None:
         port = 29500
-    elif port == 0:
-        port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n // m), "--nnodes", str(m)]
     backend, ip = values["rdzv_backend"], values["main_process_ip"]
-    if m == 1:
+    if m == 1 and port == 0:
+        # a free port (one machine, checked in resolve): torchrun's own --standalone rendezvous,
+        # whose store binds port 0 itself and hands the port it got to the workers. A port picked
+        # here and passed on would be free only until torchrun bound it: another job on the host
+        # (tests run side by side) can take it in between. torchrun's static rendezvous does not
+        # take port 0 (it waits forever)
+        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{ip or '127.0.0.1'}:0", "--rdzv_id", uuid.uuid4().hex]
+    elif m == 1:
         cmd += ["--master_addr", ip or "127.0.0.1", "--master_port", str(port)]
     elif backend == "static" and values["same_network"]:
         cmd += ["--node_rank", str(values["machine_rank"]), "--master_addr", ip, "--master_port", str(port)]
