@@ -15,6 +15,7 @@ from accelerate_c.checkpointing import MARKER
 
 from checkpoint_helpers import ENV, HERE, SCRIPT, run_py
 from helpers import fresh_state  # noqa: F401
+from ports import run_machines
 from test_launch import launch
 from timeouts import wait_s
 
@@ -76,33 +77,31 @@ def test_a_save_failing_on_one_rank_raises_on_every_rank(tmp_path):
 
 
 # ---- save_on_each_node on a shared file system: two "nodes" on one host ---------------------------------------
-def test_save_on_each_node_two_nodes_one_shared_directory(tmp_path):
-    """2 launchers x 2 processes (ranks 0,1 on node 0, ranks 2,3 on node 1) save into one
-    directory: one complete checkpoint (every rank's random states, one marker that lists them),
-    no temporary directories left, weights as torch saved them, each rank's RNG its own."""
-    import socket
+def _two_nodes(tmp_path, out):
+    """Two launchers of 2 processes each as two nodes (ports.run_machines); their processes and
+    outputs."""
     import shutil as _shutil
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     exe = _shutil.which("accelerate-c", path=os.path.dirname(sys.executable))
     script = os.path.join(HERE, "scripts", "checkpoint_nodes.py")
     env = dict(ENV, OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
     env.pop("WORLD_SIZE", None)
+
+    def commands(port):
+        common = ["--cpu", "--num_processes", "4", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
+                  "--main_process_port", port, "--same_network"]
+        return [[exe, "launch", *common, "--machine_rank", str(m), script, str(out)] for m in (0, 1)]
+
+    return run_machines(commands, env, wait_s(240))
+
+
+def test_save_on_each_node_two_nodes_one_shared_directory(tmp_path):
+    """2 launchers x 2 processes (ranks 0,1 on node 0, ranks 2,3 on node 1) save into one
+    directory: one complete checkpoint (every rank's random states, one marker that lists them),
+    no temporary directories left, weights as torch saved them, each rank's RNG its own."""
     out = tmp_path / "shared"
     out.mkdir()
-    common = ["--cpu", "--num_processes", "4", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
-              "--main_process_port", port, "--same_network"]
-    procs = [subprocess.Popen([exe, "launch", *common, "--machine_rank", str(m), script, str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for m in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=wait_s(240))[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    procs, outs = _two_nodes(tmp_path, out)
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     results = [json.loads((out / f"nodes_{r}.json").read_text()) for r in range(4)]
     assert [(r["node"], r["local"]) for r in results] == [("0", 0), ("0", 1), ("1", 0), ("1", 1)]

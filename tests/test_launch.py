@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from ports import port_taken
 from timeouts import wait_s
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -17,17 +18,13 @@ def launcher():
     return exe
 
 
-# what torchrun's store says when the port `--main_process_port 0` picked was taken before it
-# bound it (another test's processes, under pytest-xdist, draw from the same ports)
-_PORT_TAKEN = ("Address already in use", "EADDRINUSE", "The server socket has failed to listen")
-
-
 def launch(args, env=None, timeout=wait_s(180)):
     full_env = dict(os.environ, **(env or {}))
     full_env.pop("WORLD_SIZE", None)
     res = subprocess.run([launcher(), "launch", *args], capture_output=True, text=True, timeout=timeout,
                          env=full_env)
-    if res.returncode != 0 and any(m in res.stdout + res.stderr for m in _PORT_TAKEN):  # once more
+    # a fixed port (--main_process_port N, or none: 29500) can be another test's (ports.py); once more
+    if res.returncode != 0 and port_taken(res.stdout + res.stderr):
         res = subprocess.run([launcher(), "launch", *args], capture_output=True, text=True, timeout=timeout,
                              env=full_env)
     return res

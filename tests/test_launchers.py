@@ -63,7 +63,7 @@ def test_notebook_launcher_forms_one_group_with_the_launchers_environment(tmp_pa
 
 
 def _free_port():
-    from accelerate_c.commands.launch import free_port
+    from ports import free_port
 
     return free_port()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -40,12 +39,6 @@ TOL = {"no": {"loss": 1e-6, "norm": 2e-6, "param": 1e-6, "eval": 1e-6},
        "bf16": {"loss": 2e-4, "norm": 2e-4, "param": 1e-4, "eval": 2e-4}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -61,8 +54,9 @@ def _accelerate(nproc, out, result, *extra):
     if nproc == 1:
         cmd = [sys.executable, SCRIPT]
     else:
-        cmd = [_bin("torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port",
-               str(_free_port()), SCRIPT]
+        # --standalone: torchrun binds a free port itself (a port picked here could be taken by
+        # another test's processes, under pytest-xdist, before torchrun bound it)
+        cmd = [_bin("torchrun"), "--standalone", "--nproc_per_node", str(nproc), SCRIPT]
     env = dict(_env(), ACCELERATE_USE_CPU="true")
     return subprocess.Popen(cmd + [out, result, "--backend", "accelerate", *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -39,13 +38,6 @@ _DEEPSPEED_FLAGS = {
     "deepspeed_inclusion_filter": None,
     "deepspeed_multinode_launcher": None,
 }
-
-
-def free_port() -> int:
-    """A TCP port that is free on this host now (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fail(msg: str):

@@ -1,0 +1,58 @@
+"""Launchers that must meet at a named port (two `accelerate-c launch` runs as two machines).
+
+A port found free here can be taken by another test's processes (pytest-xdist runs two) before
+machine 0's launcher binds it; then machine 0 fails at once, the other machines are stopped (they
+would wait for a store that is not theirs) and all start again at a new port, once. Where one
+launcher is enough, `--main_process_port 0` (torchrun binds the port itself) needs none of this.
+"""
+import os
+import signal
+import socket
+import subprocess
+
+# what torchrun's store says when its port was taken
+PORT_TAKEN = ("Address already in use", "EADDRINUSE", "The server socket has failed to listen")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_taken(text: str) -> bool:
+    return any(m in text for m in PORT_TAKEN)
+
+
+def _stop(p: subprocess.Popen) -> None:
+    """The launcher and what it started (torchrun and the ranks hold its output open)."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()
+
+
+def _run_machines(commands: list, env: dict, timeout: float):
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True) for c in commands]
+    outs = []
+    try:
+        for p in procs:
+            if outs and procs[0].returncode != 0:  # machine 0 failed: the others wait for nothing
+                _stop(p)
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            _stop(p)
+    return procs, outs
+
+
+def run_machines(commands_at, env: dict, timeout: float):
+    """commands_at(port) -> one command per machine; their processes and outputs, at a second
+    port when the first was taken."""
+    procs, outs = _run_machines(commands_at(str(free_port())), env, timeout)
+    if any(p.returncode != 0 for p in procs) and port_taken("".join(outs)):
+        procs, outs = _run_machines(commands_at(str(free_port())), env, timeout)
+    return procs, outs
