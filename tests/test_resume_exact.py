@@ -23,6 +23,7 @@ from accelerate_c import Accelerator
 from accelerate_c.checkpointing import MARKER, CheckpointError
 
 from helpers import fresh_state, make_dataset, reset_all_states  # noqa: F401
+from shared_dirs import built_once
 from test_launch import SCRIPTS, launch
 
 SCRIPT = os.path.join(SCRIPTS, "resume_exact.py")
@@ -61,12 +62,16 @@ def _assert_resumes_exact(workdir, ranks, phases):
         assert {n.split("_at")[0] for n in seen} == set(full), sorted(set(full) - seen)
 
 
-@pytest.fixture(scope="module")
-def one_process_runs(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("resume_exact_1")
+def _one_process_phases(workdir):
     for phase in ("full", "resume", "resume2"):
         _python("accelerate_c", phase, workdir)
-    return workdir
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory):
+    """accelerate_c's one-process runs, once per pytest run (shared_dirs.py); accelerate's own run
+    is added beside them by the test that needs it (its files are named apart)."""
+    return built_once(tmp_path_factory, "resume_exact_1", _one_process_phases)
 
 
 def test_resume_in_the_users_loop_is_bitwise_exact_on_one_process(one_process_runs):

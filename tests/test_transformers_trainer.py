@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from helpers import fresh_state  # noqa: F401  (autouse: fresh Accelerator states per test)
+from shared_dirs import built_once
 from timeouts import wait_s
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,12 +75,8 @@ def _wait(*procs):
         assert p.returncode == 0, out[-4000:]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every launch once (at most 2 processes at a time); the results by (backend, nproc)."""
-    d = tmp_path_factory.mktemp("hf")
-    r = {}
-
+def _launch_all(d):
+    """Every launch once (at most 2 processes at a time), their results in d."""
     def res(name):
         return str(d / f"{name}.json")
 
@@ -89,8 +86,15 @@ def runs(tmp_path_factory):
     _wait(_ours(2, str(d / "ours2"), res("ours2"), "--mp", "no,bf16", "--part", "bf16"))
     _wait(_ours(1, str(d / "ours1"), res("ours1r"), "--resume", "no"))  # new processes
     _wait(_ours(2, str(d / "ours2"), res("ours2r"), "--resume", "bf16"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The results by (backend, nproc), launched once per pytest run (shared_dirs.py)."""
+    d = built_once(tmp_path_factory, "transformers_trainer_runs", _launch_all)
+    r = {}
     for name in ("acc1", "ours1", "acc2", "ours2", "ours1r", "ours2r"):
-        with open(res(name)) as f:
+        with open(d / f"{name}.json") as f:
             r[name] = json.load(f)
     r["dir"] = d
     return r
