@@ -41,11 +41,29 @@ def test_cuda_build_reports_no_devices_here():
         assert _C.cuda_device_count() == 0
 
 
+def _source_copy(dst):
+    """The repository's tracked files (git ls-files), else its tree without what builds and venvs
+    leave, copied to dst."""
+    res = subprocess.run(["git", "-C", ROOT, "ls-files", "-z"], capture_output=True, timeout=wait_s(60))
+    if res.returncode == 0 and res.stdout:
+        for rel in res.stdout.decode().split("\0"):
+            if rel and os.path.isfile(os.path.join(ROOT, rel)):
+                os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
+                shutil.copy2(os.path.join(ROOT, rel), os.path.join(dst, rel))
+    else:
+        shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "*.so",
+                                                                  "__pycache__"))
+    return str(dst)
+
+
 @pytest.mark.skipif(shutil.which("nm") is None, reason="binutils missing")
 def test_cpu_only_wheel_builds_with_a_c_compiler_only(tmp_path):
     env = dict(os.environ, ACCELERATE_C_NO_CUDA="1", PATH="/usr/bin:/bin")  # no nvcc on PATH either
     env.pop("CUDA_HOME", None)
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", str(tmp_path), ROOT]
+    # built from a copy of the sources: pip builds in the tree it is given, and a CPU-only module
+    # left in the repository's build/ could be packaged by a later `pip wheel .` with CUDA
+    src = _source_copy(tmp_path / "src")
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", str(tmp_path), src]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=wait_s(600))
     assert res.returncode == 0, res.stdout + res.stderr
     wheels = glob.glob(str(tmp_path / "accelerate_c-*.whl"))
