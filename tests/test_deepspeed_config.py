@@ -596,6 +596,10 @@ LAUNCH_CASES = [
          "  offload_param_device: none\n  zero3_init_flag: false\nmixed_precision: bf16\n"),
     (["--zero_stage", "2"], "distributed_type: DEEPSPEED\nnum_processes: 1\ndeepspeed_config:\n"
                             "  deepspeed_config_file: ds.json\n  zero3_init_flag: false\n"),
+    # parameter offload to the CPU at stage 3: taken from the config file as from a DeepSpeed JSON
+    ([], "distributed_type: DEEPSPEED\nnum_processes: 1\ndeepspeed_config:\n  zero_stage: 3\n"
+         "  offload_param_device: cpu\n  zero3_init_flag: false\n  zero3_save_16bit_model: true\n"),
+    (["--use_deepspeed", "--zero_stage", "3", "--offload_param_device", "cpu"], None),
 ]
 
 
@@ -609,6 +613,41 @@ def test_launcher_exports_accelerates_variables(tmp_path, argv, config_text):
     assert values["distributed_type"] == "DEEPSPEED"
     assert _ds_vars(env) == _ds_vars(_accelerates_env(argv))
     assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
+
+
+def test_config_file_parameter_offload_at_stage_3_reaches_the_plugin(tmp_path, monkeypatch):
+    """offload_param_device: cpu at zero_stage 3 in the config file: accelerate's plugin from the
+    exported variables, and an Accelerator on a CPU process that trains with it (the shards are
+    in host memory already)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(LAUNCH_CASES[5][1])
+    _, env = _resolve(["--config_file", str(path)])
+    for k, v in _ds_vars(env).items():
+        monkeypatch.setenv(k, v)
+    ours, ref = DeepSpeedPlugin(), theirs.DeepSpeedPlugin()
+    assert ours.deepspeed_config == ref.deepspeed_config
+    assert ours.deepspeed_config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    acc = Accelerator(cpu=True, deepspeed_plugin=ours)
+    model = torch.nn.Linear(4, 3)
+    ref_model = torch.nn.Linear(4, 3)
+    ref_model.load_state_dict(model.state_dict())
+    data = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    model, opt, dl = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 torch.utils.data.DataLoader(data, batch_size=2))
+    for x in dl:
+        acc.backward(model(x).sum())
+        opt.step()
+        opt.zero_grad()
+    # the same in plain torch: SGD, clipped at gradient_clipping ("auto": accelerate's 1.0)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    for x in data.split(2):
+        ref_model(x).sum().backward()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = acc.get_state_dict(model)
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-6, atol=1e-7)
 
 
 def test_config_file_fields_reach_the_plugin(tmp_path, monkeypatch):
@@ -634,7 +673,9 @@ def test_config_file_fields_reach_the_plugin(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("extra,argv,msg", [
     ("deepspeed_config: {offload_optimizer_device: nvme}", [], "NVMe offload"),
-    ("deepspeed_config: {offload_param_device: cpu}", [], "parameter offload"),
+    ("deepspeed_config: {offload_param_device: cpu}", [], "parameter offload needs ZeRO stage 3"),
+    ("deepspeed_config: {offload_param_device: cpu, zero_stage: 3}", ["--zero_stage", "1"], "at zero_stage 1"),
+    ("deepspeed_config: {offload_param_device: nvme, zero_stage: 3}", [], "NVMe offload"),
     ("deepspeed_config: {deepspeed_moe_layer_cls_names: MixtralSparseMoeBlock}", [], "mixture of experts"),
     ("", ["--offload_optimizer_device", "nvme"], "NVMe offload"),
     ("", ["--zero_stage", "5"], "--zero_stage must be 0, 1, 2 or 3"),

@@ -156,6 +156,12 @@ def _deepspeed_settings(args, values: dict, mp_from_file: bool) -> None:
             _fail(f"--gradient_clipping must be >= 0, got {flag}")
         merged[name] = flag
     values["deepspeed_config"] = merged
+    stage = merged.get("zero_stage", DEEPSPEED_KEYS["zero_stage"].default)
+    if str(merged.get("offload_param_device", "none")).lower() == "cpu" and \
+            not merged.get("deepspeed_config_file") and stage < 3:
+        # (a deepspeed_config_file holds the stage itself: its own check names the file)
+        _fail(f"deepspeed_config.offload_param_device=cpu at zero_stage {stage}: parameter offload needs ZeRO "
+              "stage 3; use offload_optimizer_device to offload at stages 1 and 2")
     launcher = merged.get("deepspeed_multinode_launcher")
     if values["num_machines"] > 1 and launcher != "standard":
         _fail(f"DeepSpeed on {values['num_machines']} machines: deepspeed_multinode_launcher "

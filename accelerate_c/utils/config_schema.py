@@ -118,8 +118,9 @@ DEEPSPEED_KEYS = _keys(
     Key("zero_stage", I, 2, lo=0, hi=3),
     Key("offload_optimizer_device", S, "none", choices=OFFLOAD_DEVICES, supported=("NONE", "CPU"),
         feature="NVMe offload"),
-    Key("offload_param_device", S, "none", choices=OFFLOAD_DEVICES, supported=("NONE",),
-        feature="parameter offload (ZeRO-3 offload_param, to CPU or NVMe)"),
+    # cpu needs zero_stage 3 (the launcher checks the pair), as offload_param in a DeepSpeed JSON
+    Key("offload_param_device", S, "none", choices=OFFLOAD_DEVICES, supported=("NONE", "CPU"),
+        feature="NVMe offload"),
     Key("offload_optimizer_nvme_path", S, None, nullable=True, supported=(None, "NONE"), feature="NVMe offload"),
     Key("offload_param_nvme_path", S, None, nullable=True, supported=(None, "NONE"), feature="NVMe offload"),
     Key("gradient_accumulation_steps", ("int", "str"), 1, lo=1, pattern="auto"),
