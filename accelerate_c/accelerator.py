@@ -22,7 +22,7 @@ from .strategies.zero import Zero1Strategy
 from .strategies.zero2 import Zero2Strategy
 from .strategies.fsdp import FullShardStrategy
 from .fsdp_plugin import fsdp_settings, resolve_fsdp_plugin
-from .compilation import compile_prepared, made_by_prepare, prepared_inner
+from .compilation import compile_prepared, compiles, made_by_prepare, prepared_inner
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
 from .accelerator_grads import GradientFacade
@@ -423,6 +423,8 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
         # the DeepSpeed settings and for FSDP's regional compilation, as accelerate compiles there
         plugin = self.state.dynamo_plugin
         in_place = self._zero_stage is not None or (self._fsdp is not None and plugin.use_regional_compilation)
+        if compiles(model, plugin):
+            self._grads.strategy.before_compile(model)
         return compile_prepared(model, plugin, in_place=in_place)
 
     def _registered(self, model):

@@ -25,6 +25,11 @@ from .utils.other import compile_regions, compile_regions_in_place, is_compiled_
 _MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def compiles(model: torch.nn.Module, plugin) -> bool:
+    """Whether compile_prepared(model, plugin) compiles it (not backend NO, not compiled yet)."""
+    return str(getattr(plugin.backend, "value", plugin.backend)).upper() != "NO" and not is_compiled_module(model)
+
+
 def compile_prepared(model: torch.nn.Module, plugin, in_place: bool = False) -> torch.nn.Module:
     """The prepared `model` compiled as the dynamo plugin says, or `model` itself (backend NO,
     or torch.compile's wrapper already). `in_place` (the DeepSpeed settings, where accelerate
@@ -32,9 +37,7 @@ def compile_prepared(model: torch.nn.Module, plugin, in_place: bool = False) -> 
     each repeated block when regional), the model stays the object the user holds and its state
     dict keeps its keys; else torch.compile's wrapper (or regional twins), whose state dict keys
     carry `_orig_mod`, as accelerate's do."""
-    if str(getattr(plugin.backend, "value", plugin.backend)).upper() == "NO":
-        return model
-    if is_compiled_module(model):
+    if not compiles(model, plugin):
         return model
     kwargs = plugin.to_kwargs()
     try:

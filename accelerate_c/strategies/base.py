@@ -145,6 +145,9 @@ class GradStrategy:
         """Whether any process's part of the gradients overflowed, from this process's."""
         return found
 
+    def before_compile(self, model) -> None:
+        """prepare() is about to torch.compile `model` (the last step of preparing it)."""
+
     def prepare_optimizer(self, optimizer) -> None:
         """Accelerator.prepare_optimizer, before the optimizer is wrapped (its models are
         prepared already): a sharding strategy rebuilds it in place here."""

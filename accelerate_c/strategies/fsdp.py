@@ -141,28 +141,51 @@ class FullShardStrategy(Zero2Strategy):
                             persist_below=self.persist_below, empty_at_rest=self.empty_at_rest,
                             upcast=self.param_dtype is not None)
         self.models[id(model)] = fsdp = FsdpModel(units)
-        for unit in units:
-            m = unit.module
-            unit.hooks.append(m.register_forward_pre_hook(self._pre_forward_hook(fsdp, unit), with_kwargs=True))
-            unit.hooks.append(m.register_forward_hook(self._post_forward_hook(fsdp, unit)))
+        self._hook_forwards(model, fsdp)
         if self.activation_checkpointing:
             for unit in units[:-1]:
                 _checkpoint_forward(unit.module)
-        # a module holding root parameters run outside the model's own forward (T5's generate()
-        # runs the encoder through get_encoder(), whose embedding is the shared one) gathers the
-        # root first; it stays gathered until the root's next forward ends, a backward ends or a step
-        root = units[-1]
-        held_by_root = {id(p) for ug in root.groups for p in ug.params}
-        for m in model.modules():
-            if m is not model and any(p is not None and id(p) in held_by_root for p in m._parameters.values()):
-                root.hooks.append(m.register_forward_pre_hook(self._root_on_demand(root)))
-                root.hooks.append(m.register_forward_hook(self._root_on_demand_backward(root)))
         # transformers' mark of a model FSDP manages (its is_fsdp_managed_module): generate()
         # then keeps a process whose sequences are done stepping until every process is
         # (synced_gpus), since each forward gathers units with all of them
         model._is_fsdp_managed_module = True
         model.register_state_dict_pre_hook(self._state_dict_guard)
         self._hook_full_loads(model, fsdp)
+
+    def _hook_forwards(self, model, fsdp, wrap=None) -> None:
+        """The units' forward hooks, each function passed through `wrap` when given."""
+        w = wrap if wrap is not None else (lambda f: f)
+        for unit in fsdp.units:
+            m = unit.module
+            unit.hooks.append(m.register_forward_pre_hook(w(self._pre_forward_hook(fsdp, unit)), with_kwargs=True))
+            unit.hooks.append(m.register_forward_hook(w(self._post_forward_hook(fsdp, unit))))
+        # a module holding root parameters run outside the model's own forward (T5's generate()
+        # runs the encoder through get_encoder(), whose embedding is the shared one) gathers the
+        # root first; it stays gathered until the root's next forward ends, a backward ends or a step
+        root = fsdp.units[-1]
+        held_by_root = {id(p) for ug in root.groups for p in ug.params}
+        for m in model.modules():
+            if m is not model and any(p is not None and id(p) in held_by_root for p in m._parameters.values()):
+                root.hooks.append(m.register_forward_pre_hook(w(self._root_on_demand(root))))
+                root.hooks.append(m.register_forward_hook(w(self._root_on_demand_backward(root))))
+
+    def before_compile(self, model) -> None:
+        """torch.compile is about to wrap `model`: its units' forward hooks are registered again,
+        each under torch._dynamo.disable, so that they run as written, outside the compiled graph.
+        Traced by dynamo, the `p.data` swaps of a gather and a reshard leave a parameter with a
+        new gradient accumulator, not the one the compiled graph feeds (torch 2.13, with the eager
+        backend too): a unit run again outside the compiled forward in the same step (an extra
+        loss from a layer called directly) then had its gradient delivered twice, refused."""
+        fsdp = self.models.get(id(model))
+        if fsdp is None:
+            return
+        import torch._dynamo  # (the compile about to run imports it anyway)
+
+        for unit in fsdp.units:
+            for handle in unit.hooks:
+                handle.remove()
+            unit.hooks.clear()
+        self._hook_forwards(model, fsdp, torch._dynamo.disable)
 
     def adopt_gradients(self, model, manager):
         """A GradShard per trainable group of every unit, in the compute dtype, its shard fp32."""

@@ -291,10 +291,10 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # stress run of the axis). Not with the model's reentrant checkpointing: dynamo's tracing of
     # it fails under autocast ("encountered during backward but not found in storage") and moves
     # 16-bit results, on accelerate 1.15 as on accelerate_c (torch 2.13)
-    # Nor with full sharding's aux call (a unit run again outside the compiled forward, after it,
-    # resharded between the runs): its gradient reaches the shard twice, refused (docs/sharding.md)
-    c["compile"] = (r.random() < 0.1 or os.environ.get("AC_DIFF_COMPILE") == "1") and not c["reentrant"] \
-        and not c.get("fsdp_aux")
+    # (Full sharding's aux call, a unit run again outside the compiled forward, is drawn with it:
+    # it had its gradient delivered twice until the units' hooks ran outside dynamo's tracing,
+    # FullShardStrategy.before_compile)
+    c["compile"] = (r.random() < 0.1 or os.environ.get("AC_DIFF_COMPILE") == "1") and not c["reentrant"]
     # two identical blocks in an nn.ModuleList (workload.Net), and with compile, accelerate's
     # regional compilation of them (use_regional_compilation: each block compiled on its own, the
     # rest left eager). AC_DIFF_REGIONAL=1 draws both wherever compile is drawn
@@ -408,6 +408,8 @@ REGRESSIONS = {
         _case(REGRESSION_SEED + 26, world=2, unused=True, rank_skip=2, assign_grad=True, raw_backward=True),
     "one process without flat buffers, fp16, an overflow, clip_grad_value_ (the step re-checked the clamped gradients and did not skip)":
         _case(REGRESSION_SEED + 27, mp="fp16", clip="value", overflow=(0, 3)),
+    "full sharding under torch.compile, the output layer's unit called again outside the compiled forward (its gradient delivered twice)":
+        {**draw(20001, 2, "fsdp"), "compile": True, "fsdp_aux": "after", "seed": REGRESSION_SEED + 28},
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
