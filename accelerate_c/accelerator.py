@@ -55,7 +55,7 @@ from .utils.dataclasses import (
 )
 from .utils import operations as ops
 from .utils.operations import convert_outputs_to_fp32, recursively_apply
-from .utils.other import extract_model_from_parallel
+from .utils.other import extract_model_from_parallel, is_compiled_module
 
 _split_batches = object()  # sentinel: tells "not passed" from False, as accelerate does
 
@@ -423,7 +423,7 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
         # the DeepSpeed settings and for FSDP's regional compilation, as accelerate compiles there
         plugin = self.state.dynamo_plugin
         in_place = self._zero_stage is not None or (self._fsdp is not None and plugin.use_regional_compilation)
-        if compiles(model, plugin):
+        if compiles(model, plugin) or is_compiled_module(model):  # (compiled by the user before prepare())
             self._grads.strategy.before_compile(model)
         return compile_prepared(model, plugin, in_place=in_place)
 

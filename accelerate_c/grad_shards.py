@@ -177,7 +177,9 @@ class GradShard:
             # a second hook on this parameter, or its gradient delivered twice in one backward (a
             # weight in two reentrant-checkpointed segments): refused before anything is written
             raise RuntimeError(f"ZeRO stage 2: the gradient of {self.names(p)} arrived twice in one backward (a "
-                               "parameter used by two reentrant-checkpointed segments, or prepared twice); "
+                               "parameter used by two reentrant-checkpointed segments, or prepared twice, or under "
+                               "full sharding a unit run outside a forward that torch.compile, called after "
+                               "prepare(), traces: compile through the Accelerator's dynamo plugin instead); "
                                "each gradient is reduce-scattered once per backward")
         if g.requires_grad:
             raise RuntimeError("backward(create_graph=True) is not supported under ZeRO stage 2: the gradient of "

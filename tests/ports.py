@@ -25,12 +25,20 @@ def port_taken(text: str) -> bool:
 
 
 def _stop(p: subprocess.Popen) -> None:
-    """The launcher and what it started (torchrun and the ranks hold its output open)."""
+    """The launcher and what it started. torchrun starts each rank in a session of its own, so
+    the group gets SIGTERM first (torchrun's agent then stops its ranks, which hold the output
+    open), and SIGKILL only if it is still there 15 s later."""
     if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
     p.wait()
 
 

@@ -225,6 +225,22 @@ def test_a_launch_config_with_dynamo_compiles_on_two_processes(tmp_path, kind, f
     assert f"compile OK {kind} {flow}" in res.stdout
 
 
+@pytest.mark.parametrize("how", ["plugin", "user"])
+def test_full_sharding_compiled_with_a_unit_run_again_outside_the_forward(how):
+    """Full sharding, compiled by the dynamo plugin or by the user before prepare(), an extra loss
+    from the output layer called directly: trains as plain torch on the whole batch
+    (tests/scripts/fsdp_compile_aux.py; its gradient was delivered twice before
+    FullShardStrategy.before_compile)."""
+    import os
+
+    from test_launch import SCRIPTS, launch
+
+    res = launch(["--num_processes", "2", "--cpu", "--main_process_port", "0",
+                  os.path.join(SCRIPTS, "fsdp_compile_aux.py"), how], env={"OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"fsdp compile aux OK ({how})" in res.stdout
+
+
 # ---- what a compiled model saves, and the Trainer around it ------------------------------------
 def _llama():
     import os

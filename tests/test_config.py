@@ -446,12 +446,12 @@ def test_a_free_port_is_bound_by_torchrun_itself(tmp_path):
     values, args = _resolve(["--num_processes", "2", "--cpu", "--main_process_port", "0", "x.py"])
     cmd = launch_cmd.build_command(args, values)
     assert "--master_port" not in cmd and cmd[cmd.index("--rdzv_backend") + 1] == "c10d"
-    assert cmd[cmd.index("--rdzv_endpoint") + 1] == "127.0.0.1:0"
+    assert cmd[cmd.index("--rdzv_endpoint") + 1] == "127.0.0.1:0" and cmd[cmd.index("--local_addr") + 1] == "127.0.0.1"
     script = tmp_path / "port.py"
     script.write_text("import os, torch.distributed as dist\n"
                       "dist.init_process_group('gloo')\n"
                       "t = [None, None]\n"
-                      "dist.all_gather_object(t, os.environ['MASTER_PORT'])\n"
+                      "dist.all_gather_object(t, os.environ['MASTER_ADDR'] + ':' + os.environ['MASTER_PORT'])\n"
                       "print('ports', dist.get_rank(), *t, flush=True)\n"
                       "dist.barrier()\n")
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_PORT", "MASTER_ADDR")}
@@ -462,7 +462,9 @@ def test_a_free_port_is_bound_by_torchrun_itself(tmp_path):
     lines = sorted(line.split()[1:] for line in res.stdout.splitlines() if line.startswith("ports"))
     assert [r for r, *_ in lines] == ["0", "1"]
     ports = {p for _, *ps in lines for p in ps}
-    assert len(ports) == 1 and int(ports.pop()) > 0
+    assert len(ports) == 1
+    addr, port = ports.pop().rsplit(":", 1)
+    assert addr == "127.0.0.1" and int(port) > 0
 
 
 def _child_env(tmp_path, argv, env=None):

@@ -257,8 +257,13 @@ def build_command(args, values: dict) -> list:
         # whose store binds port 0 itself and hands the port it got to the workers. A port picked
         # here and passed on would be free only until torchrun bound it: another job on the host
         # (tests run side by side) can take it in between. torchrun's static rendezvous does not
-        # take port 0 (it waits forever)
-        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{ip or '127.0.0.1'}:0", "--rdzv_id", uuid.uuid4().hex]
+        # take port 0 (it waits forever). is_host: this agent hosts the store whatever address it
+        # is given (c10d would otherwise host only for loopback or the hostname's own addresses,
+        # and wait as a client for a store no one runs); local_addr: the MASTER_ADDR the ranks get
+        # (else the machine's fully qualified name, which need not resolve)
+        addr = ip or "127.0.0.1"
+        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr}:0", "--rdzv_id", uuid.uuid4().hex,
+                "--rdzv_conf", "is_host=1", "--local_addr", addr]
     elif m == 1:
         cmd += ["--master_addr", ip or "127.0.0.1", "--master_port", str(port)]
     elif backend == "static" and values["same_network"]:
@@ -330,7 +335,7 @@ def register(sub) -> None:
     ds.add_argument("--deepspeed_config_file", default=None, help="DeepSpeed JSON config file")
     ds.add_argument("--zero_stage", type=int, default=None, help="ZeRO stage (default 2)")
     ds.add_argument("--offload_optimizer_device", default=None, help="none or cpu (nvme is not supported)")
-    ds.add_argument("--offload_param_device", default=None, help="none (parameter offload needs ZeRO-3)")
+    ds.add_argument("--offload_param_device", default=None, help="none or cpu (cpu at --zero_stage 3 only)")
     ds.add_argument("--offload_optimizer_nvme_path", default=None, help=argparse.SUPPRESS)
     ds.add_argument("--offload_param_nvme_path", default=None, help=argparse.SUPPRESS)
     ds.add_argument("--gradient_clipping", type=float, default=None, help="max gradient norm (DeepSpeed's "
