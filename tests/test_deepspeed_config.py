@@ -615,16 +615,22 @@ def test_launcher_exports_accelerates_variables(tmp_path, argv, config_text):
     assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
 
 
+def _plugins_from_config_file(tmp_path, monkeypatch, text):
+    """Ours and accelerate's DeepSpeedPlugin() from the variables `accelerate-c launch` exports for
+    a config file holding `text` (set in this process's environment); and the file's path."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    _, env = _resolve(["--config_file", str(path)])
+    for k, v in _ds_vars(env).items():
+        monkeypatch.setenv(k, v)
+    return DeepSpeedPlugin(), theirs.DeepSpeedPlugin(), path
+
+
 def test_config_file_parameter_offload_at_stage_3_reaches_the_plugin(tmp_path, monkeypatch):
     """offload_param_device: cpu at zero_stage 3 in the config file: accelerate's plugin from the
     exported variables, and an Accelerator on a CPU process that trains with it (the shards are
     in host memory already)."""
-    path = tmp_path / "c.yaml"
-    path.write_text(LAUNCH_CASES[5][1])
-    _, env = _resolve(["--config_file", str(path)])
-    for k, v in _ds_vars(env).items():
-        monkeypatch.setenv(k, v)
-    ours, ref = DeepSpeedPlugin(), theirs.DeepSpeedPlugin()
+    ours, ref, _ = _plugins_from_config_file(tmp_path, monkeypatch, LAUNCH_CASES[5][1])
     assert ours.deepspeed_config == ref.deepspeed_config
     assert ours.deepspeed_config["zero_optimization"]["offload_param"]["device"] == "cpu"
     acc = Accelerator(cpu=True, deepspeed_plugin=ours)
@@ -652,12 +658,7 @@ def test_config_file_parameter_offload_at_stage_3_reaches_the_plugin(tmp_path, m
 
 def test_config_file_fields_reach_the_plugin(tmp_path, monkeypatch):
     """The variables a DEEPSPEED config file exports build the plugin accelerate builds."""
-    path = tmp_path / "c.yaml"
-    path.write_text(LAUNCH_CASES[3][1])
-    _, env = _resolve(["--config_file", str(path)])
-    for k, v in _ds_vars(env).items():
-        monkeypatch.setenv(k, v)
-    ours, ref = DeepSpeedPlugin(), theirs.DeepSpeedPlugin()
+    ours, ref, path = _plugins_from_config_file(tmp_path, monkeypatch, LAUNCH_CASES[3][1])
     assert ours.deepspeed_config == ref.deepspeed_config
     assert ours.deepspeed_config["zero_optimization"]["stage"] == 1 and ours.gradient_accumulation_steps == 2
     # with a deepspeed_config_file, the other settings of the config file are refused (accelerate's rule)
