@@ -22,7 +22,7 @@ from .strategies.zero import Zero1Strategy
 from .strategies.zero2 import Zero2Strategy
 from .strategies.fsdp import FullShardStrategy
 from .fsdp_plugin import fsdp_settings, resolve_fsdp_plugin
-from .compilation import compile_prepared, compiles, made_by_prepare, prepared_inner
+from .compilation import compile_prepared, compiles, made_by_prepare, plain_keys, prepared_inner
 from .grads import GradManager
 from .optimizer import AcceleratedOptimizer
 from .accelerator_grads import GradientFacade
@@ -733,9 +733,12 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
                     sd[k] = cast[id(v)]
             return sd
         if self._fsdp is not None:
-            # the FSDP2 path of accelerate (torch's get_model_state_dict): the keys of the model
-            # inside a compiled wrapper
-            model = self._registered(model)
+            # the FSDP2 path of accelerate (torch's get_model_state_dict, which drops a compiled
+            # wrapper's `_orig_mod.`): the keys of the model inside the wrapper, whether
+            # prepare() or the user compiled it
+            sd = checkpointing.get_state_dict(self, self._registered(model), self._grads.strategy, unwrap=unwrap,
+                                              keep=keep)
+            return plain_keys(sd)
         return checkpointing.get_state_dict(self, model, self._grads.strategy, unwrap=unwrap, keep=keep)
 
     def register_for_checkpointing(self, *objects):

@@ -25,6 +25,7 @@ import torch
 
 from . import collectives
 from .shard_plan import ShardLayout
+from .utils.other import is_compiled_module
 
 ONE_BUCKET = 1 << 62  # a cap no unit reaches: each group is one bucket, one collective
 ALIGN = 16  # elements: the same offsets in the fp32 shard and the 16-bit compute buffer
@@ -35,7 +36,13 @@ def unit_modules(model: torch.nn.Module, policy: str, class_names=(), min_num_pa
     last. TRANSFORMER_BASED_WRAP: every module whose class name is in `class_names` (default:
     the model's `_no_split_modules`, as accelerate); SIZE_BASED_WRAP: every module holding more
     than `min_num_params` parameters (counted with its children, as accelerate's FSDP2 policy
-    counts); NO_WRAP: the root only."""
+    counts); NO_WRAP: the root only. A model torch.compile wrapped (compiled by the user before
+    prepare()) is taken as the module inside: the wrapper holds no parameter of its own and its
+    module is the root, as when prepare() compiles (else a size-based policy made the inner
+    module a unit under an empty root, and a layer called outside the forward found its
+    parameters still sharded)."""
+    if is_compiled_module(model):
+        return unit_modules(model._orig_mod, policy, class_names, min_num_params)
     if policy in (None, "NO_WRAP"):
         return [model]
     order = _bottom_up(model)[:-1]

@@ -69,12 +69,14 @@ def worker(a):
 
     class Clock(TrainerCallback):
         def __init__(self, warmup):
-            self.warmup, self.t0, self.t1 = warmup, None, None
+            self.warmup, self.t0, self.t1, self.ends = warmup, None, None, []
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == self.warmup:
                 self.t0 = time.perf_counter()
             self.t1 = time.perf_counter()
+            if state.global_step >= self.warmup:
+                self.ends.append(self.t1)
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=8000, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
@@ -100,7 +102,7 @@ def worker(a):
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     with open(f"{a.result}.{rank}", "w") as f:
         json.dump({"steps_per_s": a.steps / (clock.t1 - clock.t0), "rss": rss, "last_loss": losses[-1],
-                   "world": world}, f)
+                   "world": world, "step_s": [b - e for e, b in zip(clock.ends, clock.ends[1:])]}, f)
 
 
 # ---------------------------------------------------------------------- the runner
@@ -135,15 +137,25 @@ def _launch(backend, world, a, tmp, i):
         cmd = [shutil.which("accelerate-c", path=bindir), "launch", "--num_processes", str(world), "--cpu",
                "--main_process_port", "0", *argv]
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    written = all(os.path.exists(f"{result}.{r}") for r in range(world))
     if done.returncode != 0:
         print(done.stdout[-4000:])
-        raise SystemExit(f"{backend} on {world} processes failed (exit {done.returncode})")
+        if not written:
+            raise SystemExit(f"{backend} on {world} processes failed (exit {done.returncode})")
+        # every rank wrote its result (the last thing the worker does) and the launch failed
+        # after: a teardown abort (torch's gloo teardown race has ended accelerate's 2-process
+        # runs so); the timings stand, the exit is reported
+        print(f"note: {backend} on {world} processes exited {done.returncode} after every rank wrote its "
+              "results; the run's timings are kept")
     ranks = []
     for r in range(world):
         with open(f"{result}.{r}") as f:
             ranks.append(json.load(f))
+    # the median step of the slowest rank: a rate that a burst of the machine's load during a
+    # few steps moves less than the run's mean rate (steps_per_s, the target's measure)
+    median_step = max(sorted(x["step_s"])[len(x["step_s"]) // 2] for x in ranks)
     return {"steps_per_s": min(x["steps_per_s"] for x in ranks), "rss": max(x["rss"] for x in ranks),
-            "last_loss": ranks[0]["last_loss"]}
+            "last_loss": ranks[0]["last_loss"], "median_step_rate": 1.0 / median_step}
 
 
 def main(argv=None) -> int:
@@ -174,6 +186,7 @@ def main(argv=None) -> int:
                 for c in order:
                     runs[c].append(_launch(c, world, a, tmp, i))
             rate = {c: Summary.of([r["steps_per_s"] for r in runs[c]]) for c in contenders}
+            by_median = {c: Summary.of([r["median_step_rate"] for r in runs[c]]).median for c in contenders}
             rss = {c: Summary.of([r["rss"] for r in runs[c]]) for c in contenders}
             ratio = rate["accelerate_c"].median / rate["accelerate"].median
             rss_ratio = rss["accelerate"].median / rss["accelerate_c"].median
@@ -185,11 +198,17 @@ def main(argv=None) -> int:
             rows = [[c, f"{rate[c].median:.3f}", f"{rate[c].q1:.3f}-{rate[c].q3:.3f}",
                      f"{rss[c].median / 2**20:.0f}"] for c in contenders]
             print_table(["contender", "steps/s", "q1-q3", "peak RSS MiB/process"], rows)
+            for c in contenders:  # each run's rate in the order run (drifts of the machine show here)
+                print(f"  runs of {c}: " + " ".join(f"{r['steps_per_s']:.3f}" for r in runs[c]))
             ok = ratio >= TARGET
             print(f"steps/s vs accelerate: {ratio:.3f}x (target >= {TARGET}x: {verdict(ok)}); "
                   f"peak RSS accelerate / ours: {rss_ratio:.3f}x")
             tag = "" if a.setting == "defaults" else f", {a.setting} malloc settings"
+            step_ratio = by_median["accelerate_c"] / by_median["accelerate"]
+            print(f"by each run's median step (information): accelerate {by_median['accelerate']:.3f}, ours "
+                  f"{by_median['accelerate_c']:.3f} steps/s: {step_ratio:.3f}x")
             _targets.target(BENCH, f"train steps/s vs accelerate, {world} process(es){tag}", ratio, TARGET)
+            _targets.info(BENCH, f"median-step rate vs accelerate, {world} process(es){tag}", step_ratio)
             _targets.info(BENCH, f"peak RSS accelerate / ours, {world} process(es)", rss_ratio)
             if world == 1:
                 flat = rate[FLAT].median / rate["accelerate"].median

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 
 # what torchrun's store says when its port was taken
 PORT_TAKEN = ("Address already in use", "EADDRINUSE", "The server socket has failed to listen")
@@ -43,17 +44,24 @@ def _stop(p: subprocess.Popen) -> None:
 
 
 def _run_machines(commands: list, env: dict, timeout: float):
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              start_new_session=True) for c in commands]
-    outs = []
+    # each machine writes to a file of its own, not a pipe: a machine whose pipe filled while
+    # machine 0 was waited for would stall, and machine 0 with it
+    files = [tempfile.TemporaryFile(mode="w+") for _ in commands]
+    procs = [subprocess.Popen(c, stdout=f, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+             for c, f in zip(commands, files)]
     try:
-        for p in procs:
-            if outs and procs[0].returncode != 0:  # machine 0 failed: the others wait for nothing
+        for i, p in enumerate(procs):
+            if i and procs[0].returncode != 0:  # machine 0 failed: the others wait for nothing
                 _stop(p)
-            outs.append(p.communicate(timeout=timeout)[0])
+            p.wait(timeout=timeout)
     finally:
         for p in procs:
             _stop(p)
+    outs = []
+    for f in files:
+        with f:
+            f.seek(0)
+            outs.append(f.read())
     return procs, outs
 
 

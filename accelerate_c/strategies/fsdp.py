@@ -165,7 +165,7 @@ class FullShardStrategy(Zero2Strategy):
         root = fsdp.units[-1]
         held_by_root = {id(p) for ug in root.groups for p in ug.params}
         for m in model.modules():
-            if m is not model and any(p is not None and id(p) in held_by_root for p in m._parameters.values()):
+            if m is not model and m is not root.module and any(p is not None and id(p) in held_by_root for p in m._parameters.values()):
                 root.hooks.append(m.register_forward_pre_hook(w(self._root_on_demand(root))))
                 root.hooks.append(m.register_forward_hook(w(self._root_on_demand_backward(root))))
 

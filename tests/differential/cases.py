@@ -325,6 +325,11 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     if exact and c["optimizer"] != "adamw" and (r.random() < 1 / 3 or os.environ.get("AC_DIFF_ADAM") == "1"):
         c["optimizer"] = "adamw"
     c["adam_kind"] = r.choice(ADAM_KINDS) if c["optimizer"] == "adamw" else "adamw"
+    # where compile is drawn (without regional compilation, which only the plugin does), half the
+    # time the user compiles the model (torch.compile, before prepare()) instead of the plugin:
+    # prepare() then takes an OptimizedModule, which full sharding has to hook outside dynamo's
+    # tracing as it does for its own compile. Drawn last, so every earlier axis keeps its draws
+    c["user_compile"] = c["compile"] and not c["regional"] and r.random() < 0.5
     return c
 
 
@@ -339,7 +344,7 @@ def _case(seed: int, **overrides) -> dict:
          "uneven": False, "sharding": "none", "tied": False, "frozen_bias": False, "resume": 0, "rank_skip": 0,
          "nonreentrant": False, "sync_each": False, "staged": False, "f64": False,
          "grad_data": False, "foreach": False, "fp16": False, "raw_backward": False, "flat_buffers": False,
-         "compile": False, "blocks": False, "regional": False, "adam_kind": "adamw"}
+         "compile": False, "blocks": False, "regional": False, "adam_kind": "adamw", "user_compile": False}
     unknown = set(overrides) - set(c)
     if unknown:
         raise KeyError(f"unknown axes {sorted(unknown)}")
@@ -410,6 +415,12 @@ REGRESSIONS = {
         _case(REGRESSION_SEED + 27, mp="fp16", clip="value", overflow=(0, 3)),
     "full sharding under torch.compile, the output layer's unit called again outside the compiled forward (its gradient delivered twice)":
         {**draw(20001, 2, "fsdp"), "compile": True, "fsdp_aux": "after", "seed": REGRESSION_SEED + 28},
+    "full sharding of a model the user compiled before prepare(): get_state_dict's keys kept the wrapper's `_orig_mod.` (FSDP2's drop it)":
+        {**draw(880015, 3, "fsdp"), "compile": True, "user_compile": True, "regional": False,
+         "seed": REGRESSION_SEED + 29},
+    "full sharding of a model the user compiled, size-based units, the output layer called before the forward (its parameters still sharded)":
+        {**draw(880018, 2, "fsdp"), "compile": True, "user_compile": True, "regional": False,
+         "seed": REGRESSION_SEED + 30},
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
@@ -433,7 +444,8 @@ def describe(c: dict) -> str:
     for flag, shown in (("nonreentrant", "nonreentrant"), ("sync_each", "sync_each_batch"), ("staged", "staged"),
                         ("f64", "f64"), ("grad_data", "grad_data"), ("foreach", "foreach"),
                         ("fp16", "fp16"), ("raw_backward", "raw_backward"), ("flat_buffers", "flat_buffers"),
-                        ("compile", "compile"), ("blocks", "blocks"), ("regional", "regional")):
+                        ("compile", "compile"), ("blocks", "blocks"), ("regional", "regional"),
+                        ("user_compile", "compiled_by_user")):
         if c.get(flag):
             parts.append(shown)
     if c.get("adam_kind", "adamw") != "adamw":

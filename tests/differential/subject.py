@@ -52,7 +52,11 @@ def _values(acc, case, models, params) -> list:
         sd = [acc.get_state_dict(m)]  # the main process's ({} or, at DeepSpeed stage 3, None elsewhere)
         torch.distributed.broadcast_object_list(sd, src=0)
         sd = sd[0]
-        for name, p in acc.unwrap_model(m, keep_torch_compile=False).named_parameters():
+        # the state dict's names: FSDP2's (torch's get_model_state_dict) drop a compiled
+        # wrapper's `_orig_mod.`; DeepSpeed's consolidated 16-bit one names the parameters of
+        # the module it was given, a user's compiled wrapper included
+        keep = case["sharding"] == "zero3"
+        for name, p in acc.unwrap_model(m, keep_torch_compile=keep).named_parameters():
             full[id(p)] = sd[name].float().clone()
     return [full[id(p)] for p in params]
 
@@ -109,7 +113,7 @@ def _run(case: dict) -> dict:
         sharding["gradient_accumulation_plugin"] = GradientAccumulationPlugin(num_steps=ga, sync_each_batch=True)
     else:
         sharding["gradient_accumulation_steps"] = ga
-    if case.get("compile"):
+    if case.get("compile") and not case.get("user_compile"):
         sharding["dynamo_plugin"] = TorchDynamoPlugin(backend="eager",
                                                       use_regional_compilation=bool(case.get("regional")))
     acc = Accelerator(cpu=True, mixed_precision=case["mp"], kwargs_handlers=handlers,
@@ -117,6 +121,8 @@ def _run(case: dict) -> dict:
     models = W.models(case)
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     opts = W.optimizers(case, params)
+    if case.get("user_compile"):  # the user's own torch.compile, before prepare() (cases.py)
+        models = [torch.compile(m, backend="eager") for m in models]
     sched = W.schedule(opts[0])
     dl = W.loader(W.dataset(case), case)
     if case.get("eval_first"):  # prepared for evaluation first: its gradients must still be reduced after
