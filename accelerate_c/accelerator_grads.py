@@ -121,16 +121,21 @@ class GradientFacade:
         as DeepSpeed clips the fp32 copies the optimizer reads, the coefficient (computed in
         fp32 from the fp32 norm) goes to the strategy, which applies it while widening them."""
         clip = self.sharding.gradient_clipping
-        if self._compute_dtype is None or not getattr(self._grads.strategy, "fp32_masters", False):
+        masters = self._compute_dtype is not None and getattr(self._grads.strategy, "fp32_masters", False)
+        if not masters and self.scaler is None:
             # the optimizer reads fp32 gradients in place (a 32-bit model, or stage 3's fp32
-            # gradient shards): clipped there
+            # gradient shards under bf16): clipped there
             return self._clip_norm(list(params), clip, 2.0)
-        norm = self._deepspeed_norm(list(params))
+        params = list(params)
+        norm = self._deepspeed_norm(params)
         factor = 1.0 / self.scaler.get_scale() if self.scaler is not None else 1.0  # fp16: the unscale
         if clip is not None:
             factor *= clip_coef(float(norm), clip, torch.float32)[1]  # fp32, NaN for a NaN norm (as torch's)
         if factor != 1.0:
-            self._grads.strategy.scale_next_step(factor)
+            if masters:  # applied to the fp32 copies the masters read, as they are made
+                self._grads.strategy.scale_next_step(factor)
+            else:  # stage 3 under fp16: its fp32 gradient shards, still scaled, in place
+                self._grads.strategy.scale_held(params, factor)
         return norm
 
     def clip_grad_value_(self, parameters, clip_value):

@@ -18,7 +18,12 @@ compared.
 
 Timing: a TrainerCallback reads time.perf_counter() at the end of optimizer step --warmup and of
 the last step, on every rank; the slowest rank's rate is the run's steps/s. Peak RSS: each
-rank's ru_maxrss at the end; the largest rank's is reported (bytes per process). Guard: the two
+rank's ru_maxrss at the end; the largest rank's is reported (bytes per process). Printed beside
+the target's ratio of medians, as information: each run's rate in the order run, the ratio of
+the runs' median steps (a burst of the shared machine's load over a few steps moves it less),
+and the median of the per-repeat ratios (the two contenders of a repeat run back to back, so
+drifts spanning a repeat cancel). A run whose launch exits non-zero after every rank wrote its
+results (a teardown abort) keeps its timings, with a note. Guard: the two
 contenders' last logged losses must agree (same data, seed and mixed precision) to 1e-2
 relative, or the benchmark fails.
 
@@ -204,6 +209,13 @@ def main(argv=None) -> int:
             print(f"steps/s vs accelerate: {ratio:.3f}x (target >= {TARGET}x: {verdict(ok)}); "
                   f"peak RSS accelerate / ours: {rss_ratio:.3f}x")
             tag = "" if a.setting == "defaults" else f", {a.setting} malloc settings"
+            # repeat i ran the two back to back: their ratio within a repeat cancels the drifts of
+            # the machine that span a repeat (information beside the target's ratio of medians)
+            paired = Summary.of([o["steps_per_s"] / r["steps_per_s"]
+                                 for o, r in zip(runs["accelerate_c"], runs["accelerate"])])
+            print(f"paired (each repeat's ours / accelerate, information): median {paired.median:.3f}x, "
+                  f"q1-q3 {paired.q1:.3f}-{paired.q3:.3f}")
+            _targets.info(BENCH, f"paired per-repeat ratio vs accelerate, {world} process(es){tag}", paired.median)
             step_ratio = by_median["accelerate_c"] / by_median["accelerate"]
             print(f"by each run's median step (information): accelerate {by_median['accelerate']:.3f}, ours "
                   f"{by_median['accelerate_c']:.3f} steps/s: {step_ratio:.3f}x")

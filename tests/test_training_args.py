@@ -104,8 +104,6 @@ def test_fsdp_training_args_turn_full_sharding_on():
 
 @pytest.mark.parametrize("kw,error,match", [
     (dict(fsdp="full_shard hybrid_shard"), NotImplementedError, "hybrid_shard"),
-    (dict(fp16=True, deepspeed={"zero_optimization": {"stage": 3}, "fp16": {"enabled": "auto"}}), NotImplementedError,
-     "stage 3 with fp16"),
     (dict(report_to="neptune"), NotImplementedError, "'neptune' is not among accelerate_c's trackers"),
     (dict(report_to=["tensorboard", "azure_ml"]), NotImplementedError, "'azure_ml' is not among"),
     (dict(accelerator_config={"use_configured_state": True}), NotImplementedError, "use_configured_state"),
@@ -116,6 +114,14 @@ def test_unsupported_features_raise_when_the_accelerator_is_built(kw, error, mat
     args = TrainingArguments(output_dir="out", **kw)  # valid arguments ...
     with pytest.raises(error, match=match):  # ... that the Accelerator cannot run yet
         Accelerator.from_training_args(args)
+
+
+def test_fp16_with_a_deepspeed_stage_3_config_runs_deepspeeds_loss_scaler():
+    args = TrainingArguments(output_dir="out", fp16=True,
+                             deepspeed={"zero_optimization": {"stage": 3}, "fp16": {"enabled": "auto"}})
+    acc = Accelerator.from_training_args(args)
+    assert (acc.sharding.stage, acc.mixed_precision) == (3, "fp16")
+    assert type(acc.scaler).__name__ == "DeepSpeedScaler"
 
 
 def test_dispatch_batches_reaches_the_accelerator():

@@ -253,9 +253,6 @@ def sharding_from_config(plugin, *, mixed_precision: str = "no", gradient_accumu
     sharding = resolve_sharding(plugin, mixed_precision=mixed_precision,
                                 gradient_accumulation_steps=gradient_accumulation_steps, num_processes=num_processes)
     src = f" (DeepSpeed config {sharding.source})" if sharding.source else ""
-    if sharding.stage == 3 and sharding.mixed_precision == "fp16":
-        raise NotImplementedError(f"DeepSpeed ZeRO stage 3 with fp16{src}: fp16 over full sharding is not built in "
-                                  "accelerate_c yet; use bf16 (bf16.enabled) or stages 1 and 2 for fp16")
     if sharding.stage == 0:
         raise NotImplementedError(f"DeepSpeed ZeRO stage 0{src}: DeepSpeed without ZeRO is not supported by "
                                   "accelerate_c; use plain data parallelism (no DeepSpeed) or stage 1 or 2")

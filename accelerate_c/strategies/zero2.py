@@ -163,6 +163,13 @@ class Zero2Strategy(Zero1Strategy):
             gs.scale_(idx, coef)
         return norm
 
+    def scale_held(self, params, factor: float) -> None:
+        """Multiplies the gradient shards of `params` held here by `factor` (DeepSpeed's unscale
+        and clip of the fp32 gradient partitions at stage 3 under fp16, one multiply)."""
+        touched, _ = self._split(params)
+        for gs, idx in touched.items():
+            gs.scale_(idx, factor)
+
     def held_nonfinite(self, params) -> bool:
         touched, _ = self._split(params)
         return any(gs.nonfinite(idx) for gs, idx in touched.items())

@@ -177,12 +177,12 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
         c["fsdp_prefetch"] = r.random() < 0.7
     if c["sharding"] == "zero3":
         # DeepSpeed's stage 3 (full sharding with DeepSpeed's settings: size-based units,
-        # small parameters persistent): fp32 or bf16 (fp16 at stage 3 is refused); as under
-        # FSDP, no full gradient exists between backward and the step
-        if c["mp"] == "fp16":
-            c["mp"] = "bf16"
+        # small parameters persistent): fp32, bf16 or fp16 (DeepSpeed's loss scaler over the fp32
+        # gradient shards); as under FSDP, no full gradient exists between backward and the step.
+        # An overflowing loss on one rank only with fp16, whose scaler skips that step everywhere
         c["assign_grad"] = False
-        c["overflow"] = None
+        if c["mp"] != "fp16":
+            c["overflow"] = None
         if c["zero_grad"] == "manual_none":
             c["zero_grad"] = "opt_none"
         c["zero3_units"] = r.choice(ZERO3_UNITS)
@@ -421,6 +421,10 @@ REGRESSIONS = {
     "full sharding of a model the user compiled, size-based units, the output layer called before the forward (its parameters still sharded)":
         {**draw(880018, 2, "fsdp"), "compile": True, "user_compile": True, "regional": False,
          "seed": REGRESSION_SEED + 30},
+    "DeepSpeed stage 3 under fp16 without gradient_clipping (the fp32 gradient shards were stepped still carrying the loss scale)":
+        {**draw(885017, 2, "zero3"), "resume": 0, "seed": REGRESSION_SEED + 31},
+    "DeepSpeed stage 3 under fp16, an overflowing loss on one rank, clipped at 0.5 (the clip measured the scaled gradients)":
+        {**draw(885045, 2, "zero3"), "seed": REGRESSION_SEED + 32},
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
