@@ -236,8 +236,6 @@ class Accelerator(GradientFacade, ProcessFacade, TrackerFacade, ParallelismNames
         self._zero_stage = self.sharding.stage if self.sharding is not None else None
         self._fsdp = None  # FSDP: full sharding (strategies/fsdp.py), autocast as without it
         if fsdp_plugin is not None:
-            if mixed_precision == "fp16":
-                raise NotImplementedError("FSDP with mixed_precision='fp16' is not built in accelerate_c yet; use bf16")
             self._fsdp = fsdp_settings(fsdp_plugin, mixed_precision, self.state.device.type)
             self.state.distributed_type = DistributedType.FSDP
             self.state.set_fsdp_plugin(fsdp_plugin, self._fsdp.version == 2)

@@ -85,6 +85,10 @@ class GradientFacade:
                 self._grads.refuse_unscale_again(stepped, "clip_grad_norm_()")
         strategy = self._grads.strategy
         if not strategy.buffers_gradients:  # ZeRO-2 / full sharding: shards the strategy holds
+            if stepped is not None and max_norm is not None:
+                # FSDP under fp16: accelerate's clip unscales every optimizer's gradients first
+                # (ShardedGradScaler.unscale_), the shards included
+                self._grads.ready(stepped, 1.0 / self.scaler.get_scale())
             held = strategy.sharded_norm([p for p in params if p.requires_grad], max_norm, norm_type)
             if held is not None:
                 return held

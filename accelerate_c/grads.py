@@ -533,6 +533,8 @@ class GradManager:
             # as GradScaler: what unscaling found, not what a later write (a clip by value
             # clamping an inf) left
             found = found or rec.found
+        # gradients the strategy holds as shards (FSDP under fp16: ShardedGradScaler's unscale)
+        found = self.strategy.unscale_held(outside, inv_scale) or found
         if device_flags and not found:
             found = bool(torch.stack(device_flags).sum().item())
         return self.strategy.any_found_inf(found)
@@ -663,6 +665,7 @@ class GradManager:
             rec = self.outside.get(id(p))
             if rec is not None:
                 rec.new_step()
+        self.strategy.new_held_step(outside)
 
     def refuse_unscale_again(self, params, what: str) -> None:
         """Before a user's unscale (unscale_gradients, clip_grad_norm_, clip_grad_value_ under

@@ -71,9 +71,18 @@ def test_what_is_not_built_is_refused_by_name(kwargs, says):
         fsdp_settings(FullyShardedDataParallelPlugin(**kwargs), "no")
 
 
-def test_fp16_under_fsdp_is_refused():
-    with pytest.raises(NotImplementedError, match="fp16"):
-        Accelerator(cpu=True, mixed_precision="fp16", fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+def test_fp16_under_fsdp_scales_the_loss_as_torchs_sharded_grad_scaler():
+    """accelerate's scaler under FSDP is torch's ShardedGradScaler (GradScaler's rule, the found
+    inf agreed across processes): the same rule and defaults, and FSDP2's fp16 policy (the
+    training itself is held to it by the differential harness, reference_fsdp.py)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    acc = Accelerator(cpu=True, mixed_precision="fp16", fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    theirs = ShardedGradScaler(device="cpu")
+    assert (acc.scaler.get_scale(), acc.scaler.get_growth_factor(), acc.scaler.get_backoff_factor(),
+            acc.scaler.get_growth_interval()) == (theirs.get_scale(), theirs.get_growth_factor(),
+                                                  theirs.get_backoff_factor(), theirs.get_growth_interval())
+    assert acc.distributed_type == "FSDP" and acc.mixed_precision == "fp16"
 
 
 def test_one_process_reports_fsdp():

@@ -171,6 +171,15 @@ class GradStrategy:
         has a NaN/Inf (then agreed by any_found_inf)."""
         return False
 
+    def unscale_held(self, params, inv_scale: float) -> bool:
+        """fp16 with torch's GradScaler semantics (FSDP's ShardedGradScaler): the gradients of
+        `params` the strategy holds itself multiplied by inv_scale, each once until
+        new_held_step; whether this process's part of them has a NaN/Inf (any_found_inf agrees)."""
+        return False
+
+    def new_held_step(self, params) -> None:
+        """The scaler updated: the held gradients of `params` count as scaled again."""
+
     def full_grad(self, p):
         """The whole gradient of `p` as the optimizer will read it (a collective where the
         gradients are sharded: every process calls it for the same parameter)."""

@@ -34,6 +34,7 @@ class Zero2Strategy(Zero1Strategy):
         super().__init__(manager, handler, fp32_masters, ignore_unused)
         self.grad_shards: list = []
         self.held: dict = {}  # id(param) -> (GradShard, index)
+        self._unscaled: set = set()  # (id(GradShard), index) unscaled since the scaler's last update
 
     # ---- prepare ------------------------------------------------------------------------
     def adopt_gradients(self, model, manager):
@@ -169,6 +170,22 @@ class Zero2Strategy(Zero1Strategy):
         touched, _ = self._split(params)
         for gs, idx in touched.items():
             gs.scale_(idx, factor)
+
+    def unscale_held(self, params, inv_scale: float) -> bool:
+        touched, _ = self._split(params)
+        found = False
+        for gs, idx in touched.items():
+            todo = sorted({i for i in idx if (id(gs), i) not in self._unscaled})
+            if todo:
+                gs.scale_(todo, inv_scale)
+                self._unscaled.update((id(gs), i) for i in todo)
+            found = found or gs.nonfinite(idx)
+        return found
+
+    def new_held_step(self, params) -> None:
+        touched, _ = self._split(params)
+        for gs, idx in touched.items():
+            self._unscaled.difference_update((id(gs), i) for i in idx)
 
     def held_nonfinite(self, params) -> bool:
         touched, _ = self._split(params)

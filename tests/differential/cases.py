@@ -330,6 +330,13 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
     # prepare() then takes an OptimizedModule, which full sharding has to hook outside dynamo's
     # tracing as it does for its own compile. Drawn last, so every earlier axis keeps its draws
     c["user_compile"] = c["compile"] and not c["regional"] and r.random() < 0.5
+    # FSDP under fp16 (accelerate's ShardedGradScaler over FSDP2's fp16 policy, reference_fsdp.py):
+    # a third of the FSDP cases drawn with bf16 take fp16 instead, 40% of those with an
+    # overflowing loss on one rank (skipped everywhere). Drawn last, as above
+    if c["sharding"] == "fsdp" and c["mp"] == "bf16" and r.random() < 1 / 3:
+        c["mp"] = "fp16"
+        if r.random() < 0.4:
+            c["overflow"] = (r.randrange(c["world"]), r.randrange(max(1, c["batches"] - c["skip_first"])))
     return c
 
 
@@ -414,7 +421,8 @@ REGRESSIONS = {
     "one process without flat buffers, fp16, an overflow, clip_grad_value_ (the step re-checked the clamped gradients and did not skip)":
         _case(REGRESSION_SEED + 27, mp="fp16", clip="value", overflow=(0, 3)),
     "full sharding under torch.compile, the output layer's unit called again outside the compiled forward (its gradient delivered twice)":
-        {**draw(20001, 2, "fsdp"), "compile": True, "fsdp_aux": "after", "seed": REGRESSION_SEED + 28},
+        {**draw(20001, 2, "fsdp"), "compile": True, "fsdp_aux": "after", "mp": "bf16", "overflow": None,
+         "seed": REGRESSION_SEED + 28},  # (bf16 as drawn then: the fp16 draw came later)
     "full sharding of a model the user compiled before prepare(): get_state_dict's keys kept the wrapper's `_orig_mod.` (FSDP2's drop it)":
         {**draw(880015, 3, "fsdp"), "compile": True, "user_compile": True, "regional": False,
          "seed": REGRESSION_SEED + 29},
@@ -425,6 +433,10 @@ REGRESSIONS = {
         {**draw(885017, 2, "zero3"), "resume": 0, "seed": REGRESSION_SEED + 31},
     "DeepSpeed stage 3 under fp16, an overflowing loss on one rank, clipped at 0.5 (the clip measured the scaled gradients)":
         {**draw(885045, 2, "zero3"), "seed": REGRESSION_SEED + 32},
+    "FSDP under fp16, clipped by the inf-norm (the clip measured the gradient shards still scaled)":
+        {**draw(890023, 2, "fsdp"), "seed": REGRESSION_SEED + 33},
+    "FSDP under fp16, the first step's scaled gradients overflowing (the step did not check the shards for infs)":
+        {**draw(890042, 2, "fsdp"), "seed": REGRESSION_SEED + 34},
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }

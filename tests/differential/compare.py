@@ -17,7 +17,8 @@ def _params_16bit(case: dict) -> bool:
 
 
 def fsdp_bf16(case: dict) -> bool:
-    """FSDP2's bf16 policy (reference_fsdp.py)."""
+    """FSDP2's 16-bit policy (reference_fsdp.py): bf16, or fp16 with its loss scaling (whose
+    rounding unit is finer than bf16's: the bf16 bounds below hold for it a fortiori)."""
     return case.get("sharding") == "fsdp" and case["mp"] != "no"
 
 

@@ -23,6 +23,14 @@ MixedPrecisionPolicy:
 - the reduced bf16 gradient is upcast to the fp32 gradient shard (added to one left by a
   zero_grad(set_to_none=False)); torch.nn.utils.clip_grad_norm_ and the optimizer run on the fp32
   masters and their fp32 gradients; a torch scheduler steps once per process per step.
+- fp16 is the same policy in fp16 (param_dtype = reduce_dtype = fp16) with accelerate's loss
+  scaling for FSDP, torch's ShardedGradScaler: the loss multiplied by the scale before backward,
+  the reduced gradients unscaled on the fp32 masters (by unscale_gradients(), the clip, or the
+  step), a step with a non-finite gradient anywhere skipped (the sharded scaler agrees on it
+  across processes; here the mean already carries one rank's inf), the scale updated as
+  GradScaler updates it, and the scheduler not stepped on a skipped step. ShardedGradScaler is
+  GradScaler plus that agreement: torch.amp.GradScaler over the unsharded masters computes the
+  same.
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ import torch.distributed as dist
 from . import workload as W
 from .reference import Addends, batches_of, evaluate, world_rank
 
-_DTYPE = {"bf16": torch.bfloat16}
+_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _trainable(models) -> list:
@@ -61,6 +69,7 @@ def run(case: dict) -> dict:
     params = _trainable(models)
     opts = W.optimizers(case, params)
     sched = W.schedule(opts[0])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if case["mp"] == "fp16" else None
     batches = batches_of(case, W.dataset(case), world, rank)
     trace = {"steps": [], "initial": [p.detach().float().clone() for p in params]}
     window = None  # (the compute copies, their trainable parameters, Addends, micro-batches so far)
@@ -81,10 +90,13 @@ def run(case: dict) -> dict:
                 if case.get("fsdp_aux") == "after":
                     aux = W.aux_loss(case, copies[0].out, x)
             loss = (W.loss_of([o.float() for o in outs], y) + aux) / case["ga"]
-            loss.backward()  # into the bf16 copies' .grad: FSDP2's unsharded accumulation
+            if case["overflow"] is not None and case["overflow"] == (rank, i) and epoch == 0:
+                loss = loss * float("inf")
+            # into the 16-bit copies' .grad: FSDP2's unsharded accumulation
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             window[3] += 1
             if window_end:
-                _step(case, params, window, opts, sched, world, trace)
+                _step(case, params, window, opts, sched, scaler, world, trace)
                 W.zero_grads(case, opts, models, params)
                 window = None
     trace["final"] = [p.detach().float().clone() for p in params]
@@ -94,34 +106,49 @@ def run(case: dict) -> dict:
 
 
 def _reduce(grads: list, world: int) -> list:
-    """The bf16 mean over the processes of each bf16 gradient, rounded once (module docstring)."""
+    """The 16-bit mean over the processes of each 16-bit gradient, rounded once (module docstring)."""
     present = [g for g in grads if g is not None]
+    dtypes = [g.dtype for g in present]
     if world > 1 and present:
         flat = torch.cat([g.double().reshape(-1) for g in present])
         dist.all_reduce(flat)
         present = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in present]), present)]
-    means = iter([(g.double() / world).to(torch.bfloat16) for g in present])
+    means = iter([(g.double() / world).to(dtype) for g, dtype in zip(present, dtypes)])
     return [None if g is None else next(means) for g in grads]
 
 
-def _step(case, params, window, opts, sched, world, trace):
+def _step(case, params, window, opts, sched, scaler, world, trace):
     _, halves, addends, micro = window
-    terms = addends.take(halves)
     for p, g in zip(params, _reduce([h.grad for h in halves], world)):
         if g is not None:
             g = g.float()  # the fp32 gradient shard
             p.grad = g if p.grad is None else p.grad + g
+    scale = 1.0  # what the recorded gradients (and so the addends) were divided by
+    if scaler is not None and (case["unscale_first"] or case["clip"] != "none"):
+        (opt,) = opts  # one optimizer under FSDP (cases.py)
+        scaler.unscale_(opt)
+        scale = scaler.get_scale()
+    terms = addends.take(halves, divide_by=scale)
     norm, clipped = None, W.clipped(case, params)
     if case["clip"] != "none":
         norm = W.torch_clip_norm(case, clipped)
     grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
     rule = _sgd_rule(opts)
-    for opt in opts:
-        opt.step()
-    for _ in range(world):
-        sched.step()
+    skipped = False
+    if scaler is not None:
+        before = scaler.get_scale()
+        scaler.step(opts[0])
+        scaler.update()
+        skipped = scaler.get_scale() < before
+    else:
+        for opt in opts:
+            opt.step()
+    if not skipped:
+        for _ in range(world):
+            sched.step()
     trace["steps"].append({"params": [p.detach().float().clone() for p in params], "grads": grads,
-                           "skipped": False, "lr": sched.get_last_lr()[0], "scale": None, "norm": norm,
+                           "skipped": skipped, "lr": sched.get_last_lr()[0],
+                           "scale": scaler.get_scale() if scaler is not None else None, "norm": norm,
                            "addends": terms, "micro_batches": micro, "sgd": rule})
 
 

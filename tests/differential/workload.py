@@ -141,9 +141,10 @@ def deepspeed_16bit(case: dict) -> bool:
 
 
 def fsdp_16bit(case: dict) -> bool:
-    """FSDP under bf16: FSDP2's policy as accelerate sets it (MixedPrecisionPolicy with param_dtype
-    = reduce_dtype = bf16: fp32 sharded masters, bf16 gathers and compute under autocast, the
-    gradients reduced in bf16 into fp32 gradient shards), reference_fsdp.py."""
+    """FSDP under bf16 or fp16: FSDP2's policy as accelerate sets it (MixedPrecisionPolicy with
+    param_dtype = reduce_dtype = the 16-bit dtype: fp32 sharded masters, 16-bit gathers and
+    compute under autocast, the gradients reduced in 16 bits into fp32 gradient shards; fp16
+    with ShardedGradScaler's loss scaling), reference_fsdp.py."""
     return case.get("sharding") == "fsdp" and case["mp"] != "no"
 
 
