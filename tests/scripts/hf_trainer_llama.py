@@ -72,7 +72,7 @@ def run(out, backend, mp, interrupt_at=None, resume=False, max_steps=8, save_mod
         output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4, gradient_accumulation_steps=2,
         max_grad_norm=0.5, learning_rate=3e-3, warmup_steps=2, max_steps=max_steps, logging_steps=1,
         eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=2, save_total_limit=2,
-        bf16=(mp == "bf16"), use_cpu=True, report_to="none", seed=7, disable_tqdm=True, dataloader_num_workers=0)
+        bf16=(mp == "bf16"), fp16=(mp == "fp16"), use_cpu=True, report_to="none", seed=7, disable_tqdm=True, dataloader_num_workers=0)
     callbacks = [StopAt(interrupt_at)] if interrupt_at else []
     trainer = trainer_class(backend)(model=make_model(), args=args, train_dataset=make_data(48, 1),
                                      eval_dataset=make_data(10, 2), compute_metrics=compute_metrics,
