@@ -469,9 +469,7 @@ class FullShardStrategy(Zero2Strategy):
         def post_hook(module, incompatible):
             incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in taken]
             taken.clear()
-            for unit in fsdp.units:  # a unit gathered before the load holds the old values
-                if unit.state == "idle":
-                    unit.reshard()
+            _release_loaded(fsdp)
 
         for m in model.modules():
             if any(p is not None and id(p) in where for p in m._parameters.values()):
@@ -522,9 +520,7 @@ class FullShardStrategy(Zero2Strategy):
             parts[name] = (id(v), tuple(ug.group.shapes[j]), [] if part is None else [(part.param_offset, part.view)])
 
         def finish():
-            for unit in fsdp.units:
-                if unit.state == "idle":
-                    unit.reshard()
+            _release_loaded(fsdp)
         return parts, buffers, finish
 
     def load_targets(self, model):
@@ -551,9 +547,7 @@ class FullShardStrategy(Zero2Strategy):
                 hit = where.get(id(v))
                 if hit is not None:
                     hit[0].load_param(hit[1], targets[name])
-            for unit in fsdp.units:  # a unit gathered before the load holds the old values
-                if unit.state == "idle":
-                    unit.reshard()
+            _release_loaded(fsdp)
         return targets, apply
 
 
@@ -570,6 +564,20 @@ def _take_buffers(model, device, src: int) -> None:
                 # setattr on a registered buffer replaces it and keeps its persistence
                 setattr(module, name, made[id(b)])
     broadcast_buffers(model, src)
+
+
+def _release_loaded(fsdp) -> None:
+    """After new values were loaded into the shards (between steps): every unit released,
+    whatever state the last step left it in, since one still gathered holds the old values. Not
+    only idle ones: a step skipped on an fp16 overflow runs no optimizer step, whose all-gather
+    releases the units, so DeepSpeed's persistent parameters stayed gathered through load_state
+    and the next forward computed with the values from before it."""
+    fsdp.recording = None
+    fsdp.ahead.clear()
+    for unit in fsdp.units:
+        unit.state = "idle"
+        unit.inputs_pending = 0
+        unit.reshard()
 
 
 def _release_ahead(fsdp) -> None:

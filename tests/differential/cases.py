@@ -437,6 +437,8 @@ REGRESSIONS = {
         {**draw(890023, 2, "fsdp"), "seed": REGRESSION_SEED + 33},
     "FSDP under fp16, the first step's scaled gradients overflowing (the step did not check the shards for infs)":
         {**draw(890042, 2, "fsdp"), "seed": REGRESSION_SEED + 34},
+    "DeepSpeed stage 3 under fp16, load_state after steps skipped on overflows (persistent parameters stayed gathered with the old values)":
+        {**draw(469, 2, "zero3"), "seed": REGRESSION_SEED + 35},
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
