@@ -165,7 +165,9 @@ class FullShardStrategy(Zero2Strategy):
         root = fsdp.units[-1]
         held_by_root = {id(p) for ug in root.groups for p in ug.params}
         for m in model.modules():
-            if m is not model and m is not root.module and any(p is not None and id(p) in held_by_root for p in m._parameters.values()):
+            if m is model or m is root.module:
+                continue
+            if any(p is not None and id(p) in held_by_root for p in m._parameters.values()):
                 root.hooks.append(m.register_forward_pre_hook(w(self._root_on_demand(root))))
                 root.hooks.append(m.register_forward_hook(w(self._root_on_demand_backward(root))))
 
@@ -367,16 +369,7 @@ class FullShardStrategy(Zero2Strategy):
         self._final_queued = False
         error = None
         for fsdp in self.models.values():
-            fsdp.recording = None
-            fsdp.ahead.clear()
-            for unit in fsdp.units:
-                unit.state = "idle"
-                unit.inputs_pending = 0
-                try:
-                    unit.reshard(quiet)
-                except RuntimeError as e:
-                    error = error or e
-                    unit.reshard(quiet=True)
+            error = _release_model(fsdp, quiet) or error
         if error is not None:
             raise error
 
@@ -566,18 +559,32 @@ def _take_buffers(model, device, src: int) -> None:
     broadcast_buffers(model, src)
 
 
+def _release_model(fsdp, quiet: bool = False):
+    """Every unit of one model released, whatever its state; the first prefetch error met
+    (unless `quiet`), returned once every unit is released."""
+    error = None
+    fsdp.recording = None
+    fsdp.ahead.clear()
+    for unit in fsdp.units:
+        unit.state = "idle"
+        unit.inputs_pending = 0
+        try:
+            unit.reshard(quiet)
+        except RuntimeError as e:
+            error = error or e
+            unit.reshard(quiet=True)
+    return error
+
+
 def _release_loaded(fsdp) -> None:
     """After new values were loaded into the shards (between steps): every unit released,
     whatever state the last step left it in, since one still gathered holds the old values. Not
     only idle ones: a step skipped on an fp16 overflow runs no optimizer step, whose all-gather
     releases the units, so DeepSpeed's persistent parameters stayed gathered through load_state
     and the next forward computed with the values from before it."""
-    fsdp.recording = None
-    fsdp.ahead.clear()
-    for unit in fsdp.units:
-        unit.state = "idle"
-        unit.inputs_pending = 0
-        unit.reshard()
+    error = _release_model(fsdp)
+    if error is not None:
+        raise error
 
 
 def _release_ahead(fsdp) -> None:
