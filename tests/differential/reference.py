@@ -182,6 +182,26 @@ def evaluate(case, model, amp, cast=None):
     return torch.cat(outs)
 
 
+def step_and_schedule(opts, scaler, sched, world) -> bool:
+    """The optimizer step (through GradScaler under fp16: skipped on an inf, the scale updated)
+    and the scheduler's, unless skipped; whether it was skipped. accelerate steps a prepared
+    torch scheduler once per process per step, under DeepSpeed too (only a scheduler built from
+    the DeepSpeed configuration is the engine's)."""
+    skipped = False
+    if scaler is not None:
+        before = scaler.get_scale()
+        scaler.step(opts[0])  # fp16 is drawn with one optimizer (cases.py)
+        scaler.update()
+        skipped = scaler.get_scale() < before
+    else:
+        for opt in opts:
+            opt.step()
+    if not skipped:
+        for _ in range(world):
+            sched.step()
+    return skipped
+
+
 def _step(case, params, opts, scaler, world, sched, trace, addends):
     W.touch_grads(case, params, len(trace["steps"]))
     # the gradients recorded below are unscaled when unscale_ ran before them: the addends too
@@ -201,20 +221,7 @@ def _step(case, params, opts, scaler, world, sched, trace, addends):
         norm = W.torch_clip_norm(case, clipped)
     if not sharded:
         grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
-    skipped = False
-    if scaler is not None:
-        before = scaler.get_scale()
-        scaler.step(opts[0])
-        scaler.update()
-        skipped = scaler.get_scale() < before
-    else:
-        for opt in opts:
-            opt.step()
-    if not skipped:
-        # accelerate steps a prepared torch scheduler once per process per step, under
-        # DeepSpeed too (only a scheduler built from the DeepSpeed configuration is the engine's)
-        for _ in range(world):
-            sched.step()
+    skipped = step_and_schedule(opts, scaler, sched, world)
     trace["steps"].append({"params": [p.detach().float().clone() for p in params], "grads": grads,
                            "skipped": skipped, "lr": sched.get_last_lr()[0],
                            "scale": scaler.get_scale() if scaler is not None else None, "addends": terms})

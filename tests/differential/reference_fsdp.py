@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import workload as W
-from .reference import Addends, batches_of, evaluate, world_rank
+from .reference import Addends, batches_of, evaluate, step_and_schedule, world_rank
 
 _DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -134,18 +134,7 @@ def _step(case, params, window, opts, sched, scaler, world, trace):
         norm = W.torch_clip_norm(case, clipped)
     grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
     rule = _sgd_rule(opts)
-    skipped = False
-    if scaler is not None:
-        before = scaler.get_scale()
-        scaler.step(opts[0])
-        scaler.update()
-        skipped = scaler.get_scale() < before
-    else:
-        for opt in opts:
-            opt.step()
-    if not skipped:
-        for _ in range(world):
-            sched.step()
+    skipped = step_and_schedule(opts, scaler, sched, world)
     trace["steps"].append({"params": [p.detach().float().clone() for p in params], "grads": grads,
                            "skipped": skipped, "lr": sched.get_last_lr()[0],
                            "scale": scaler.get_scale() if scaler is not None else None, "norm": norm,
