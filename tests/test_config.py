@@ -4,6 +4,7 @@ a temporary directory."""
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -459,8 +460,10 @@ def test_a_free_port_is_bound_by_torchrun_itself(tmp_path):
     res = subprocess.run([exe, "launch", "--num_processes", "2", "--cpu", "--main_process_port", "0", str(script)],
                          capture_output=True, text=True, timeout=wait_s(120), env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    lines = sorted(line.split()[1:] for line in res.stdout.splitlines() if line.startswith("ports"))
-    assert [r for r, *_ in lines] == ["0", "1"]
+    # found anywhere in the output, not only at a line's start: the two ranks share the pipe, and
+    # a line one of them left unfinished (a warning) has had the other's report appended to it
+    lines = sorted(re.findall(r"ports (\d) ([\d.]+:\d+) ([\d.]+:\d+)", res.stdout))
+    assert [r for r, *_ in lines] == ["0", "1"], res.stdout[-2000:] + res.stderr[-2000:]
     ports = {p for _, *ps in lines for p in ps}
     assert len(ports) == 1
     addr, port = ports.pop().rsplit(":", 1)
