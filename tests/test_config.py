@@ -4,7 +4,6 @@ a temporary directory."""
 import io
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -449,20 +448,22 @@ def test_a_free_port_is_bound_by_torchrun_itself(tmp_path):
     assert "--master_port" not in cmd and cmd[cmd.index("--rdzv_backend") + 1] == "c10d"
     assert cmd[cmd.index("--rdzv_endpoint") + 1] == "127.0.0.1:0" and cmd[cmd.index("--local_addr") + 1] == "127.0.0.1"
     script = tmp_path / "port.py"
-    script.write_text("import os, torch.distributed as dist\n"
+    # each rank writes its report to its own file: the ranks share one output pipe, unbuffered
+    # under torchrun, and print's pieces from two ranks have interleaved there ("portsports  10 ...")
+    script.write_text("import os, sys, torch.distributed as dist\n"
                       "dist.init_process_group('gloo')\n"
                       "t = [None, None]\n"
                       "dist.all_gather_object(t, os.environ['MASTER_ADDR'] + ':' + os.environ['MASTER_PORT'])\n"
-                      "print('ports', dist.get_rank(), *t, flush=True)\n"
+                      "r = dist.get_rank()\n"
+                      "open(os.path.join(sys.argv[1], f'ports{r}.txt'), 'w').write(' '.join(['ports', str(r), *t]))\n"
                       "dist.barrier()\n")
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_PORT", "MASTER_ADDR")}
     exe = os.path.join(os.path.dirname(sys.executable), "accelerate-c")
-    res = subprocess.run([exe, "launch", "--num_processes", "2", "--cpu", "--main_process_port", "0", str(script)],
-                         capture_output=True, text=True, timeout=wait_s(120), env=env)
+    res = subprocess.run([exe, "launch", "--num_processes", "2", "--cpu", "--main_process_port", "0", str(script),
+                          str(tmp_path)], capture_output=True, text=True, timeout=wait_s(120), env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    # found anywhere in the output, not only at a line's start: the two ranks share the pipe, and
-    # a line one of them left unfinished (a warning) has had the other's report appended to it
-    lines = sorted(re.findall(r"ports (\d) ([\d.]+:\d+) ([\d.]+:\d+)", res.stdout))
+    reports = [(tmp_path / f"ports{r}.txt").read_text().split() for r in (0, 1)]
+    lines = [(r, a, b) for _, r, a, b in reports]
     assert [r for r, *_ in lines] == ["0", "1"], res.stdout[-2000:] + res.stderr[-2000:]
     ports = {p for _, *ps in lines for p in ps}
     assert len(ports) == 1
