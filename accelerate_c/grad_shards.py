@@ -72,6 +72,7 @@ class GradShard:
         self.empty = True  # the shard holds nothing since the last clear: the next sum is written, not added
         self.has = [False] * len(self.params)
         self.seen = [False] * len(self.params)  # gradients delivered by the backward now running
+        self.unscaled: set = set()  # parameters whose runs GradScaler unscaled since its last update
         self.prescale = 1.0 / self.world
         # per bucket: (start in the full layout, chunk, local offset in the shard, first, count)
         self.buckets = list(plan.buckets())
@@ -358,6 +359,23 @@ class GradShard:
 
     def nonfinite(self, indices) -> bool:
         return self.local_stats(indices, inf_norm=False)[2]
+
+    def unscale_(self, indices, inv_scale: float) -> bool:
+        """GradScaler's unscale_ of this process's runs of parameters `indices`: each run once per
+        scaler update (`unscaled`; new_step forgets), then whether any of them holds NaN/Inf. The
+        whole shard on CPU is one C pass that scales and checks."""
+        todo = sorted({i for i in indices if i not in self.unscaled})
+        self.unscaled.update(todo)
+        if self.empty:
+            return False
+        if len(todo) == len(self.params) and self.shard_buf is not None and inv_scale == inv_scale:
+            return bool(_C.scale_stats_(self.shard_buf, inv_scale)[2])  # the padding stays zero
+        self.scale_(todo, inv_scale)
+        return self.nonfinite(indices)
+
+    def new_step(self, indices) -> None:
+        """The scaler updated: the next unscale_ of parameters `indices` scales them again."""
+        self.unscaled.difference_update(indices)
 
     def clear(self, indices=None, set_to_none=True):
         """zero_grad for parameters `indices` (None: all): None again (set_to_none), or zeros

@@ -34,7 +34,6 @@ class Zero2Strategy(Zero1Strategy):
         super().__init__(manager, handler, fp32_masters, ignore_unused)
         self.grad_shards: list = []
         self.held: dict = {}  # id(param) -> (GradShard, index)
-        self._unscaled: set = set()  # (id(GradShard), index) unscaled since the scaler's last update
 
     # ---- prepare ------------------------------------------------------------------------
     def adopt_gradients(self, model, manager):
@@ -160,32 +159,28 @@ class Zero2Strategy(Zero1Strategy):
             return torch.tensor(total, dtype=torch.float32)
         dtypes = {gs.shard.dtype for gs in touched}
         norm, coef = clip_coef(total, max_norm, dtypes.pop() if len(dtypes) == 1 else torch.float32)
-        for gs, idx in touched.items():
-            gs.scale_(idx, coef)
+        self._scale(touched, coef)
         return norm
+
+    @staticmethod
+    def _scale(touched, factor: float) -> None:
+        for gs, idx in touched.items():
+            gs.scale_(idx, factor)
 
     def scale_held(self, params, factor: float) -> None:
         """Multiplies the gradient shards of `params` held here by `factor` (DeepSpeed's unscale
         and clip of the fp32 gradient partitions at stage 3 under fp16, one multiply)."""
-        touched, _ = self._split(params)
-        for gs, idx in touched.items():
-            gs.scale_(idx, factor)
+        self._scale(self._split(params)[0], factor)
 
     def unscale_held(self, params, inv_scale: float) -> bool:
-        touched, _ = self._split(params)
         found = False
-        for gs, idx in touched.items():
-            todo = sorted({i for i in idx if (id(gs), i) not in self._unscaled})
-            if todo:
-                gs.scale_(todo, inv_scale)
-                self._unscaled.update((id(gs), i) for i in todo)
-            found = found or gs.nonfinite(idx)
+        for gs, idx in self._split(params)[0].items():
+            found = gs.unscale_(idx, inv_scale) or found
         return found
 
     def new_held_step(self, params) -> None:
-        touched, _ = self._split(params)
-        for gs, idx in touched.items():
-            self._unscaled.difference_update((id(gs), i) for i in idx)
+        for gs, idx in self._split(params)[0].items():
+            gs.new_step(idx)
 
     def held_nonfinite(self, params) -> bool:
         touched, _ = self._split(params)
