@@ -52,10 +52,70 @@ def _trainable(models) -> list:
     return params
 
 
-def _compute_copies(models, dtype):
+MIN_NUM_PARAMS = 50  # subject.py's FSDP plugin (min_num_params), for SIZE_BASED_WRAP
+
+
+def _wrapped(case: dict, module) -> bool:
+    """accelerate's FSDP2 auto-wrap policy (fsdp2_prepare_auto_wrap_policy), asked of each module
+    but the root: TRANSFORMER_BASED_WRAP with the class names subject.py gives (["Linear"]);
+    SIZE_BASED_WRAP by the module's whole parameter count, strictly above min_num_params."""
+    if case["fsdp_wrap"] == "TRANSFORMER_BASED_WRAP":
+        return isinstance(getattr(module, "_checkpoint_wrapped_module", module), torch.nn.Linear)
+    if case["fsdp_wrap"] == "SIZE_BASED_WRAP":
+        return sum(p.numel() for p in module.parameters()) > MIN_NUM_PARAMS
+    return False
+
+
+def _frozen_outside_root(case: dict, model) -> list:
+    """Frozen parameters that belong to a unit other than the root (a wrapped module holds them,
+    or a wrapped module above it). The forward reads such a layer's weight.dtype before the
+    layer's unit gathers (workload: `x.to(self.inp.weight.dtype)`), and FSDP2 shows the sharded
+    parameter then, in its stored dtype: accelerate upcasts only trainable 16-bit parameters, so
+    a frozen bf16 layer shows bf16 and its input is rounded to bf16 before autocast casts it to
+    param_dtype. In the root's own forward its parameters are gathered, in param_dtype."""
+    out = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        path = name.split(".")
+        holders = [model.get_submodule(".".join(path[:k])) for k in range(1, len(path) + 1)]
+        if any(_wrapped(case, h) for h in holders):
+            out += [p for p in module.parameters(recurse=False) if not p.requires_grad and p.is_floating_point()]
+    return out
+
+
+def _compute_copies(case, models, dtype):
     """What FSDP2's all-gathers give the forward: each model with every floating parameter in
-    param_dtype (buffers too: this workload has none), the same structure (a tied weight stays one)."""
-    return [copy.deepcopy(m).to(dtype) for m in models]
+    param_dtype (buffers too: this workload has none), the same structure (a tied weight stays one);
+    but a frozen parameter of a unit other than the root keeps its stored dtype
+    (_frozen_outside_root): the layer's own linear casts it to param_dtype under autocast, which
+    is FSDP2's cast, and the dtype read before it is the sharded one."""
+    copies = []
+    for m in models:
+        c = copy.deepcopy(m)
+        stored = {id(p): p.data for p in _frozen_outside_root(case, c)}
+        c.to(dtype)
+        for p in c.parameters():
+            if id(p) in stored:
+                p.data = stored[id(p)]
+        copies.append(c)
+    return copies
+
+
+def _eval_copy(case, model, dtype):
+    """The compute copy an evaluation loop sees. Without reshard_after_forward FSDP2 leaves a unit
+    gathered after a forward under no_grad (FSDPParamGroup.reshard returns early in the forward
+    state, and no backward follows to reshard it): from the second evaluation batch on, the
+    frozen layers of units other than the root show param_dtype."""
+    c = _compute_copies(case, [model], dtype)[0]
+    if not case["fsdp_reshard"]:
+        frozen = _frozen_outside_root(case, c)
+
+        def gathered(*_):
+            for p in frozen:
+                p.data = p.data.to(dtype)
+        c.register_forward_hook(gathered)
+    return c
 
 
 def run(case: dict) -> dict:
@@ -79,7 +139,7 @@ def run(case: dict) -> dict:
         for i, (x, y) in enumerate(epoch_batches):
             window_end = (i + 1) % case["ga"] == 0 or i + 1 == n
             if window is None:  # the masters change only at a step: one gather serves the window
-                copies = _compute_copies(models, dtype)
+                copies = _compute_copies(case, models, dtype)
                 halves = _trainable(copies)
                 window = [copies, halves, Addends(halves), 0]
             copies = window[0]
@@ -101,7 +161,7 @@ def run(case: dict) -> dict:
                 window = None
     trace["final"] = [p.detach().float().clone() for p in params]
     if case["eval"]:
-        trace["eval"] = evaluate(case, _compute_copies(models[:1], dtype)[0], dtype)
+        trace["eval"] = evaluate(case, _eval_copy(case, models[0], dtype), dtype)
     return trace
 
 
