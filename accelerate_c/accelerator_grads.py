@@ -38,7 +38,7 @@ class GradientFacade:
         for opt in opts:
             self._grads.refuse_unscale_again(model_parameters(opt), "unscale_gradients()")
         for opt in opts:
-            self._grads.ready(model_parameters(opt), inv)
+            self.scaler.record_unscale(opt, self._grads.ready(model_parameters(opt), inv))
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Unscales (fp16) and clips the gradients' total norm; returns that norm (before
@@ -56,7 +56,13 @@ class GradientFacade:
                 norms = [o.engine_norm for o in self._optimizers if o.engine_norm is not None]
                 return float(norms[-1]) if norms else None
             return float(self._deepspeed_norm(list(parameters)))
-        return self._clip_norm(list(parameters), float(max_norm), float(norm_type))
+        norm = self._clip_norm(list(parameters), float(max_norm), float(norm_type))
+        if self.scaler is not None and len(self._optimizers) > 1:
+            # accelerate's clip unscaled every optimizer: each one's found_inf now counts at the
+            # next update, whichever optimizer steps (GradScaler.update; one optimizer's own
+            # step reads it anyway). Read back, nothing is unscaled twice.
+            self.unscale_gradients()
+        return norm
 
     def _deepspeed_norm(self, params):
         """The 2-norm DeepSpeed's engine computes: in fp32, of the gradients as the step will

@@ -72,7 +72,13 @@ class GradShard:
         self.empty = True  # the shard holds nothing since the last clear: the next sum is written, not added
         self.has = [False] * len(self.params)
         self.seen = [False] * len(self.params)  # gradients delivered by the backward now running
-        self.unscaled: set = set()  # parameters whose runs GradScaler unscaled since its last update
+        # fp16 (GradScaler's rule, per parameter as GradManager's OutsideGrad): whether its run
+        # still carries the loss scale (a backward re-arms it), whether unscaling found NaN/Inf,
+        # and whether it was unscaled since the scaler's last update (refused a second time once
+        # a backward has added to it: GradManager.refuse_unscale_again)
+        self.carries = [True] * len(self.params)
+        self.found_at = [False] * len(self.params)
+        self.unscaled_in_step = [False] * len(self.params)
         self.prescale = 1.0 / self.world
         # per bucket: (start in the full layout, chunk, local offset in the shard, first, count)
         self.buckets = list(plan.buckets())
@@ -284,6 +290,7 @@ class GradShard:
                 collectives.all_reduce(flags)
                 seen = [bool(v) for v in flags.tolist()]
             self.has = [h or s for h, s in zip(self.has, seen)]
+            self.carries = [c or s for c, s in zip(self.carries, seen)]  # new scaled sums added
             # the buckets launch in plan order: gradients arriving in another order keep more
             # buckets open at once (up to all of them); what that took is not kept beyond this
             del self.free[self.keep_free:]
@@ -361,21 +368,38 @@ class GradShard:
         return self.local_stats(indices, inf_norm=False)[2]
 
     def unscale_(self, indices, inv_scale: float) -> bool:
-        """GradScaler's unscale_ of this process's runs of parameters `indices`: each run once per
-        scaler update (`unscaled`; new_step forgets), then whether any of them holds NaN/Inf. The
-        whole shard on CPU is one C pass that scales and checks."""
-        todo = sorted({i for i in indices if i not in self.unscaled})
-        self.unscaled.update(todo)
-        if self.empty:
-            return False
-        if len(todo) == len(self.params) and self.shard_buf is not None and inv_scale == inv_scale:
-            return bool(_C.scale_stats_(self.shard_buf, inv_scale)[2])  # the padding stays zero
-        self.scale_(todo, inv_scale)
-        return self.nonfinite(indices)
+        """GradScaler's unscale_ of this process's runs of parameters `indices`: those that still
+        carry the loss scale are scaled and checked (the whole shard on CPU: one C pass that
+        scales and checks); returns whether unscaling found NaN/Inf in any of `indices` (as
+        GradScaler records found_inf at unscale_, not what a later write left)."""
+        todo = sorted({i for i in indices if self.carries[i]})
+        if todo:
+            if self.empty:
+                found = False
+            elif len(todo) == len(self.params) and self.shard_buf is not None and inv_scale == inv_scale:
+                found = bool(_C.scale_stats_(self.shard_buf, inv_scale)[2])  # the padding stays zero
+            else:
+                self.scale_(todo, inv_scale)
+                found = self.nonfinite(todo)
+            for i in todo:
+                self.carries[i], self.found_at[i], self.unscaled_in_step[i] = False, found, True
+        return any(self.found_at[i] for i in indices)
+
+    def unscaled_again(self, indices) -> list:
+        """Parameters of `indices` unscaled since the scaler's last update that a backward has
+        added to since: their runs hold an unscaled part and a scaled one."""
+        return [i for i in indices if self.carries[i] and self.unscaled_in_step[i]]
 
     def new_step(self, indices) -> None:
-        """The scaler updated: the next unscale_ of parameters `indices` scales them again."""
-        self.unscaled.difference_update(indices)
+        """The optimizer over `indices` stepped (the scaler updated): whatever their runs hold
+        counts as scaled again."""
+        for i in indices:
+            self.carries[i], self.found_at[i] = True, False
+
+    def new_update(self) -> None:
+        """The scaler updated (any optimizer's step: accelerate updates it in each): GradScaler's
+        per-optimizer state ends for every optimizer, so no unscale is a second one now."""
+        self.unscaled_in_step = [False] * len(self.params)
 
     def clear(self, indices=None, set_to_none=True):
         """zero_grad for parameters `indices` (None: all): None again (set_to_none), or zeros

@@ -657,7 +657,6 @@ class GradManager:
         optimizer covers whole: another optimizer over the rest of a group has not stepped."""
         touched, outside = self.split(params)
         for g, idx in touched.items():
-            g.unscaled_in_step = False  # any stepped part: refuse_unscale_again errs on the side of allowing
             if len(set(idx)) == len(g.params):
                 g.needs_unscale = True
                 g.found_inf = False
@@ -665,6 +664,13 @@ class GradManager:
             rec = self.outside.get(id(p))
             if rec is not None:
                 rec.new_step()
+        # update() ends GradScaler's per-optimizer state for every optimizer (accelerate updates
+        # in each optimizer's step): no gradient's next unscale is a second one (a GAN's clip of
+        # D unscales G's gradients too; G's own clip after D's step is no second unscale_)
+        for g in self.groups:
+            g.unscaled_in_step = False
+        for rec in self.outside.values():
+            rec.unscaled_in_step = False
         self.strategy.new_held_step(outside)
 
     def refuse_unscale_again(self, params, what: str) -> None:
@@ -681,6 +687,7 @@ class GradManager:
             rec = self.outside.get(id(p))
             if rec is not None and p.grad is not None and rec.carries_scale and rec.unscaled_in_step:
                 bad.append(p)
+        bad += self.strategy.held_unscaled_again(outside)
         if bad:
             name = self.names.get(id(bad[0]), f"a parameter of shape {tuple(bad[0].shape)}")
             raise RuntimeError(

@@ -52,6 +52,22 @@ class LossScaler(ScalerBase):
                  growth_interval: int = 2000, enabled: bool = True):
         self._s = _C.LossScaler(init_scale, growth_factor, backoff_factor, growth_interval)
         self._enabled = enabled
+        # GradScaler's per-optimizer record: id(optimizer) -> whether unscaling its gradients
+        # since the last update found NaN/Inf (Accelerator.unscale_gradients / clip_grad_norm_,
+        # which unscale every optimizer's)
+        self._unscaled: dict = {}
+
+    def record_unscale(self, optimizer, found: bool) -> None:
+        self._unscaled[id(optimizer)] = self._unscaled.get(id(optimizer), False) or bool(found)
+
+    def update(self, found_inf: bool = False):
+        """As torch's GradScaler.update: the scale backs off when the step's optimizer or any
+        other optimizer unscaled since the last update found NaN/Inf (accelerate's clip unscales
+        every optimizer: a GAN's discriminator still holding its skipped step's infs backs the
+        scale off at the generator's update); then every optimizer's record ends."""
+        found_inf = bool(found_inf) or any(self._unscaled.values())
+        self._unscaled.clear()
+        super().update(found_inf)
 
     def get_growth_factor(self) -> float:
         return self._s.state()["growth_factor"]

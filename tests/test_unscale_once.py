@@ -111,3 +111,49 @@ def test_after_the_step_the_next_window_unscales_again(buffers):
         assert got == pytest.approx(want, rel=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gan_loop_clips_each_model_after_the_others_step_as_gradscaler(buffers):
+    """Two models, two optimizers, each clipped and stepped in turn (the GAN loop). accelerate's
+    clip unscales every optimizer's gradients (the generator's with the discriminator's), and
+    its step updates the scaler, which ends GradScaler's unscaled state of every optimizer: the
+    generator's clip after the discriminator's step is a first unscale, not a refused second
+    one. Norms and parameters as torch's GradScaler with accelerate's calls spelled out.
+    (tests/scripts/fsdp_fp16_unscale.py: the same over full sharding's gradient shards.)"""
+    def net(seed, o):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, o))
+
+    gen, disc = net(1, 8), net(2, 1)
+    ref_gen, ref_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    ref_opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref_disc, ref_gen)]
+    scaler = torch.amp.GradScaler("cpu")
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (disc, gen)]
+    gen, disc, opt_d, opt_g = accelerator.prepare(gen, disc, *opts)
+
+    def losses(g, d, x, y):
+        fake = g(x)
+        return nn.functional.mse_loss(d(fake.detach()).float(), y), -d(fake).float().mean()
+
+    for x, y in _batches(5):
+        for which, (m, r) in enumerate(((disc, ref_disc), (gen, ref_gen))):
+            ref_opts[which].zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = losses(ref_gen, ref_disc, x[:, :8], y[:, :1])[which]
+            scaler.scale(loss).backward()
+            for o in ref_opts:  # accelerate's clip: unscale_gradients() over every optimizer
+                scaler.unscale_(o)
+            want = torch.nn.utils.clip_grad_norm_(r.parameters(), 0.5)
+            scaler.step(ref_opts[which])
+            scaler.update()
+            opt = (opt_d, opt_g)[which]
+            opt.zero_grad()
+            accelerator.backward(losses(gen, disc, x[:, :8], y[:, :1])[which])
+            got = accelerator.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()
+            assert float(got) == pytest.approx(float(want), rel=1e-5), (which, float(got), float(want), accelerator.scaler.get_scale(), scaler.get_scale())
+    for m, r in ((gen, ref_gen), (disc, ref_disc)):
+        for p, q in zip(m.parameters(), r.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert accelerator.scaler.get_scale() == scaler.get_scale()

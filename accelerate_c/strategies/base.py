@@ -178,7 +178,13 @@ class GradStrategy:
         return False
 
     def new_held_step(self, params) -> None:
-        """The scaler updated: the held gradients of `params` count as scaled again."""
+        """The optimizer over `params` stepped and the scaler updated: their held gradients count
+        as scaled again, and no held gradient's next unscale is a second one."""
+
+    def held_unscaled_again(self, params) -> list:
+        """Those of `params` whose held gradient was unscaled since the scaler's last update and
+        has been added to by a backward since (GradManager.refuse_unscale_again)."""
+        return []
 
     def full_grad(self, p):
         """The whole gradient of `p` as the optimizer will read it (a collective where the

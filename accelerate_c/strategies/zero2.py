@@ -181,6 +181,11 @@ class Zero2Strategy(Zero1Strategy):
     def new_held_step(self, params) -> None:
         for gs, idx in self._split(params)[0].items():
             gs.new_step(idx)
+        for gs in self.grad_shards:
+            gs.new_update()
+
+    def held_unscaled_again(self, params) -> list:
+        return [gs.params[i] for gs, idx in self._split(params)[0].items() for i in gs.unscaled_again(idx)]
 
     def held_nonfinite(self, params) -> bool:
         touched, _ = self._split(params)
