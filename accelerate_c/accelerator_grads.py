@@ -52,10 +52,16 @@ class GradientFacade:
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
         if self.sharding is not None:
+            last = [o.engine_norm for o in self._optimizers if o.engine_norm is not None]
+            last = float(last[-1]) if last else None
             if not self.sync_gradients:
-                norms = [o.engine_norm for o in self._optimizers if o.engine_norm is not None]
-                return float(norms[-1]) if norms else None
-            return float(self._deepspeed_norm(list(parameters)))
+                return last
+            norm = float(self._deepspeed_norm(list(parameters)))
+            if self.scaler is not None and not math.isfinite(norm):
+                # the step will overflow and be skipped: DeepSpeed's optimizer leaves its norm as
+                # the last step taken set it (0.0 before any), which the engine reports
+                return 0.0 if last is None else last
+            return norm
         norm = self._clip_norm(list(parameters), float(max_norm), float(norm_type))
         if self.scaler is not None and len(self._optimizers) > 1:
             # accelerate's clip unscaled every optimizer: each one's found_inf now counts at the
@@ -64,12 +70,24 @@ class GradientFacade:
             self.unscale_gradients()
         return norm
 
-    def _deepspeed_norm(self, params):
-        """The 2-norm DeepSpeed's engine computes: in fp32, of the gradients as the step will
-        read them (under fp16 the loss scale divided out of the norm, not out of the gradients,
-        which keep it until the fp32 copies are made)."""
-        norm = self._clip_norm(params, None, 2.0)
-        return norm / self.scaler.get_scale() if self.scaler is not None else norm
+    def _deepspeed_scales(self) -> tuple[float, float]:
+        """Under DeepSpeed's fp16: (the scale the gradients carry, the one the engine divides
+        them by). Its step updates the scale first and unscales by the updated one, so the two
+        differ on a step that grows the scale (DeepSpeedScaler.scale_after_clean_step). (1, 1)
+        otherwise."""
+        if self.scaler is None:
+            return 1.0, 1.0
+        return self.scaler.get_scale(), self.scaler.scale_after_clean_step()
+
+    def _deepspeed_norm(self, params, scaled=None):
+        """The 2-norm DeepSpeed's engine reports: in fp32, of the gradients as the step will read
+        them; under fp16 the loss scale divided out of the norm (not out of the gradients, which
+        keep it until the fp32 copies are made): by the scale they carry at stages 1 and 2, by
+        the updated one at stage 3 (its step stashes the norm after the update)."""
+        if scaled is None:
+            scaled = self._clip_norm(params, None, 2.0)
+        carried, divided_by = self._deepspeed_scales()
+        return scaled / (divided_by if self.sharding.stage == 3 else carried)
 
     def _unscale_rest(self, stepped: list, inside: set, inv: float) -> None:
         """fp16: as accelerate's clip, which unscales every optimizer's gradients first (`stepped`:
@@ -137,10 +155,14 @@ class GradientFacade:
             # gradient shards under bf16): clipped there
             return self._clip_norm(list(params), clip, 2.0)
         params = list(params)
-        norm = self._deepspeed_norm(params)
-        factor = 1.0 / self.scaler.get_scale() if self.scaler is not None else 1.0  # fp16: the unscale
-        if clip is not None:
-            factor *= clip_coef(float(norm), clip, torch.float32)[1]  # fp32, NaN for a NaN norm (as torch's)
+        scaled = self._clip_norm(params, None, 2.0)
+        norm = self._deepspeed_norm(params, scaled)
+        # fp16: the unscale, by the scale this step's update leaves (DeepSpeed's order), and the
+        # clip measures the norm unscaled by it too
+        divided_by = self._deepspeed_scales()[1]
+        factor = 1.0 / divided_by
+        if clip is not None:  # fp32, NaN for a NaN norm (as torch's)
+            factor *= clip_coef(float(scaled / divided_by), clip, torch.float32)[1]
         if factor != 1.0:
             if masters:  # applied to the fp32 copies the masters read, as they are made
                 self._grads.strategy.scale_next_step(factor)

@@ -541,6 +541,10 @@ def load_state(acc, input_dir=None, load_kwargs: Optional[dict] = None, allow_pi
             action()
         for action in plan.applies:
             action()
+    for opt in acc._optimizers:
+        # the norm DeepSpeed's engine reports for a skipped step is the last one its optimizer
+        # stashed, which no checkpoint holds: a resumed engine reports 0.0 until a step is taken
+        opt.engine_norm = None
     if plan.step is not None:
         acc.step = plan.step
     if plan.iteration is not None:

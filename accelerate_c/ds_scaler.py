@@ -63,6 +63,19 @@ class DeepSpeedScaler(ScalerBase):
     def is_dynamic(self) -> bool:
         return self._s.dynamic
 
+    def scale_after_clean_step(self) -> float:
+        """The scale update(False) would leave, this scaler unchanged: DeepSpeed's ZeRO step
+        updates the loss scale before it unscales and clips (unscale_and_clip_grads reads the
+        updated loss_scale), so on a step that grows the scale the engine divides the gradients
+        by the grown one (deepspeedai/DeepSpeed#8588 shows it). The rule is the C state
+        machine's, run on a copy of the state."""
+        if not self._enabled:
+            return 1.0
+        probe = _C.DeepSpeedLossScaler(1.0, 1, 1.0, 1, False, static=False, raise_at_min=False)
+        probe.load(**self._s.state())
+        probe.update(False)
+        return probe.scale
+
     def load_state_dict(self, state: dict):
         """Restores state_dict()'s keys (STATE_KEYS), configuration included, as LossScaler
         does; raise_error_at_min_scale stays the constructor's. Nothing changes on an error."""

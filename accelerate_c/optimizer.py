@@ -117,6 +117,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
                 inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else None
                 found_inf = self._grads.ready(self.model_parameters(), inv)
         self._is_overflow = found_inf
+        if found_inf and self._engine_clip is not None and self.engine_norm is None:
+            self.engine_norm = 0.0  # DeepSpeed's optimizer starts its norm at 0.0; a skipped step keeps it
         if not found_inf:
             if self._engine_clip is not None:
                 self.engine_norm = self._engine_clip(self.model_parameters())

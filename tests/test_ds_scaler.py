@@ -349,3 +349,22 @@ def test_c_type_signature():
     st = d.state()
     d.load(**st)
     assert d.state() == st
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_scale_after_a_clean_step_is_the_rules_and_changes_nothing(seed):
+    """scale_after_clean_step (what DeepSpeed's engine unscales by: its step updates the scale
+    first) is the reference rule's scale after a clean update, at every point of random overflow
+    sequences, and leaves the scaler as it was."""
+    rng = random.Random(100 + seed)
+    cfg = random_config(rng)
+    cfg["raise_error_at_min_scale"] = False
+    ours = DeepSpeedScaler(**cfg)
+    for k in range(80):
+        before = ours.state_dict()
+        probe = reference_of(cfg)
+        probe.cur_scale, probe.cur_iter, probe.last_overflow_iter, probe.cur_hysteresis = counters(ours)
+        probe.update(False)
+        assert ours.scale_after_clean_step() == probe.cur_scale, (k, cfg)
+        assert ours.state_dict() == before
+        ours.update(rng.random() < 0.3)

@@ -349,6 +349,11 @@ def draw(seed: int, world: int | None = None, sharding: str | None = None, resum
         if c["eval"] and c["frozen"] and c["param_dtype"] == "bf16" and not c["fsdp_reshard"] \
                 and c["fsdp_wrap"] != "NO_WRAP":
             c["eval"] = False
+    # DeepSpeed's fp16 with a short loss_scale_window in two thirds of its cases (drawn last, as
+    # above): the scale grows within the case, and DeepSpeed's step, which updates the scale
+    # before it unscales, divides the gradients of a growing step by the grown scale
+    if c["sharding"] in ("zero1", "zero2", "zero3") and c["mp"] == "fp16":
+        c["ds_window"] = r.choice((1000, 2, 3))
     return c
 
 
@@ -451,6 +456,10 @@ REGRESSIONS = {
         {**draw(890042, 2, "fsdp"), "seed": REGRESSION_SEED + 34},
     "DeepSpeed stage 3 under fp16, load_state after steps skipped on overflows (persistent parameters stayed gathered with the old values)":
         {**draw(469, 2, "zero3"), "seed": REGRESSION_SEED + 35},
+    "DeepSpeed ZeRO-2 under fp16, loss_scale_window 2, no clipping (a step growing the scale unscaled by the scale the gradients carry, where DeepSpeed's step divides by the grown one)":
+        {**draw(887658, 2, "zero2"), "seed": REGRESSION_SEED + 36},
+    "DeepSpeed stage 3 under fp16, loss_scale_window 2, clipped (the norm stage 3 reports and the clip's measured by the scale the gradients carry, not the updated one)":
+        {**draw(887551, 2, "zero3"), "seed": REGRESSION_SEED + 37},
     "skip_first_batches on 2 processes, then gather_for_metrics":
         _case(REGRESSION_SEED + 8, world=2, eval=True, eval_skip=1, dataset_extra=1),
 }
@@ -482,6 +491,8 @@ def describe(c: dict) -> str:
         parts.append(f"adam={c['adam_kind']}")
     if c.get("sharding") == "zero3":
         parts.append(f"units={c['zero3_units']}")
+    if c.get("ds_window", 1000) != 1000:
+        parts.append(f"loss_scale_window={c['ds_window']}")
     if c.get("sharding") == "fsdp":
         parts.append(f"wrap={c['fsdp_wrap']} reshard={c['fsdp_reshard']} ac={c['fsdp_ac']} "
                      f"eval_first={c['eval_first']}")

@@ -41,11 +41,12 @@ def run(case: dict) -> dict:
     sched = W.schedule(opts[0])
     scaler = None
     if case["mp"] == "fp16":
-        fp16 = W.DEEPSPEED_FP16
+        fp16 = W.deepspeed_fp16(case)
         scaler = ReferenceScaler(2.0 ** fp16["initial_scale_power"], fp16["loss_scale_window"],
                                  fp16["min_loss_scale"], fp16["hysteresis"], fp16["consecutive_hysteresis"])
     batches = batches_of(case, W.dataset(case), world, rank)
     trace = {"steps": [], "initial": [p.detach().float().clone() for p in params]}
+    resumed = False
     for epoch in range(case["epochs"]):
         epoch_batches = batches[case["skip_first"]:] if epoch == 0 else batches
         n = len(epoch_batches)
@@ -65,6 +66,12 @@ def run(case: dict) -> dict:
                 # the recorded gradients and the addends are both still scaled (DeepSpeed's policy)
                 trace["steps"][-1]["addends"] = addends.take(params)
                 _zero_grads(case, models, params, masters)
+                if case.get("resume") == len(trace["steps"]) and i + 1 < n and not resumed:
+                    # where the subject saves and loads (its resume axis): a resumed engine has
+                    # stashed no norm yet (a skipped step next reports 0.0)
+                    resumed = True
+                    trace["last_norm"] = 0.0
+    trace.pop("last_norm", None)  # (_step's record of DeepSpeed's stashed norm)
     trace["final"] = [p.detach().float().clone() for p in params]
     if case["eval"]:
         trace["eval"] = evaluate(case, models[0], None, cast=lambda x: x.to(dtype))
@@ -72,17 +79,31 @@ def run(case: dict) -> dict:
 
 
 def _step(case, params, masters, opts, sched, scaler, world, trace):
+    """DeepSpeed's ZeRO step (stage_1_and_2.py / stage3.py step()): the overflow check of the
+    still-scaled gradients, then the loss scale's update, before anything else; a skipped step
+    ends there, its norm left as the last step taken set it (0.0 before any: the engine reports
+    that). Otherwise the norm of the scaled gradients, stashed divided by the scale they carry
+    (stages 1 and 2) or by the updated one (stage 3), and unscale_and_clip_grads with the
+    updated scale: the clip measured against the norm over the updated scale, the gradients
+    divided by it (on a step that grows the scale, by twice what they carry)."""
     W.touch_grads(case, params, len(trace["steps"]))
     grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
-    scale = scaler.cur_scale if scaler is not None else 1.0
+    carried = scaler.cur_scale if scaler is not None else 1.0
     with_grad = [p.grad for p in params if p.grad is not None]
-    norm = float(torch.stack([g.double().square().sum() for g in with_grad]).sum().sqrt()) / scale
+    scaled_norm = float(torch.stack([g.double().square().sum() for g in with_grad]).sum().sqrt())
     skipped = scaler is not None and not all(bool(torch.isfinite(g).all()) for g in with_grad)
-    if not skipped:
-        factor = 1.0 / scale
+    if scaler is not None:
+        scaler.update(skipped)
+    updated = scaler.cur_scale if scaler is not None else 1.0
+    if skipped:
+        norm = trace.setdefault("last_norm", 0.0)
+    else:
+        norm = scaled_norm / (updated if case["sharding"] == "zero3" else carried)
+        trace["last_norm"] = norm
+        factor = 1.0 / updated
         if case["clip"] == "norm2":  # the engine's gradient_clipping (subject.py); the coefficient in fp32
             coef = torch.clamp(torch.tensor(case["max_norm"], dtype=torch.float32)
-                               / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
+                               / (torch.tensor(scaled_norm / updated, dtype=torch.float32) + 1e-6), max=1.0)
             factor *= float(coef)
         for p, m in zip(params, masters):
             m.grad = None if p.grad is None else p.grad.float() * factor
@@ -93,8 +114,6 @@ def _step(case, params, masters, opts, sched, scaler, world, trace):
                 p.copy_(m)
         for _ in range(world):
             sched.step()
-    if scaler is not None:
-        scaler.update(skipped)
     trace["steps"].append({"params": [p.detach().float().clone() for p in params], "grads": grads,
                            "skipped": skipped, "lr": sched.get_last_lr()[0],
                            "scale": scaler.cur_scale if scaler is not None else None,

@@ -103,7 +103,7 @@ def _run(case: dict) -> dict:
             plugin.deepspeed_config["zero_optimization"].update(
                 stage3_prefetch_bucket_size=prefetch, stage3_param_persistence_threshold=persist)
         if case["mp"] == "fp16":  # DeepSpeed's fp16 section as a user writes it (workload.py says why)
-            plugin.deepspeed_config["fp16"] = {"enabled": True, "auto_cast": True, **W.DEEPSPEED_FP16}
+            plugin.deepspeed_config["fp16"] = {"enabled": True, "auto_cast": True, **W.deepspeed_fp16(case)}
         sharding["deepspeed_plugin"] = plugin
     elif case.get("sharding") == "fsdp":
         sharding["fsdp_plugin"] = FullyShardedDataParallelPlugin(

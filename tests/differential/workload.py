@@ -155,6 +155,12 @@ DEEPSPEED_FP16 = {"initial_scale_power": 8, "loss_scale_window": 1000, "min_loss
                   "consecutive_hysteresis": False}
 
 
+def deepspeed_fp16(case: dict) -> dict:
+    """The case's fp16 section: DEEPSPEED_FP16 with the case's loss_scale_window (`ds_window`: a
+    short one grows the scale within the case, where DeepSpeed unscales by the grown scale)."""
+    return {**DEEPSPEED_FP16, "loss_scale_window": case.get("ds_window", DEEPSPEED_FP16["loss_scale_window"])}
+
+
 def inputs(case: dict, x):
     """What the loop feeds the model: under DeepSpeed's bf16 a DeepSpeed user casts the inputs
     (its engine does not; under fp16 its auto_cast does, so they stay fp32)."""
