@@ -382,7 +382,18 @@ class GradShard:
                 self.scale_(todo, inv_scale)
                 found = self.nonfinite(todo)
             for i in todo:
-                self.carries[i], self.found_at[i], self.unscaled_in_step[i] = False, found, True
+                # per parameter when something overflowed: two optimizers over one shard each
+                # skip on their own gradients only, as GradScaler checks each optimizer's
+                hit = found and (len(todo) == 1 or self.nonfinite([i]))
+                self.carries[i], self.found_at[i], self.unscaled_in_step[i] = False, hit, True
+        # unscaled before the scaler's last update (another optimizer's step updated it): as
+        # OutsideGrad's, checked as they are now, not divided again (GradManager.unscale)
+        stale = [i for i in set(indices) if not self.carries[i] and not self.unscaled_in_step[i]]
+        if stale:
+            found = not self.empty and self.nonfinite(stale)
+            for i in stale:
+                self.found_at[i] = found and (len(stale) == 1 or self.nonfinite([i]))
+                self.unscaled_in_step[i] = True
         return any(self.found_at[i] for i in indices)
 
     def unscaled_again(self, indices) -> list:

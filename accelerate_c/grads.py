@@ -530,6 +530,12 @@ class GradManager:
                 else:
                     g.mul_(inv_scale)
                     rec.unscaled(not bool(torch.isfinite(g).all()))
+            elif not rec.unscaled_in_step:
+                # unscaled before the scaler's last update (another optimizer's step updated it):
+                # GradScaler unscales and checks this optimizer's gradients again at its step;
+                # accelerate_c does not divide twice, but checks them as they are now (a clip by
+                # a NaN coefficient since, from the other optimizer's inf, skips this step too)
+                rec.unscaled(not bool(torch.isfinite(g).all()))
             # as GradScaler: what unscaling found, not what a later write (a clip by value
             # clamping an inf) left
             found = found or rec.found

@@ -239,10 +239,12 @@ def test_an_encoder_decoder_generates_as_the_unsharded_model():
     _script_passes(2, "fsdp_seq2seq_generate.py", says="seq2seq generate OK on 2 processes")
 
 
-@pytest.mark.parametrize("mode,says", [("window", "fsdp fp16 window refusal OK"), ("gan", "fsdp fp16 gan OK")])
+@pytest.mark.parametrize("mode,says", [("window", "fsdp fp16 window refusal OK"), ("gan", "fsdp fp16 gan OK"),
+                                       ("split", "fsdp fp16 split OK")])
 def test_fp16_unscales_each_gradient_shard_once_per_update_as_gradscaler(mode, says):
     """tests/scripts/fsdp_fp16_unscale.py on 2 processes, against torch.amp.GradScaler: a second
-    unscale after more backward in one accumulation window refused (torch refuses it), and a GAN
+    unscale after more backward in one accumulation window refused (torch refuses it), a GAN
     loop (two models, each clipped then stepped in turn) with the norms, parameters and loss
-    scale torch's gives."""
+    scale torch's gives, and one model's shard under two optimizers, one overflowing (each
+    optimizer skips on its own gradients)."""
     _script_passes(2, "fsdp_fp16_unscale.py", mode, says=f"rank 1: {says}")

@@ -157,3 +157,51 @@ def test_a_gan_loop_clips_each_model_after_the_others_step_as_gradscaler(buffers
         for p, q in zip(m.parameters(), r.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert accelerator.scaler.get_scale() == scaler.get_scale()
+
+
+class _TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.b = nn.Linear(8, 1), nn.Linear(8, 1)
+
+    def forward(self, x):  # branch a's gradients overflow fp16 at the loss scale, b's do not
+        return self.a(x) * 1e6 + self.b(x)
+
+
+def test_one_model_under_two_optimizers_one_overflowing_then_clipped_as_gradscaler(buffers):
+    """One model, two optimizers over its two branches, branch a's gradients overflowing, both
+    unscaled by accelerate's clip (whose NaN coefficient, from a's inf, reaches b's gradients too):
+    a's step skipped and the scale backed off; GradScaler's update ends every optimizer's state,
+    so b's step checks b's gradients again and finds the clip's NaN: skipped, backed off again.
+    Parameters and scale as torch's, step by step."""
+    from accelerate_c.utils import GradScalerKwargs
+
+    model = _TwoBranches()
+    ref = copy.deepcopy(model)
+    ref_opts = [torch.optim.SGD(ref.a.parameters(), lr=0.1), torch.optim.SGD(ref.b.parameters(), lr=0.1)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True, kwargs_handlers=[GradScalerKwargs(init_scale=2.0 ** 10)])
+    opts = [torch.optim.SGD(model.a.parameters(), lr=0.1), torch.optim.SGD(model.b.parameters(), lr=0.1)]
+    model, opt_a, opt_b = accelerator.prepare(model, *opts)
+    for step, (x, _) in enumerate(_batches(3)):
+        x = x * 0.1
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ref(x).float().mean()
+        scaler.scale(loss).backward()
+        for o in ref_opts:
+            scaler.unscale_(o)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+        for o in ref_opts:
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        accelerator.backward(model(x).float().mean())
+        accelerator.clip_grad_norm_(model.parameters(), 1e9)
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        assert accelerator.scaler.get_scale() == scaler.get_scale(), step
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

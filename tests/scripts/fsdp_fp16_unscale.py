@@ -9,6 +9,11 @@ each rank is the reference.
 - `window`: a clip on every micro-batch of an accumulation window. torch's GradScaler refuses the
   second unscale_() (accelerate with it); so must accelerate_c, before anything is written (the
   shards held the earlier micro-batch unscaled and the next one's sum scaled).
+- `split`: one model (one shard) under two optimizers, branch a's gradients overflowing, both
+  unscaled by one clip (over branch b), then b's step and a's: b's is taken (GradScaler checks
+  each optimizer's own gradients), its update backs the scale off for a's recorded inf, and a's
+  step, after that update, checks a's gradients again: skipped, backed off again. Parameters
+  and scale as torch's.
 - `gan`: two models, two optimizers, each clipped then stepped in turn (the GAN loop). accelerate's
   clip unscales every optimizer's gradients, and its step updates the scaler, which ends every
   optimizer's unscaled state: the generator's clip after the discriminator's step is a first
@@ -24,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils import FullyShardedDataParallelPlugin, GradScalerKwargs
 from accelerate_c import Accelerator
 
 MODE = sys.argv[1]
@@ -125,3 +130,46 @@ elif MODE == "gan":
                                            msg=lambda msg, k=k, n=name, s=step: f"{n} {k} at step {s}: {msg}")
         assert acc.scaler.get_scale() == scaler.get_scale(), (acc.scaler.get_scale(), scaler.get_scale())
     print(f"rank {dist.get_rank()}: fsdp fp16 gan OK", flush=True)
+elif MODE == "split":
+    class TwoBranches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.a, self.b = nn.Linear(8, 1), nn.Linear(8, 1)
+
+        def forward(self, x):  # branch a's gradients overflow fp16 at the loss scale, b's do not
+            return self.a(x) * 1e6 + self.b(x)
+
+    model = TwoBranches()
+    ref = copy.deepcopy(model)
+    ref_opts = [torch.optim.SGD(ref.a.parameters(), lr=0.1), torch.optim.SGD(ref.b.parameters(), lr=0.1)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # (b's bias gradient overflows at 2^16)
+    acc = Accelerator(cpu=True, mixed_precision="fp16", fsdp_plugin=plugin,  # NO_WRAP: one shard for both
+                      kwargs_handlers=[GradScalerKwargs(init_scale=2.0 ** 10)])
+    opts = [torch.optim.SGD(model.a.parameters(), lr=0.1), torch.optim.SGD(model.b.parameters(), lr=0.1)]
+    model, opt_a, opt_b = acc.prepare(model, *opts)
+    for step in range(3):
+        x = batch(20 + step)[0] * 0.1
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ref(x).float().mean()
+        scaler.scale(loss).backward()
+        for o in ref_opts:  # accelerate's clip: every optimizer unscaled, then torch's clip
+            scaler.unscale_(o)
+        torch.nn.utils.clip_grad_norm_(ref.b.parameters(), 1e9)
+        for o in ref_opts[::-1]:  # b's step, then a's; accelerate: each is scaler.step + update
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        acc.backward(model(x).float().mean())
+        # one unscale over both optimizers' gradients (one shard), the clip over b's
+        acc.clip_grad_norm_(model.b.parameters(), 1e9)
+        opt_b.step()
+        opt_a.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        assert [opt_a.step_was_skipped, opt_b.step_was_skipped] == [True, False], step
+        assert acc.scaler.get_scale() == scaler.get_scale(), (step, acc.scaler.get_scale(), scaler.get_scale())
+        mine = acc.get_state_dict(model)
+        for k, v in ref.state_dict().items() if acc.is_main_process else ():
+            torch.testing.assert_close(mine[k].float(), v.float(), rtol=1e-5, atol=1e-6)
+    print(f"rank {dist.get_rank()}: fsdp fp16 split OK", flush=True)
